@@ -1,0 +1,127 @@
+"""`duet` command line. Each subcommand imports its implementation lazily, so `duet --help`
+stays fast. A user-facing error (engine.errors.DuetError) prints one line and exits 1."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from engine.errors import DuetError
+
+DTYPES = ("float32", "bfloat16")
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers: {text!r}")
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="offline generation (chunked prefill + paged decode)")
+    p.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text, tokenized as /v1/completions does")
+    src.add_argument("--prompt-ids", type=_parse_ids, help="comma-separated token ids")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
+    p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args) -> int:
+    import torch
+
+    from engine.generate import OfflineGenerator
+    from engine.model import DeepseekModel
+    from engine.sampling import SamplingParams
+    from engine.tiny_model import ensure_tiny_model
+    from engine.tokenizer import Tokenizer
+    from native import ops
+
+    if args.threads:
+        ops.set_num_threads(args.threads)
+    model_dir = args.model or str(ensure_tiny_model())
+    tokenizer = Tokenizer(model_dir)
+    prompt_ids = args.prompt_ids if args.prompt is None else tokenizer.encode_prompt(args.prompt)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+    )
+    dtype = getattr(torch, args.dtype)
+    model = DeepseekModel.from_pretrained(model_dir, dtype=dtype, progress=not args.json)
+    generator = OfflineGenerator(model, page_size=args.page_size, chunk_size=args.chunk_size)
+    result = generator.generate(prompt_ids, params)
+    text = tokenizer.decode(result.token_ids)
+    if args.json:
+        print(json.dumps({"token_ids": result.token_ids, "text": text}))
+    else:
+        print(text)
+    return 0
+
+
+def _add_make_tiny_model(sub) -> None:
+    p = sub.add_parser("make-tiny-model", help="write a small random deepseek_v3 checkpoint")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_run_make_tiny_model)
+
+
+def _run_make_tiny_model(args) -> int:
+    from engine.tiny_model import make_tiny_model
+
+    print(make_tiny_model(args.out, seed=args.seed))
+    return 0
+
+
+def _add_passthrough(sub, name: str, help_text: str, target: str) -> None:
+    """Subcommands whose module parses its own arguments: `module:function(argv)`."""
+    p = sub.add_parser(name, help=help_text, add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda args: _call(target, args.rest))
+
+
+def _call(target: str, argv: list[str]) -> int:
+    import importlib
+
+    module_name, func_name = target.split(":")
+    func: Callable[[list[str]], int | None] = getattr(importlib.import_module(module_name), func_name)
+    return func(argv) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="duet", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_make_tiny_model(sub)
+    _add_passthrough(sub, "bench-kernels", "kernel benchmark vs roofline", "bench.kernels:main")
+    _add_passthrough(sub, "bench-transfer", "KV transfer benchmark", "bench.transfer:main")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except DuetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

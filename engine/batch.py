@@ -1,0 +1,77 @@
+"""What one model forward runs on: a batch of sequences, each with new tokens after a cached prefix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_pool import KVPool, PageTable
+
+
+@dataclass
+class ForwardBatch:
+    """Tokens of B sequences packed in order (T = sum of new_lens).
+
+    is_decode: every sequence has exactly one new token (the MLA-absorbed decode path); else the
+    extend path (prefill chunks, cached prefix + causal new tokens).
+    """
+
+    is_decode: bool
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    new_lens: torch.Tensor  # [B] int32
+    prefix_lens: torch.Tensor  # [B] int32, tokens already in the cache before this forward
+    page_table: torch.Tensor  # [B, max_pages] int32
+    slots: torch.Tensor  # [T] int64, cache slot of each new token's row
+    prefix_slots: torch.Tensor  # [P] int64, cache slots of every prefix token (extend only)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.new_lens.shape[0]
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """[B] int32: context length after this forward."""
+        return self.prefix_lens + self.new_lens
+
+    @property
+    def last_token_index(self) -> torch.Tensor:
+        """[B] int64: index in the packed tokens of each sequence's last new token."""
+        return torch.cumsum(self.new_lens.long(), 0) - 1
+
+    @classmethod
+    def build(
+        cls,
+        pool: KVPool,
+        tables: list[PageTable],
+        new_tokens: list[list[int]],
+        prefix_lens: list[int],
+        is_decode: bool,
+    ) -> ForwardBatch:
+        """Packs sequences; each table must already hold prefix_len + len(new) tokens of pages."""
+        if not (len(tables) == len(new_tokens) == len(prefix_lens)):
+            raise ValueError("tables, new_tokens and prefix_lens must have one entry per sequence")
+        if any(len(tokens) == 0 for tokens in new_tokens):
+            raise ValueError("every sequence in a forward needs at least one new token")
+        if is_decode and any(len(tokens) != 1 for tokens in new_tokens):
+            raise ValueError("a decode batch has exactly one new token per sequence")
+        ids, positions, slots, prefix_slots = [], [], [], []
+        for table, tokens, start in zip(tables, new_tokens, prefix_lens, strict=True):
+            end = start + len(tokens)
+            ids.extend(tokens)
+            positions.append(torch.arange(start, end))
+            slots.append(table.slots(start, end))
+            if not is_decode and start:
+                prefix_slots.append(table.slots(0, start))
+        empty = torch.zeros(0, dtype=torch.int64)
+        return cls(
+            is_decode=is_decode,
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.cat(positions),
+            new_lens=torch.tensor([len(t) for t in new_tokens], dtype=torch.int32),
+            prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32),
+            page_table=pool.page_table_tensor(tables),
+            slots=torch.cat(slots),
+            prefix_slots=torch.cat(prefix_slots) if prefix_slots else empty,
+        )

@@ -1,0 +1,84 @@
+"""Offline generation: chunked prefill through the extend path, then decode through the paged
+cache. The same model calls the serving nodes make, without sockets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.batch import ForwardBatch
+from engine.errors import InvalidRequestError
+from engine.kv_pool import PageTable
+from engine.model import DeepseekModel
+from engine.sampling import SamplingParams, sample
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS / stop token) or "length"
+
+
+def validate_prompt(prompt_ids: list[int], vocab_size: int, max_positions: int) -> None:
+    """Raises InvalidRequestError for an empty, out-of-vocabulary or too-long prompt."""
+    if not prompt_ids:
+        raise InvalidRequestError("the prompt is empty")
+    if len(prompt_ids) >= max_positions:
+        raise InvalidRequestError(
+            f"the prompt has {len(prompt_ids)} tokens; the model's context is "
+            f"{max_positions} (max_position_embeddings), leaving no room to generate"
+        )
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
+class OfflineGenerator:
+    """Runs one request at a time on a private KV pool sized for the model's whole context."""
+
+    def __init__(self, model: DeepseekModel, page_size: int = 16, chunk_size: int = 256):
+        if chunk_size <= 0 or page_size <= 0:
+            raise InvalidRequestError("chunk size and page size must be positive")
+        self.model = model
+        self.chunk_size = chunk_size
+        max_pos = model.cfg.max_position_embeddings
+        self.pool = model.new_kv_pool(num_pages=-(-max_pos // page_size), page_size=page_size)
+
+    def prefill(self, table: PageTable, prompt_ids: list[int]) -> torch.Tensor:
+        """Fills the cache with the prompt, chunk by chunk; returns the last logits [vocab]."""
+        self.pool.reserve(table, len(prompt_ids))
+        logits = None
+        for start in range(0, len(prompt_ids), self.chunk_size):
+            chunk = prompt_ids[start : start + self.chunk_size]
+            batch = ForwardBatch.build(self.pool, [table], [chunk], [start], is_decode=False)
+            logits = self.model.forward(batch, self.pool)
+        return logits[0]
+
+    def decode(self, table: PageTable, token: int, position: int) -> torch.Tensor:
+        """Feeds `token` at `position` (the cache holds positions < position); returns logits."""
+        self.pool.reserve(table, position + 1)
+        batch = ForwardBatch.build(self.pool, [table], [[token]], [position], is_decode=True)
+        return self.model.forward(batch, self.pool)[0]
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        cfg = self.model.cfg
+        validate_prompt(prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(cfg.eos_token_id))
+        generator = params.make_generator()
+        table = self.pool.new_table()
+        try:
+            logits = self.prefill(table, prompt_ids)
+            tokens: list[int] = []
+            while True:
+                token = sample(logits[None], [params], [generator])[0]
+                tokens.append(token)
+                if token in stop_ids:
+                    return GenerationResult(prompt_ids, tokens, "stop")
+                position = len(prompt_ids) + len(tokens) - 1
+                if len(tokens) >= params.max_new_tokens or position + 1 >= cfg.max_position_embeddings:
+                    return GenerationResult(prompt_ids, tokens, "length")
+                logits = self.decode(table, token, position)
+        finally:
+            self.pool.release(table)

@@ -1,0 +1,249 @@
+"""DeepSeek-V2/V3: MLA attention + MoE, reading like the papers, on the ops of `native.ops`.
+
+Attention has two forms over one paged latent cache (rows [c_kv | k_pe] per token and layer):
+- extend (prefill chunks): decompress the cached prefix and the new tokens with kv_b_proj into
+  per-head K/V, then FlashAttention with the prefix attended fully and the new tokens causally;
+- decode: absorb W_UK into the query and W_UV into the output, attend over the latent rows.
+Parallelism is a transform of this model (see `MoE.routed_experts`), not a branch inside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from engine.batch import ForwardBatch
+from engine.config import ModelConfig
+from engine.kv_pool import KVPool
+from engine.rope import rope_cos_sin
+from engine.weight_names import checkpoint_shapes
+from native import ops
+
+Weights = dict[str, torch.Tensor]
+
+
+class MLP:
+    """SiLU-gated MLP (dense layers and shared experts): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, weights: Weights, prefix: str):
+        w13 = torch.cat((weights[f"{prefix}.gate_proj.weight"], weights[f"{prefix}.up_proj.weight"]))
+        self.w13 = ops.prepack_linear(w13)  # [2I, D]
+        self.w2 = ops.prepack_linear(weights[f"{prefix}.down_proj.weight"])  # [D, I]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(ops.silu_and_mul(ops.linear(x, self.w13)), self.w2)
+
+
+RoutedExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class MoE:
+    """Routed experts chosen by the grouped top-k gate, plus always-on shared experts."""
+
+    def __init__(self, cfg: ModelConfig, weights: Weights, prefix: str, expert_range: range):
+        self.cfg = cfg
+        self.gate = weights[f"{prefix}.gate.weight"].float()  # [E, D], routing runs in fp32
+        bias = f"{prefix}.gate.e_score_correction_bias"
+        self.correction_bias = weights[bias].float() if bias in weights else None
+        self.expert_offset = expert_range.start
+        w13 = torch.stack(
+            [
+                torch.cat(
+                    (
+                        weights[f"{prefix}.experts.{e}.gate_proj.weight"],
+                        weights[f"{prefix}.experts.{e}.up_proj.weight"],
+                    )
+                )
+                for e in expert_range
+            ]
+        )  # [E_local, 2I, D]
+        w2 = torch.stack([weights[f"{prefix}.experts.{e}.down_proj.weight"] for e in expert_range])
+        self.w13, self.w2 = ops.prepack_experts(w13, w2)
+        self.shared = MLP(weights, f"{prefix}.shared_experts") if cfg.n_shared_experts else None
+        # Expert parallelism replaces this with a dispatch/combine around the local experts.
+        self.routed_experts: RoutedExperts = self.local_experts
+
+    def local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return ops.fused_moe(x, self.w13, self.w2, weights, ids, self.expert_offset)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, D] -> (weights [T, K] fp32, expert ids [T, K] int32)."""
+        cfg = self.cfg
+        logits = torch.nn.functional.linear(x.float(), self.gate)  # [T, E]
+        return ops.grouped_topk(
+            logits,
+            self.correction_bias,
+            cfg.num_experts_per_tok,
+            cfg.n_group,
+            cfg.topk_group,
+            cfg.scoring_func,
+            cfg.topk_method,
+            cfg.norm_topk_prob,
+            cfg.routed_scaling_factor,
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        out = self.routed_experts(x, weights, ids)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out
+
+
+class MLA:
+    """Multi-head latent attention with a paged cache of [c_kv | k_pe] rows."""
+
+    def __init__(self, cfg: ModelConfig, weights: Weights, prefix: str, cos_sin: torch.Tensor):
+        self.cfg = cfg
+        self.cos_sin = cos_sin
+        self.num_heads = cfg.num_attention_heads
+        w = lambda name: weights[f"{prefix}.{name}"]  # noqa: E731
+        if cfg.q_lora_rank is None:
+            self.q_proj = ops.prepack_linear(w("q_proj.weight"))
+        else:
+            self.q_a_proj = ops.prepack_linear(w("q_a_proj.weight"))
+            self.q_a_norm = w("q_a_layernorm.weight")
+            self.q_b_proj = ops.prepack_linear(w("q_b_proj.weight"))
+        self.kv_a_proj = ops.prepack_linear(w("kv_a_proj_with_mqa.weight"))  # [L + R, D]
+        self.kv_a_norm = w("kv_a_layernorm.weight")
+        kv_b = w("kv_b_proj.weight")  # [H * (Dn + Dv), L]
+        self.kv_b_proj = ops.prepack_linear(kv_b)
+        kv_b = kv_b.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        self.w_uk = kv_b[:, : cfg.qk_nope_head_dim].contiguous()  # [H, Dn, L]
+        self.w_uv_t = kv_b[:, cfg.qk_nope_head_dim :].transpose(1, 2).contiguous()  # [H, L, Dv]
+        self.o_proj = ops.prepack_linear(w("o_proj.weight"))  # [D, H * Dv]
+
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """x: [T, D] -> [T, D]; kv_cache: this layer's [num_pages, page_size, L + R]."""
+        cfg, num_tokens, h = self.cfg, x.shape[0], self.num_heads
+        if cfg.q_lora_rank is None:
+            q = ops.linear(x, self.q_proj)
+        else:
+            q_a = ops.rms_norm(ops.linear(x, self.q_a_proj), self.q_a_norm, cfg.rms_norm_eps)
+            q = ops.linear(q_a, self.q_b_proj)
+        q = q.view(num_tokens, h, cfg.qk_head_dim)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        kv_a = ops.linear(x, self.kv_a_proj)  # [T, L + R]
+        c_kv = ops.rms_norm(kv_a[:, : cfg.kv_lora_rank], self.kv_a_norm, cfg.rms_norm_eps)
+        q_pe, k_pe = ops.apply_rope(
+            q_pe.contiguous(), kv_a[:, cfg.kv_lora_rank :].contiguous(), batch.positions, self.cos_sin
+        )
+        rows = torch.cat((c_kv, k_pe), dim=-1)  # [T, L + R], what the cache keeps
+        if batch.is_decode:
+            out = self._decode(q_nope, q_pe, rows, batch, kv_cache)
+        else:
+            out = self._extend(q_nope, q_pe, rows, batch, kv_cache)
+        return ops.linear(out.reshape(num_tokens, h * cfg.v_head_dim), self.o_proj)
+
+    def _decode(self, q_nope, q_pe, rows, batch, kv_cache) -> torch.Tensor:
+        cfg = self.cfg
+        q_latent = ops.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, H, L]
+        q_full = torch.cat((q_latent, q_pe), dim=-1).contiguous()  # [B, H, L + R]
+        o_latent = ops.mla_decode(
+            q_full,
+            kv_cache,
+            batch.page_table,
+            batch.seq_lens,
+            cfg.softmax_scale,
+            cfg.kv_lora_rank,
+            new_rows=rows.to(kv_cache.dtype),
+        )  # [B, H, L]
+        return ops.bmm(o_latent.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [B, H, Dv]
+
+    def _decompress(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent rows [N, L + R] -> per-head K [N, H, Dn + R] and V [N, H, Dv]."""
+        cfg, n = self.cfg, rows.shape[0]
+        kv = ops.linear(rows[:, : cfg.kv_lora_rank], self.kv_b_proj)
+        kv = kv.view(n, self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+        k_pe = rows[:, None, cfg.kv_lora_rank :].expand(n, self.num_heads, cfg.qk_rope_head_dim)
+        return torch.cat((k_nope, k_pe), dim=-1), v.contiguous()
+
+    def _extend(self, q_nope, q_pe, rows, batch, kv_cache) -> torch.Tensor:
+        ops.store_kv_rows(kv_cache, batch.slots, rows)
+        prefix_rows = ops.gather_kv_rows(kv_cache, batch.prefix_slots).to(rows.dtype)
+        k, v = self._decompress(rows)
+        k_prefix, v_prefix = self._decompress(prefix_rows)
+        q = torch.cat((q_nope, q_pe), dim=-1).contiguous()  # [T, H, Dn + R]
+        return ops.extend_attention(
+            q, k, v, k_prefix, v_prefix, batch.new_lens, batch.prefix_lens, self.cfg.softmax_scale
+        )  # [T, H, Dv]
+
+
+class DecoderLayer:
+    def __init__(self, cfg, weights: Weights, idx: int, cos_sin: torch.Tensor, expert_range: range):
+        prefix = f"model.layers.{idx}"
+        self.eps = cfg.rms_norm_eps
+        self.input_norm = weights[f"{prefix}.input_layernorm.weight"]
+        self.post_attention_norm = weights[f"{prefix}.post_attention_layernorm.weight"]
+        self.attn = MLA(cfg, weights, f"{prefix}.self_attn", cos_sin)
+        if cfg.is_moe_layer(idx):
+            self.mlp: MLP | MoE = MoE(cfg, weights, f"{prefix}.mlp", expert_range)
+        else:
+            self.mlp = MLP(weights, f"{prefix}.mlp")
+
+    def __call__(self, h, residual, batch, kv_cache):
+        """Pre-norm block; the residual add is fused into the next norm."""
+        if residual is None:
+            residual, x = h, ops.rms_norm(h, self.input_norm, self.eps)
+        else:
+            x, residual = ops.fused_add_rms_norm(h, residual, self.input_norm, self.eps)
+        h = self.attn(x, batch, kv_cache)
+        x, residual = ops.fused_add_rms_norm(h, residual, self.post_attention_norm, self.eps)
+        return self.mlp(x), residual
+
+
+class DeepseekModel:
+    """The whole network. `forward` returns fp32 logits of each sequence's last new token."""
+
+    def __init__(
+        self, cfg: ModelConfig, weights: Weights, dtype: torch.dtype, expert_range=None
+    ):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.expert_range = expert_range or range(cfg.n_routed_experts)
+        self.cos_sin = rope_cos_sin(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
+        self.embed_tokens = weights["model.embed_tokens.weight"]
+        self.layers = [
+            DecoderLayer(cfg, weights, i, self.cos_sin, self.expert_range)
+            for i in range(cfg.num_hidden_layers)
+        ]
+        self.norm = weights["model.norm.weight"]
+        head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+        self.lm_head = ops.prepack_linear(head)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        dtype: torch.dtype = torch.bfloat16,
+        expert_range: range | None = None,
+        progress: bool = True,
+    ) -> DeepseekModel:
+        """Loads config.json and the safetensors; `expert_range` limits the routed experts held
+        (an expert-parallel rank loads only its shard)."""
+        from engine.weights import load_checkpoint
+
+        cfg = ModelConfig.from_model_dir(model_dir)
+        keep = None if expert_range is None else (lambda e: e in expert_range)
+        shapes = checkpoint_shapes(cfg, keep)
+        block = cfg.quant.weight_block_size if cfg.quant else None
+        weights = load_checkpoint(model_dir, shapes, dtype, progress=progress, fp8_block=block)
+        return cls(cfg, weights, dtype, expert_range)
+
+    def new_kv_pool(self, num_pages: int, page_size: int, device="cpu") -> KVPool:
+        cfg = self.cfg
+        return KVPool(cfg.num_hidden_layers, num_pages, page_size, cfg.kv_row_width, self.dtype, device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """Runs the batch, writing its new KV rows into `pool`. Returns [B, vocab] fp32."""
+        h = self.embed_tokens.index_select(0, batch.input_ids)  # [T, D]
+        residual = None
+        for idx, layer in enumerate(self.layers):
+            h, residual = layer(h, residual, batch, pool.layer(idx))
+        last = batch.last_token_index
+        x, _ = ops.fused_add_rms_norm(h[last], residual[last], self.norm, self.cfg.rms_norm_eps)
+        return ops.linear(x, self.lm_head).float()

@@ -1,0 +1,288 @@
+"""Transport-independent half of a KV receiver: expectations, validation, writes, events.
+
+Both receivers (in-process and ZeroMQ) subclass `ReceiverCore` and feed it whole messages (a list
+of frames: header [, payload]) through `receive`, from their I/O thread. See `KVReceiver` for
+the threading and page-ownership contract this implements.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.kv_pool import KVPool, PageTable
+from kvtransfer.interface import DropReason, KVReceiver, ReceiverStats, TransferEvent
+from kvtransfer.wire import (
+    DTYPE_NAMES,
+    Hello,
+    HelloAck,
+    KVAbort,
+    KVChunk,
+    KVDone,
+    Rendezvous,
+    WireError,
+    checksum,
+    decode,
+    fingerprint_mismatch,
+    payload_rows,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Expectation:
+    rendezvous: Rendezvous
+    table: PageTable  # a snapshot of the lent pages: the caller's table may change, this may not
+    num_tokens: int
+    deadline: float
+    covered: torch.Tensor  # bool [pool layers, num_tokens]: rows written so far
+    last_seq: int = -1
+    first_drop: str = ""  # why the first chunk of this request was dropped, for the failure text
+    is_active: bool = True  # False once handed back (ready, failed, cancelled): no more writes
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class ReceiverCore(KVReceiver):
+    """Bookkeeping shared by the receivers; `receive` is called by the transport's I/O thread."""
+
+    def __init__(self, pool: KVPool, fingerprint: dict[str, Any]):
+        if fingerprint.get("dtype") != DTYPE_NAMES.get(pool.dtype):
+            raise ValueError("fingerprint dtype does not match the pool's dtype")
+        if fingerprint.get("row_width") != pool.row_width:
+            raise ValueError("fingerprint row_width does not match the pool's row width")
+        self.pool = pool
+        self.fingerprint = fingerprint
+        self._dtype_name = DTYPE_NAMES[pool.dtype]
+        self._lock = threading.Lock()  # guards everything below (never held during a copy)
+        self._has_events = threading.Condition(self._lock)
+        self._expected: dict[Rendezvous, _Expectation] = {}
+        self._events: list[TransferEvent] = []
+        self._dropped: Counter[str] = Counter()
+        self._bytes_received = 0
+        self._bytes_written = 0
+        self._chunks_written = 0
+        self._num_ready = 0
+        self._num_failed = 0
+
+    # ---- decode-loop side ----------------------------------------------------------------
+
+    def expect(
+        self, rendezvous: Rendezvous, page_table: PageTable, num_tokens: int, deadline: float
+    ) -> None:
+        if not isinstance(rendezvous, Rendezvous):
+            raise ValueError("rendezvous must be a Rendezvous")
+        if num_tokens <= 0:
+            raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+        if page_table.page_size != self.pool.page_size:
+            raise ValueError("page table is not of this receiver's pool (page size differs)")
+        if page_table.capacity < num_tokens:
+            raise ValueError(
+                f"page table holds {page_table.capacity} tokens, {num_tokens} expected"
+            )
+        num_pages = -(-num_tokens // page_table.page_size)
+        exp = _Expectation(
+            rendezvous,
+            PageTable(page_table.page_size, list(page_table.pages[:num_pages])),
+            num_tokens,
+            float(deadline),
+            torch.zeros(self.pool.num_layers, num_tokens, dtype=torch.bool),
+        )
+        with self._lock:
+            if rendezvous in self._expected:
+                raise ValueError(f"rendezvous {rendezvous} is already expected")
+            self._expected[rendezvous] = exp
+
+    def cancel(self, rendezvous: Rendezvous) -> bool:
+        with self._lock:
+            exp = self._expected.pop(rendezvous, None)
+            self._events = [e for e in self._events if e.rendezvous != rendezvous]
+        if exp is None:
+            return False
+        with exp.lock:  # waits for a write in progress into these pages
+            exp.is_active = False
+        return True
+
+    def poll(self, timeout: float = 0.0) -> list[TransferEvent]:
+        self._expire(time.monotonic())
+        with self._lock:
+            if not self._events and timeout > 0:
+                self._has_events.wait(timeout)
+            events, self._events = self._events, []
+        if not events and timeout > 0:
+            self._expire(time.monotonic())
+            with self._lock:
+                events, self._events = self._events, []
+        return events
+
+    def stats(self) -> ReceiverStats:
+        with self._lock:
+            return ReceiverStats(
+                bytes_received=self._bytes_received,
+                bytes_written=self._bytes_written,
+                chunks_written=self._chunks_written,
+                num_ready=self._num_ready,
+                num_failed=self._num_failed,
+                dropped=dict(self._dropped),
+            )
+
+    def _expire(self, now: float) -> None:
+        with self._lock:
+            late = [e for e in self._expected.values() if e.deadline < now]
+        for exp in late:
+            with exp.lock:
+                self._finish(exp, "failed", reason=f"KV transfer of {exp.rendezvous} timed out")
+
+    # ---- I/O-thread side -----------------------------------------------------------------
+
+    def receive(self, frames: list[Any], is_peer_known: bool) -> HelloAck | None:
+        """Handle one multipart message: frames[0] the header, frames[1] the payload of a chunk
+        (bytes-like; a writable buffer avoids a copy). Returns the ack to send back for a
+        `hello`, else None. Never raises: what cannot be used is dropped and counted."""
+        try:
+            return self._receive(frames, is_peer_known)
+        except Exception:  # a bug here must not kill the I/O thread; it is logged and counted
+            log.exception("KV receiver: unexpected error while handling a message")
+            self._drop(DropReason.INTERNAL)
+            return None
+
+    def _receive(self, frames: list[Any], is_peer_known: bool) -> HelloAck | None:
+        if len(frames) > 1:
+            self._count_received(sum(len(f) for f in frames[1:]))
+        if not frames:
+            return self._drop(DropReason.MALFORMED)
+        try:
+            msg = decode(frames[0])
+        except WireError as exc:
+            reason = str(exc).startswith("protocol version")
+            return self._drop(DropReason.BAD_VERSION if reason else DropReason.MALFORMED)
+        if isinstance(msg, Hello):
+            return self._hello(msg) if len(frames) == 1 else self._drop(DropReason.MALFORMED)
+        if isinstance(msg, HelloAck):
+            return self._drop(DropReason.MALFORMED)  # only a sender receives those
+        if not is_peer_known:
+            return self._drop(DropReason.NO_HANDSHAKE)
+        if isinstance(msg, KVChunk):
+            if len(frames) < 2:
+                return self._drop(DropReason.TRUNCATED)
+            if len(frames) > 2:
+                return self._drop(DropReason.MALFORMED)
+            return self._chunk(msg, frames[1])
+        if len(frames) != 1:
+            return self._drop(DropReason.MALFORMED)
+        return self._end(msg)
+
+    def _hello(self, msg: Hello) -> HelloAck:
+        mismatch = fingerprint_mismatch(msg.fingerprint, self.fingerprint)
+        if mismatch:
+            log.warning("KV receiver: refused %r: %s", msg.sender, mismatch)
+        return HelloAck(ok=mismatch is None, fingerprint=self.fingerprint, error=mismatch or "")
+
+    def _chunk(self, chunk: KVChunk, payload: Any) -> None:
+        # Cheap checks first; the checksum (one pass over the bytes) only for rows we would write.
+        if chunk.dtype != self._dtype_name:
+            return self._drop(DropReason.BAD_DTYPE, chunk.rendezvous)
+        if chunk.row_width != self.pool.row_width:
+            return self._drop(DropReason.BAD_ROW_WIDTH, chunk.rendezvous)
+        if len(payload) != chunk.payload_len:
+            short = len(payload) < chunk.payload_len
+            return self._drop(
+                DropReason.TRUNCATED if short else DropReason.OVERSIZED, chunk.rendezvous
+            )
+        with self._lock:
+            exp = self._expected.get(chunk.rendezvous)
+        if exp is None:
+            return self._drop(DropReason.UNKNOWN_RENDEZVOUS)
+        with exp.lock:
+            reason = self._check_chunk(exp, chunk, payload)
+            if reason:
+                return self._drop(reason, chunk.rendezvous, exp)
+            rows = payload_rows(chunk, payload)
+            self.pool.write_rows(exp.table, chunk.layer_start, chunk.token_start, rows)
+            exp.covered[
+                chunk.layer_start : chunk.layer_end, chunk.token_start : chunk.token_end
+            ] = True
+            exp.last_seq = chunk.seq
+        with self._lock:
+            self._bytes_written += chunk.payload_len
+            self._chunks_written += 1
+
+    def _check_chunk(self, exp: _Expectation, chunk: KVChunk, payload: Any) -> str | None:
+        """The drop reason for `chunk`, or None if it may be written (caller holds exp.lock)."""
+        if not exp.is_active:
+            return DropReason.UNKNOWN_RENDEZVOUS
+        if time.monotonic() > exp.deadline:
+            return DropReason.EXPIRED
+        if chunk.layer_end > self.pool.num_layers:
+            return DropReason.LAYERS_OUT_OF_RANGE
+        if chunk.token_end > exp.num_tokens:
+            return DropReason.TOKENS_OUT_OF_RANGE
+        if chunk.seq <= exp.last_seq:
+            return DropReason.DUPLICATE
+        region = exp.covered[
+            chunk.layer_start : chunk.layer_end, chunk.token_start : chunk.token_end
+        ]
+        if bool(region.any()):
+            return DropReason.DUPLICATE
+        if checksum(payload) != chunk.checksum:
+            return DropReason.BAD_CHECKSUM
+        return None
+
+    def _end(self, msg: KVDone | KVAbort) -> None:
+        with self._lock:
+            exp = self._expected.get(msg.rendezvous)
+        if exp is None:
+            return self._drop(DropReason.UNKNOWN_RENDEZVOUS)
+        with exp.lock:
+            if not exp.is_active:
+                return self._drop(DropReason.UNKNOWN_RENDEZVOUS)
+            if msg.seq <= exp.last_seq:
+                return self._drop(DropReason.DUPLICATE, msg.rendezvous, exp)
+            if isinstance(msg, KVAbort):
+                return self._finish(exp, "failed", reason=f"prefill aborted: {msg.reason}")
+            problem = self._incomplete(exp, msg.num_tokens)
+            if problem:
+                return self._finish(exp, "failed", reason=f"KV of {exp.rendezvous}: {problem}")
+            self._finish(exp, "ready", first_token=msg.first_token)
+
+    def _incomplete(self, exp: _Expectation, num_tokens: int) -> str | None:
+        if num_tokens != exp.num_tokens:
+            return f"kv_done says {num_tokens} tokens, {exp.num_tokens} were reserved"
+        if bool(exp.covered.all()):
+            return None
+        layer, token = (~exp.covered).nonzero()[0].tolist()
+        why = f" (first dropped chunk: {exp.first_drop})" if exp.first_drop else ""
+        return f"incomplete, layer {layer} token {token} never arrived{why}"
+
+    def _finish(self, exp: _Expectation, kind: str, first_token=None, reason: str = "") -> None:
+        """Hand the pages back with one event (caller holds exp.lock). A no-op if another path
+        (cancel, expiry, kv_done) already did."""
+        with self._lock:
+            if not exp.is_active or self._expected.get(exp.rendezvous) is not exp:
+                return
+            del self._expected[exp.rendezvous]
+            exp.is_active = False
+            self._events.append(TransferEvent(kind, exp.rendezvous, first_token, reason))  # type: ignore[arg-type]
+            if kind == "ready":
+                self._num_ready += 1
+            else:
+                self._num_failed += 1
+            self._has_events.notify_all()
+
+    def _drop(self, reason: str, rendezvous: Rendezvous | None = None, exp=None) -> None:
+        if exp is not None and not exp.first_drop:
+            exp.first_drop = reason
+        with self._lock:
+            self._dropped[reason] += 1
+        if rendezvous is not None:
+            log.debug("KV receiver: dropped a message of %s (%s)", rendezvous, reason)
+
+    def _count_received(self, num_bytes: int) -> None:
+        with self._lock:
+            self._bytes_received += num_bytes

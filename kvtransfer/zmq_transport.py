@@ -1,0 +1,264 @@
+"""ZeroMQ KV transfer: the decode node binds a ROUTER, each prefill node connects one DEALER.
+
+Wire: every message is multipart, [header] or [header, payload] (see `wire`); the payload is
+sent zero-copy (`copy=False` on a byte view of the contiguous rows tensor) and received
+zero-copy (the zmq frame's buffer is viewed as a tensor and copied once, into the pool).
+The ROUTER learns each DEALER's routing id from its `hello` and drops data from ids that never
+completed a handshake. Every socket wait is a poll with a timeout; `close` joins the threads
+with a timeout; LINGER is 0 so closing never hangs on an unreachable peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from typing import Any
+
+import zmq
+
+from engine.kv_pool import KVPool
+from kvtransfer.receiver_core import ReceiverCore
+from kvtransfer.sender_core import ChunkItem, SenderCore, check_ack, frames_of
+from kvtransfer.wire import HelloAck, KVTransferError, Message, WireError, decode, encode
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 50  # how often blocked loops look at their stop flag
+
+
+class ZmqReceiver(ReceiverCore):
+    """Binds a ROUTER at `endpoint` ("tcp://host:port"; port 0 picks a free one, see
+    `.endpoint`) and runs one I/O thread that receives, validates and writes rows."""
+
+    def __init__(
+        self,
+        pool: KVPool,
+        fingerprint: dict[str, Any],
+        endpoint: str = "tcp://127.0.0.1:0",
+        *,
+        rcvhwm: int = 64,
+        max_message_bytes: int = 1 << 31,
+        context: zmq.Context | None = None,
+    ):
+        super().__init__(pool, fingerprint)
+        self._sock = (context or zmq.Context.instance()).socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        # zmq itself disconnects a peer whose frame exceeds this, before buffering it.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        if endpoint.endswith(":0"):
+            endpoint = endpoint[:-2] + ":*"
+        try:
+            self._sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            self._sock.close(linger=0)
+            raise KVTransferError(f"cannot bind KV endpoint {endpoint}: {exc}") from None
+        self._endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._peers: set[bytes] = set()  # routing ids with a successful handshake
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-receiver", daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def close(self, timeout: float = 1.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        # The socket belongs to this thread from here on (zmq sockets are not thread-safe).
+        sock = self._sock
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(POLL_MS, zmq.POLLIN):
+                    continue
+                for _ in range(64):  # drain a burst before looking at the stop flag again
+                    try:
+                        frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._on_message(sock, frames)
+        except zmq.ZMQError as exc:  # the context was terminated under us: nothing to serve
+            log.error("KV receiver at %s stopped: %s", self._endpoint, exc)
+        finally:
+            sock.close(linger=0)
+
+    def _on_message(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        peer = frames[0].bytes
+        ack = self.receive([f.buffer for f in frames[1:]], is_peer_known=peer in self._peers)
+        if ack is None:
+            return
+        if ack.ok:
+            self._peers.add(peer)
+        else:
+            self._peers.discard(peer)
+        try:  # a ROUTER never blocks: an ack for a peer that is gone or full is dropped
+            sock.send_multipart([peer, encode(ack)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("KV receiver: could not answer a hello: %s", exc)
+
+
+_STOP = object()
+
+
+class ZmqSender(SenderCore):
+    """One DEALER to one decode endpoint, fed by a bounded queue and a background send thread.
+
+    `queue_size` chunks may wait in the queue (and `sndhwm` messages in zmq's buffers) before
+    `send_chunk` blocks; a send that makes no progress for `send_timeout` seconds (decode node
+    gone, or not reading) breaks the sender.
+    """
+
+    def __init__(
+        self,
+        name: str = "prefill",
+        *,
+        queue_size: int = 8,
+        send_timeout: float = 30.0,
+        sndhwm: int = 16,
+        context: zmq.Context | None = None,
+    ):
+        super().__init__(name)
+        self._ctx = context or zmq.Context.instance()
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._send_timeout = send_timeout
+        self._sndhwm = sndhwm
+        self._pending = 0  # submitted, not yet handed to zmq (or discarded)
+        self._idle = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._sock: zmq.Socket | None = None
+
+    # ---- caller side ---------------------------------------------------------------------
+
+    def connect(self, endpoint: str, fingerprint: dict[str, Any], timeout: float) -> None:
+        if self.endpoint is not None:
+            raise KVTransferError(f"KV sender is already connected to {self.endpoint}")
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self._sndhwm)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection: a dead peer blocks
+        # A fixed routing id keeps the handshake valid across a TCP reconnect.
+        sock.setsockopt(zmq.ROUTING_ID, f"{self.name}-{uuid.uuid4().hex}".encode())
+        try:
+            sock.connect(endpoint)
+            ack = self._handshake(sock, endpoint, fingerprint, time.monotonic() + timeout)
+            check_ack(endpoint, fingerprint, ack)
+        except Exception:
+            sock.close(linger=0)
+            raise
+        self._sock, self.endpoint = sock, endpoint
+        self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
+        self._thread.start()
+
+    def _handshake(
+        self, sock: zmq.Socket, endpoint: str, fingerprint: dict[str, Any], deadline: float
+    ) -> HelloAck:
+        if not sock.poll(_ms_left(deadline), zmq.POLLOUT):
+            raise KVTransferError(f"KV handshake with {endpoint}: no connection (timed out)")
+        sock.send(encode(self._hello(fingerprint)), flags=zmq.NOBLOCK)
+        while True:  # skip stray frames (none expected) until the ack or the deadline
+            if not sock.poll(_ms_left(deadline), zmq.POLLIN):
+                raise KVTransferError(f"KV handshake with {endpoint}: no hello_ack (timed out)")
+            frames = sock.recv_multipart(flags=zmq.NOBLOCK)
+            try:
+                msg = decode(frames[0]) if len(frames) == 1 else None
+            except WireError as exc:
+                raise KVTransferError(
+                    f"KV handshake with {endpoint}: bad hello_ack: {exc}"
+                ) from None
+            if isinstance(msg, HelloAck):
+                return msg
+
+    def _submit(self, item: ChunkItem | Message) -> None:
+        with self._idle:
+            self._pending += 1
+        try:
+            self._queue.put(item, timeout=self._send_timeout)
+        except queue.Full:
+            self._done_one()
+            raise KVTransferError(
+                f"KV send queue to {self.endpoint} full for {self._send_timeout:g}s"
+            ) from None
+
+    def flush(self, timeout: float) -> None:
+        self._check_usable()
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._pending and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise KVTransferError(f"KV flush to {self.endpoint} timed out")
+                self._idle.wait(left)
+        self._check_usable()
+
+    def close(self, timeout: float = 1.0) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread.is_alive():
+            try:
+                self._queue.put_nowait(_STOP)
+            except queue.Full:
+                pass  # the thread sees the stop flag within POLL_MS anyway
+            self._thread.join(timeout)
+        elif self._sock is not None:
+            self._sock.close(linger=0)
+        if self._error is None:
+            self._error = KVTransferError("KV sender is closed")
+
+    # ---- background thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        try:
+            while not self._stop.is_set():
+                try:
+                    item = self._queue.get(timeout=POLL_MS / 1000)
+                except queue.Empty:
+                    continue
+                if item is _STOP:
+                    break
+                try:
+                    if self._error is None:  # once broken, drain the queue without sending
+                        self._send(sock, frames_of(item))
+                except Exception as exc:  # any failure breaks the sender, loudly
+                    self._error = KVTransferError(f"KV send to {self.endpoint} failed: {exc}")
+                    log.error("%s", self._error)
+                finally:
+                    self._done_one()
+        finally:
+            sock.close(linger=0)
+            with self._idle:
+                self._idle.notify_all()
+
+    def _send(self, sock: zmq.Socket, frames: list[Any]) -> None:
+        deadline = time.monotonic() + self._send_timeout
+        while True:
+            if self._stop.is_set():
+                raise KVTransferError("sender closed")
+            if sock.poll(POLL_MS, zmq.POLLOUT):
+                try:
+                    sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    return
+                except zmq.Again:
+                    pass
+            if time.monotonic() > deadline:
+                raise KVTransferError(
+                    f"no progress for {self._send_timeout:g}s (decode node gone or not reading)"
+                )
+
+    def _done_one(self) -> None:
+        with self._idle:
+            self._pending -= 1
+            if self._pending == 0:
+                self._idle.notify_all()
+
+
+def _ms_left(deadline: float) -> int:
+    return max(0, int((deadline - time.monotonic()) * 1000))

@@ -1,0 +1,29 @@
+// pybind11 module `native._C`. Each op family registers itself through a `register_*` function
+// declared here and defined next to its kernels; bindings only check sizes and pass pointers.
+#include <pybind11/pybind11.h>
+
+#include "cpu_features.h"
+
+namespace py = pybind11;
+
+namespace duet {
+void register_runtime(py::module_& m);
+void register_norm(py::module_& m);  // norm.cpp (rms_norm, silu_and_mul)
+void register_rope(py::module_& m);
+void register_topk(py::module_& m);
+void register_membw(py::module_& m);
+void register_gemm(py::module_& m);  // gemm.cpp (linear_bf16)
+void register_moe(py::module_& m);   // moe.cpp (fused_moe_bf16)
+}  // namespace duet
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "duet-serve native CPU kernels";
+  m.attr("__version__") = "0.1.0";
+  duet::register_runtime(m);
+  duet::register_norm(m);
+  duet::register_rope(m);
+  duet::register_topk(m);
+  duet::register_membw(m);
+  duet::register_gemm(m);
+  duet::register_moe(m);
+}

@@ -1,0 +1,396 @@
+// bf16 linear with prepacked weights: y [M, N] = x [M, K] @ W[N, K]^T, fp32 accumulation.
+// Holds the register-tile kernels of gemm_kernels.h (also used by moe.cpp) and the two drivers:
+// - M <= 6 (decode GEMV): one tile row covers all of M, so every weight is read once; threads
+//   split the packed blocks (= output columns) into contiguous ranges and stream them.
+// - M > 6 (prefill GEMM): tasks = (M chunk, 64-column panel) split over threads; inside a task,
+//   K is cut in chunks so the panel's K slice stays in L2 while every 6-row tile of the chunk
+//   runs over it, accumulating in an fp32 tile buffer.
+#include <immintrin.h>
+#include <pybind11/pybind11.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <memory>
+#include <stdexcept>
+
+#include "common.h"
+#include "cpu_features.h"
+#include "gemm_kernels.h"
+
+namespace py = pybind11;
+
+namespace duet {
+namespace {
+
+using TileFn = void (*)(const bf16_t* const*, const bf16_t* const*, int64_t, float*, int64_t, bool);
+
+// ---- portable --------------------------------------------------------------------------------
+
+void tile_portable(int rows, int num_blocks, const bf16_t* const* a_rows,
+                   const bf16_t* const* b_blocks, int64_t k_pairs, float* c, int64_t ldc,
+                   bool accumulate) {
+  const int cols = static_cast<int>(kPackBlockN) * num_blocks;
+  for (int r = 0; r < rows; ++r) {
+    float acc[kTileMaxBlocks * kPackBlockN];
+    for (int j = 0; j < cols; ++j) acc[j] = accumulate ? c[r * ldc + j] : 0.f;
+    for (int i = 0; i < num_blocks; ++i) {
+      float* acc_blk = acc + i * kPackBlockN;
+      for (int64_t kp = 0; kp < k_pairs; ++kp) {
+        const float a0 = bf16_to_float(a_rows[r][2 * kp]);
+        const float a1 = bf16_to_float(a_rows[r][2 * kp + 1]);
+        const bf16_t* b = b_blocks[i] + kp * 2 * kPackBlockN;
+        for (int j = 0; j < kPackBlockN; ++j) {
+          acc_blk[j] += a0 * bf16_to_float(b[2 * j]) + a1 * bf16_to_float(b[2 * j + 1]);
+        }
+      }
+    }
+    for (int j = 0; j < cols; ++j) c[r * ldc + j] = acc[j];
+  }
+}
+
+// ---- AVX-512 ---------------------------------------------------------------------------------
+// ROWS x BLOCKS tile, "1-(2*BLOCKS)-(ROWS*2*BLOCKS)": per k-pair, 2*BLOCKS weight vectors are
+// loaded once and each row's broadcast activation pair multiplies all of them. Loops have
+// compile-time bounds so the accumulators live in registers.
+
+template <int ROWS, int BLOCKS>
+DUET_TARGET_AVX512_BF16 void tile_avx512_bf16(const bf16_t* const* a_rows,
+                                              const bf16_t* const* b_blocks, int64_t k_pairs,
+                                              float* c, int64_t ldc, bool accumulate) {
+  constexpr int kVecs = 2 * BLOCKS;
+  __m512 acc[ROWS][kVecs];
+  const int32_t* a[ROWS];
+  const bf16_t* b[BLOCKS];
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) a[r] = reinterpret_cast<const int32_t*>(a_rows[r]);
+#pragma GCC unroll 4
+  for (int i = 0; i < BLOCKS; ++i) b[i] = b_blocks[i];
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) {
+#pragma GCC unroll 8
+    for (int v = 0; v < kVecs; ++v) {
+      acc[r][v] = accumulate ? _mm512_loadu_ps(c + r * ldc + 16 * v) : _mm512_setzero_ps();
+    }
+  }
+  for (int64_t kp = 0; kp < k_pairs; ++kp) {
+    __m512bh w[kVecs];
+#pragma GCC unroll 8
+    for (int v = 0; v < kVecs; ++v) {
+      w[v] = (__m512bh)_mm512_loadu_si512(b[v / 2] + kp * 2 * kPackBlockN + 32 * (v % 2));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(a[r][kp]);
+#pragma GCC unroll 8
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], w[v], x);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) {
+#pragma GCC unroll 8
+    for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(c + r * ldc + 16 * v, acc[r][v]);
+  }
+}
+
+// Without vdpbf16ps: widen each bf16 of the pair to fp32 (a bf16 is the top half of an fp32)
+// and use two FMAs, even k then odd k.
+template <int ROWS, int BLOCKS>
+DUET_TARGET_AVX512 void tile_avx512(const bf16_t* const* a_rows, const bf16_t* const* b_blocks,
+                                    int64_t k_pairs, float* c, int64_t ldc, bool accumulate) {
+  constexpr int kVecs = 2 * BLOCKS;
+  __m512 acc[ROWS][kVecs];
+  const int32_t* a[ROWS];
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) a[r] = reinterpret_cast<const int32_t*>(a_rows[r]);
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) {
+#pragma GCC unroll 8
+    for (int v = 0; v < kVecs; ++v) {
+      acc[r][v] = accumulate ? _mm512_loadu_ps(c + r * ldc + 16 * v) : _mm512_setzero_ps();
+    }
+  }
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  for (int64_t kp = 0; kp < k_pairs; ++kp) {
+#pragma GCC unroll 8
+    for (int v = 0; v < kVecs; ++v) {
+      const __m512i w = _mm512_loadu_si512(b_blocks[v / 2] + kp * 2 * kPackBlockN + 32 * (v % 2));
+      const __m512 w_even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+      const __m512 w_odd = _mm512_castsi512_ps(_mm512_and_si512(w, hi_mask));
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; ++r) {
+        const uint32_t pair = static_cast<uint32_t>(a[r][kp]);
+        const __m512 x_even = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(pair << 16)));
+        const __m512 x_odd =
+            _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(pair & 0xffff0000u)));
+        acc[r][v] = _mm512_fmadd_ps(x_odd, w_odd, _mm512_fmadd_ps(x_even, w_even, acc[r][v]));
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) {
+#pragma GCC unroll 8
+    for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(c + r * ldc + 16 * v, acc[r][v]);
+  }
+}
+
+// (rows, blocks) -> instantiation; only shapes with rows * blocks <= 12 exist.
+#define DUET_TILE_SWITCH(KERNEL, ROWS, BLOCKS)                             \
+  switch ((ROWS) * 8 + (BLOCKS)) {                                       \
+    case 1 * 8 + 1: return KERNEL<1, 1>;                                 \
+    case 1 * 8 + 2: return KERNEL<1, 2>;                                 \
+    case 1 * 8 + 3: return KERNEL<1, 3>;                                 \
+    case 1 * 8 + 4: return KERNEL<1, 4>;                                 \
+    case 2 * 8 + 1: return KERNEL<2, 1>;                                 \
+    case 2 * 8 + 2: return KERNEL<2, 2>;                                 \
+    case 2 * 8 + 3: return KERNEL<2, 3>;                                 \
+    case 2 * 8 + 4: return KERNEL<2, 4>;                                 \
+    case 3 * 8 + 1: return KERNEL<3, 1>;                                 \
+    case 3 * 8 + 2: return KERNEL<3, 2>;                                 \
+    case 3 * 8 + 3: return KERNEL<3, 3>;                                 \
+    case 3 * 8 + 4: return KERNEL<3, 4>;                                 \
+    case 4 * 8 + 1: return KERNEL<4, 1>;                                 \
+    case 4 * 8 + 2: return KERNEL<4, 2>;                                 \
+    case 4 * 8 + 3: return KERNEL<4, 3>;                                 \
+    case 5 * 8 + 1: return KERNEL<5, 1>;                                 \
+    case 5 * 8 + 2: return KERNEL<5, 2>;                                 \
+    case 6 * 8 + 1: return KERNEL<6, 1>;                                 \
+    case 6 * 8 + 2: return KERNEL<6, 2>;                                 \
+    default: return nullptr;                                             \
+  }
+
+TileFn tile_fn(Isa isa, int rows, int blocks) {
+  if (isa >= Isa::kAvx512Bf16) {
+    DUET_TILE_SWITCH(tile_avx512_bf16, rows, blocks)
+  }
+  DUET_TILE_SWITCH(tile_avx512, rows, blocks)
+}
+
+// ---- epilogues -------------------------------------------------------------------------------
+
+inline __mmask16 lane_mask(int64_t remaining) {
+  return remaining >= 16 ? static_cast<__mmask16>(0xffff)
+                         : static_cast<__mmask16>((1u << remaining) - 1u);
+}
+
+// fp32 -> bf16 bits, round to nearest even, NaN kept quiet (matches float_to_bf16).
+DUET_TARGET_AVX512 inline __m256i to_bf16_avx512(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+// e^x for |x| up to ~88 (beyond: 0 or inf, never NaN): 2^n * p(r), r = x - n ln2, |r| <= ln2/2.
+DUET_TARGET_AVX512 inline __m512 exp_avx512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(100.f)), _mm512_set1_ps(-100.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+DUET_TARGET_AVX512 void store_row_avx512(const float* src, bf16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lane_mask(n - i);
+    _mm256_mask_storeu_epi16(dst + i, m, to_bf16_avx512(_mm512_maskz_loadu_ps(m, src + i)));
+  }
+}
+
+DUET_TARGET_AVX512 void silu_mul_avx512(const float* gate, const float* up, bf16_t* dst,
+                                        int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lane_mask(n - i);
+    const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
+    const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 h = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)),
+                                   _mm512_maskz_loadu_ps(m, up + i));
+    _mm256_mask_storeu_epi16(dst + i, m, to_bf16_avx512(h));
+  }
+}
+
+DUET_TARGET_AVX512 void axpy_avx512(float alpha, const float* src, float* dst, int64_t n) {
+  const __m512 va = _mm512_set1_ps(alpha);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lane_mask(n - i);
+    const __m512 y = _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, src + i),
+                                     _mm512_maskz_loadu_ps(m, dst + i));
+    _mm512_mask_storeu_ps(dst + i, m, y);
+  }
+}
+
+}  // namespace
+
+// ---- shared entry points (gemm_kernels.h) ----------------------------------------------------
+
+void tile_gemm(Isa isa, int rows, int num_blocks, const bf16_t* const* a_rows,
+               const bf16_t* const* b_blocks, int64_t k_pairs, float* c, int64_t ldc,
+               bool accumulate) {
+  const TileFn fn = isa >= Isa::kAvx512 ? tile_fn(isa, rows, num_blocks) : nullptr;
+  if (fn != nullptr) {
+    fn(a_rows, b_blocks, k_pairs, c, ldc, accumulate);
+  } else {
+    tile_portable(rows, num_blocks, a_rows, b_blocks, k_pairs, c, ldc, accumulate);
+  }
+}
+
+void store_row_bf16(Isa isa, const float* src, bf16_t* dst, int64_t n) {
+  if (isa >= Isa::kAvx512) return store_row_avx512(src, dst, n);
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+}
+
+void silu_mul_row_bf16(Isa isa, const float* gate, const float* up, bf16_t* dst, int64_t n) {
+  if (isa >= Isa::kAvx512) return silu_mul_avx512(gate, up, dst, n);
+  for (int64_t i = 0; i < n; ++i) {
+    dst[i] = float_to_bf16(gate[i] / (1.f + std::exp(-gate[i])) * up[i]);
+  }
+}
+
+void axpy_row_f32(Isa isa, float alpha, const float* src, float* dst, int64_t n) {
+  if (isa >= Isa::kAvx512) return axpy_avx512(alpha, src, dst, n);
+  for (int64_t i = 0; i < n; ++i) dst[i] += alpha * src[i];
+}
+
+float* thread_scratch_f32(int64_t floats) {
+  struct Buffer {
+    std::unique_ptr<float, decltype(&std::free)> data{nullptr, &std::free};
+    int64_t size = 0;
+  };
+  static thread_local Buffer buffer;
+  if (buffer.size < floats) {
+    const int64_t bytes = (floats * static_cast<int64_t>(sizeof(float)) + 63) / 64 * 64;
+    buffer.data.reset(static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>(bytes))));
+    if (!buffer.data) throw std::bad_alloc();
+    buffer.size = floats;
+  }
+  return buffer.data.get();
+}
+
+// ---- linear ----------------------------------------------------------------------------------
+
+namespace {
+
+// GEMM blocking (M > 6): 240-row chunks (40 tiles) x 64-column panels, K in chunks of 512 pairs:
+// the panel's K slice (128 KB) and the chunk's A slice (240 KB) stay in L2 across the tiles.
+constexpr int64_t kGemmChunkRows = 240;
+constexpr int64_t kGemmChunkPairs = 512;
+constexpr int kGemmPanelBlocks = 2;
+// GEMV: at least this many weight bytes per thread, else the fork/join costs more than it saves.
+constexpr int64_t kGemvBytesPerThread = 128 << 10;
+
+struct LinearArgs {
+  const bf16_t* x;  // [M, 2 * k_pairs], row stride ldx
+  int64_t m, ldx, k_pairs;
+  const bf16_t* w;  // packed [ceil(N/32)][k_pairs][32][2]
+  int64_t n;
+  bf16_t* y;  // [M, N], row stride ldy
+  int64_t ldy;
+};
+
+// Columns [32*block, 32*(block+num_blocks)) of rows [row0, row0+rows), full K, straight to y.
+void gemv_panel(Isa isa, const LinearArgs& p, int64_t row0, int rows, int64_t block,
+                int num_blocks) {
+  alignas(64) float tile[kTileMaxRows * kTileMaxBlocks * kPackBlockN];
+  constexpr int64_t ldt = kTileMaxBlocks * kPackBlockN;
+  const bf16_t* a_rows[kTileMaxRows];
+  const bf16_t* b_blocks[kTileMaxBlocks];
+  for (int r = 0; r < rows; ++r) a_rows[r] = p.x + (row0 + r) * p.ldx;
+  const int64_t block_elems = p.k_pairs * 2 * kPackBlockN;
+  for (int i = 0; i < num_blocks; ++i) b_blocks[i] = p.w + (block + i) * block_elems;
+  tile_gemm(isa, rows, num_blocks, a_rows, b_blocks, p.k_pairs, tile, ldt, false);
+  const int64_t col0 = block * kPackBlockN;
+  const int64_t cols = std::min<int64_t>(num_blocks * kPackBlockN, p.n - col0);
+  for (int r = 0; r < rows; ++r) store_row_bf16(isa, tile + r * ldt, p.y + (row0 + r) * p.ldy + col0, cols);
+}
+
+void linear_small_m(Isa isa, const LinearArgs& p) {
+  const int rows = static_cast<int>(p.m);
+  const int panel = tile_max_blocks(rows);
+  const int64_t num_blocks = pack_num_blocks(p.n);
+  const int64_t block_bytes = p.k_pairs * 4 * kPackBlockN;
+  const int64_t grain = std::max<int64_t>(1, kGemvBytesPerThread / std::max<int64_t>(block_bytes, 1));
+  parallel_for(num_blocks, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; b += panel) {
+      gemv_panel(isa, p, 0, rows, b, static_cast<int>(std::min<int64_t>(panel, end - b)));
+    }
+  }, grain);
+}
+
+// One (M chunk, panel) task: every 6-row tile of the chunk over each K chunk in turn.
+void gemm_task(Isa isa, const LinearArgs& p, int64_t row0, int64_t rows, int64_t block,
+               int num_blocks, float* acc) {
+  const int64_t ldt = num_blocks * kPackBlockN;
+  const int64_t block_elems = p.k_pairs * 2 * kPackBlockN;
+  for (int64_t kp0 = 0; kp0 < p.k_pairs; kp0 += kGemmChunkPairs) {
+    const int64_t pairs = std::min(kGemmChunkPairs, p.k_pairs - kp0);
+    const bf16_t* b_blocks[kTileMaxBlocks];
+    for (int i = 0; i < num_blocks; ++i) b_blocks[i] = p.w + (block + i) * block_elems + kp0 * 2 * kPackBlockN;
+    for (int64_t r0 = 0; r0 < rows; r0 += kTileMaxRows) {
+      const int tile_rows = static_cast<int>(std::min<int64_t>(kTileMaxRows, rows - r0));
+      const bf16_t* a_rows[kTileMaxRows];
+      for (int r = 0; r < tile_rows; ++r) a_rows[r] = p.x + (row0 + r0 + r) * p.ldx + 2 * kp0;
+      tile_gemm(isa, tile_rows, num_blocks, a_rows, b_blocks, pairs, acc + r0 * ldt, ldt, kp0 > 0);
+    }
+  }
+  const int64_t col0 = block * kPackBlockN;
+  const int64_t cols = std::min<int64_t>(ldt, p.n - col0);
+  for (int64_t r = 0; r < rows; ++r) store_row_bf16(isa, acc + r * ldt, p.y + (row0 + r) * p.ldy + col0, cols);
+}
+
+void linear_large_m(Isa isa, const LinearArgs& p) {
+  const int64_t num_blocks = pack_num_blocks(p.n);
+  const int64_t num_panels = (num_blocks + kGemmPanelBlocks - 1) / kGemmPanelBlocks;
+  const int64_t num_chunks = (p.m + kGemmChunkRows - 1) / kGemmChunkRows;
+  // Tasks ordered [chunk][panel]: consecutive tasks of a thread share the chunk's A rows.
+  parallel_for(num_chunks * num_panels, [&](int64_t begin, int64_t end) {
+    float* acc = thread_scratch_f32(kGemmChunkRows * kGemmPanelBlocks * kPackBlockN);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t chunk = t / num_panels, panel = t % num_panels;
+      const int64_t row0 = chunk * kGemmChunkRows;
+      const int64_t block = panel * kGemmPanelBlocks;
+      gemm_task(isa, p, row0, std::min(kGemmChunkRows, p.m - row0), block,
+                static_cast<int>(std::min<int64_t>(kGemmPanelBlocks, num_blocks - block)), acc);
+    }
+  });
+}
+
+void linear_bf16(const LinearArgs& p) {
+  if (p.m == 0 || p.n == 0) return;
+  const Isa isa = active_isa();
+  if (p.m <= kTileMaxRows) {
+    linear_small_m(isa, p);
+  } else {
+    linear_large_m(isa, p);
+  }
+}
+
+}  // namespace
+
+void register_gemm(py::module_& m) {
+  m.def(
+      "linear_bf16",
+      [](uintptr_t x, int64_t m, int64_t ldx, int64_t k_pairs, uintptr_t w, int64_t n, uintptr_t y,
+         int64_t ldy) {
+        if (m < 0 || n < 0 || k_pairs < 0 || ldx < 2 * k_pairs || ldy < n) {
+          throw std::invalid_argument("linear_bf16: bad sizes or strides");
+        }
+        linear_bf16(LinearArgs{reinterpret_cast<const bf16_t*>(x), m, ldx, k_pairs,
+                               reinterpret_cast<const bf16_t*>(w), n, reinterpret_cast<bf16_t*>(y),
+                               ldy});
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "y[M, N] (row stride ldy) = x[M, 2*k_pairs] (row stride ldx) @ W^T, W packed bf16 "
+      "(gemm_kernels.h layout); all bf16, fp32 accumulation.");
+}
+
+}  // namespace duet

@@ -1,0 +1,53 @@
+// The bf16 register-tile GEMM shared by `linear` (gemm.cpp) and the fused MoE (moe.cpp): weights
+// prepacked once (layout below), activations addressed by row pointers (so MoE can gather tokens
+// without copying), fp32 results into a small tile that each caller finishes with its own epilogue.
+#pragma once
+
+#include <cstdint>
+
+#include "common.h"
+#include "cpu_features.h"
+
+namespace duet {
+
+// NOTE: packed weight layout (VNNI-2 in blocks of 32 output columns).
+// A weight W [N, K] becomes ceil(N/32) blocks, each [ceil(K/2)][32][2] bf16 and contiguous:
+// element (kp, j, t) of block nb is W[32*nb + j][2*kp + t], zero past the last row or column.
+// One k-pair row of a block is 64 bf16 = two zmm; lane j of the first (second) zmm holds the pair
+// (W[n][2kp], W[n][2kp+1]) of column n = 32*nb + j (+16), which is what vdpbf16ps multiplies with
+// the broadcast activation pair (x[2kp], x[2kp+1]). A thread owning a range of blocks therefore
+// streams one contiguous region (GEMV), and a K range of a block is a contiguous slice (GEMM).
+// The Python side (native/_gemm_ops.py) builds this layout with a pad + permute.
+constexpr int64_t kPackBlockN = 32;
+
+inline int64_t pack_k_pairs(int64_t k) { return (k + 1) / 2; }
+inline int64_t pack_num_blocks(int64_t n) { return (n + kPackBlockN - 1) / kPackBlockN; }
+// bf16 elements of one packed block of a weight with K inputs.
+inline int64_t pack_block_elems(int64_t k) { return pack_k_pairs(k) * 2 * kPackBlockN; }
+
+// Register tile limits: rows x (2 zmm per block) accumulators stay within 24 of the 32 zmm.
+constexpr int kTileMaxRows = 6;
+constexpr int kTileMaxBlocks = 4;
+inline int tile_max_blocks(int rows) { return std::min(kTileMaxBlocks, 12 / std::max(rows, 1)); }
+
+// One register tile:  c[r][32*i + j] (+)= sum_{kp < k_pairs} a_rows[r][2kp + t] * b_blocks[i][kp][j][t]
+// for r < rows <= 6, i < num_blocks <= tile_max_blocks(rows), j < 32, t < 2.
+// a_rows[r] points at 2*k_pairs readable bf16; b_blocks[i] at the first k-pair to use of a packed
+// block; c is fp32 with row stride ldc; `accumulate` adds to c instead of overwriting it.
+// `isa` picks the path: vdpbf16ps (avx512_bf16+), fp32 FMA on widened bf16 (avx512), scalar.
+void tile_gemm(Isa isa, int rows, int num_blocks, const bf16_t* const* a_rows,
+               const bf16_t* const* b_blocks, int64_t k_pairs, float* c, int64_t ldc,
+               bool accumulate);
+
+// Epilogue helpers (vectorized per isa):
+// dst[i] = bf16(src[i]) for i < n.
+void store_row_bf16(Isa isa, const float* src, bf16_t* dst, int64_t n);
+// dst[i] = bf16(silu(gate[i]) * up[i]) for i < n.
+void silu_mul_row_bf16(Isa isa, const float* gate, const float* up, bf16_t* dst, int64_t n);
+// dst[i] += alpha * src[i] for i < n.
+void axpy_row_f32(Isa isa, float alpha, const float* src, float* dst, int64_t n);
+
+// Per-thread fp32 scratch of at least `floats` elements (grows, never shrinks; 64-byte aligned).
+float* thread_scratch_f32(int64_t floats);
+
+}  // namespace duet

@@ -1,0 +1,184 @@
+// Fused routed-expert MoE in bf16: out[t] = sum_k w[t,k] * W2_e (silu(G_e x_t) * (U_e x_t)),
+// e = id[t,k] - expert_offset, over the experts held here (others contribute nothing).
+//
+// NOTE: the three stages.
+// 1. Sort: a counting sort groups the (token, k) pairs by local expert (token order inside an
+//    expert, so results are deterministic). Tiles address activations through row pointers, so
+//    no gathered copy of x and no padding to a block size is needed.
+// 2. Gate/up: tasks (expert, 32-column block of I) run in parallel across all experts; each
+//    computes a 6-row x (gate block | up block) register tile and writes silu(gate) * up as bf16
+//    into h [rows, I_pad], rows in sorted order (compact).
+// 3. Down: tasks are 64-column panels of the output; a task walks every expert's rows and adds
+//    w[t,k] * (h W2^T) into an fp32 [T, 64] buffer, so the sum over k needs no atomics and is
+//    done in a fixed order, then writes its columns of out as bf16.
+// Decode (1-64 tokens) is the same code: each task streams its weight blocks once.
+#include <pybind11/pybind11.h>
+
+#include <memory>
+#include <stdexcept>
+#include <vector>
+
+#include "common.h"
+#include "cpu_features.h"
+#include "gemm_kernels.h"
+
+namespace py = pybind11;
+
+namespace duet {
+namespace {
+
+constexpr int kDownPanelBlocks = 2;
+
+struct MoeArgs {
+  const bf16_t* x;  // [T, 2 * d_pairs], row stride ldx
+  int64_t num_tokens, ldx, d_pairs;
+  const bf16_t* w13;  // packed [E][2 (gate, up)][ceil(I/32) blocks of K = D]
+  const bf16_t* w2;   // packed [E][ceil(D/32) blocks of K = I]
+  int64_t num_experts, inter, hidden;
+  const float* topk_weights;  // [T, K]
+  const int32_t* topk_ids;    // [T, K] global ids
+  int64_t top_k, expert_offset;
+  bf16_t* out;  // [T, hidden], row stride ldo
+  int64_t ldo;
+};
+
+// Rows of the sorted problem: row i belongs to token tokens[i] with weight weights[i]; the rows of
+// local expert e are [offsets[e], offsets[e+1]).
+struct Routing {
+  std::vector<int64_t> offsets;
+  std::vector<int32_t> tokens;
+  std::vector<float> weights;
+};
+
+Routing sort_by_expert(const MoeArgs& p) {
+  Routing route;
+  route.offsets.assign(p.num_experts + 1, 0);
+  const int64_t pairs = p.num_tokens * p.top_k;
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t e = static_cast<int64_t>(p.topk_ids[i]) - p.expert_offset;
+    if (e >= 0 && e < p.num_experts) ++route.offsets[e + 1];
+  }
+  for (int64_t e = 0; e < p.num_experts; ++e) route.offsets[e + 1] += route.offsets[e];
+  std::vector<int64_t> fill(route.offsets.begin(), route.offsets.end() - 1);
+  route.tokens.resize(route.offsets.back());
+  route.weights.resize(route.offsets.back());
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t e = static_cast<int64_t>(p.topk_ids[i]) - p.expert_offset;
+    if (e < 0 || e >= p.num_experts) continue;
+    route.tokens[fill[e]] = static_cast<int32_t>(i / p.top_k);
+    route.weights[fill[e]++] = p.topk_weights[i];
+  }
+  return route;
+}
+
+// Stage 2: h[row, 32*nb + j] = silu(gate) * up for every row of one expert and one block of I.
+void gate_up_task(Isa isa, const MoeArgs& p, const Routing& route, int64_t e, int64_t nb,
+                  bf16_t* h, int64_t ldh) {
+  alignas(64) float tile[kTileMaxRows * 2 * kPackBlockN];
+  constexpr int64_t ldt = 2 * kPackBlockN;
+  const int64_t block_elems = p.d_pairs * 2 * kPackBlockN;
+  const int64_t inter_blocks = pack_num_blocks(p.inter);
+  const bf16_t* gate = p.w13 + (e * 2 * inter_blocks + nb) * block_elems;
+  const bf16_t* b_blocks[2] = {gate, gate + inter_blocks * block_elems};
+  for (int64_t r0 = route.offsets[e]; r0 < route.offsets[e + 1]; r0 += kTileMaxRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kTileMaxRows, route.offsets[e + 1] - r0));
+    const bf16_t* a_rows[kTileMaxRows];
+    for (int r = 0; r < rows; ++r) a_rows[r] = p.x + route.tokens[r0 + r] * p.ldx;
+    tile_gemm(isa, rows, 2, a_rows, b_blocks, p.d_pairs, tile, ldt, false);
+    for (int r = 0; r < rows; ++r) {
+      silu_mul_row_bf16(isa, tile + r * ldt, tile + r * ldt + kPackBlockN,
+                        h + (r0 + r) * ldh + nb * kPackBlockN, kPackBlockN);
+    }
+  }
+}
+
+// Stage 3: columns [64*panel, 64*panel + 64) of out for every token.
+void down_task(Isa isa, const MoeArgs& p, const Routing& route, int64_t panel, const bf16_t* h,
+               int64_t ldh, float* acc) {
+  alignas(64) float tile[kTileMaxRows * kDownPanelBlocks * kPackBlockN];
+  constexpr int64_t ldt = kDownPanelBlocks * kPackBlockN;
+  const int64_t h_pairs = pack_k_pairs(p.inter);
+  const int64_t block_elems = h_pairs * 2 * kPackBlockN;
+  const int64_t hidden_blocks = pack_num_blocks(p.hidden);
+  const int64_t block = panel * kDownPanelBlocks;
+  const int num_blocks = static_cast<int>(std::min<int64_t>(kDownPanelBlocks, hidden_blocks - block));
+  const int64_t col0 = block * kPackBlockN;
+  const int64_t cols = std::min<int64_t>(num_blocks * kPackBlockN, p.hidden - col0);
+  std::fill(acc, acc + p.num_tokens * ldt, 0.f);
+  for (int64_t e = 0; e < p.num_experts; ++e) {
+    const bf16_t* b_blocks[kDownPanelBlocks];
+    for (int i = 0; i < num_blocks; ++i) {
+      b_blocks[i] = p.w2 + (e * hidden_blocks + block + i) * block_elems;
+    }
+    for (int64_t r0 = route.offsets[e]; r0 < route.offsets[e + 1]; r0 += kTileMaxRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kTileMaxRows, route.offsets[e + 1] - r0));
+      const bf16_t* a_rows[kTileMaxRows];
+      for (int r = 0; r < rows; ++r) a_rows[r] = h + (r0 + r) * ldh;
+      tile_gemm(isa, rows, num_blocks, a_rows, b_blocks, h_pairs, tile, ldt, false);
+      for (int r = 0; r < rows; ++r) {
+        axpy_row_f32(isa, route.weights[r0 + r], tile + r * ldt, acc + route.tokens[r0 + r] * ldt,
+                     cols);
+      }
+    }
+  }
+  for (int64_t t = 0; t < p.num_tokens; ++t) {
+    store_row_bf16(isa, acc + t * ldt, p.out + t * p.ldo + col0, cols);
+  }
+}
+
+void fused_moe_bf16(const MoeArgs& p) {
+  if (p.num_tokens == 0 || p.hidden == 0) return;
+  const Isa isa = active_isa();
+  const Routing route = sort_by_expert(p);
+  const int64_t num_rows = route.offsets.back();
+  const int64_t inter_blocks = pack_num_blocks(p.inter);
+  const int64_t ldh = inter_blocks * kPackBlockN;
+  std::unique_ptr<bf16_t[]> h(new bf16_t[std::max<int64_t>(num_rows * ldh, 1)]);
+
+  std::vector<int64_t> tasks;  // e * inter_blocks + nb, experts with rows only
+  for (int64_t e = 0; e < p.num_experts; ++e) {
+    if (route.offsets[e + 1] == route.offsets[e]) continue;
+    for (int64_t nb = 0; nb < inter_blocks; ++nb) tasks.push_back(e * inter_blocks + nb);
+  }
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t num_panels = (pack_num_blocks(p.hidden) + kDownPanelBlocks - 1) / kDownPanelBlocks;
+  // Dynamic scheduling: experts hold different numbers of rows.
+#pragma omp parallel
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_tasks; ++i) {
+      gate_up_task(isa, p, route, tasks[i] / inter_blocks, tasks[i] % inter_blocks, h.get(), ldh);
+    }
+    float* acc = thread_scratch_f32(p.num_tokens * kDownPanelBlocks * kPackBlockN);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t panel = 0; panel < num_panels; ++panel) {
+      down_task(isa, p, route, panel, h.get(), ldh, acc);
+    }
+  }
+}
+
+}  // namespace
+
+void register_moe(py::module_& m) {
+  m.def(
+      "fused_moe_bf16",
+      [](uintptr_t x, int64_t num_tokens, int64_t ldx, int64_t d_pairs, uintptr_t w13,
+         uintptr_t w2, int64_t num_experts, int64_t inter, int64_t hidden, uintptr_t topk_weights,
+         uintptr_t topk_ids, int64_t top_k, int64_t expert_offset, uintptr_t out, int64_t ldo) {
+        if (num_tokens < 0 || num_experts < 0 || inter < 0 || top_k < 0 ||
+            d_pairs != pack_k_pairs(hidden) || ldx < 2 * d_pairs || ldo < hidden) {
+          throw std::invalid_argument("fused_moe_bf16: bad sizes or strides");
+        }
+        fused_moe_bf16(MoeArgs{reinterpret_cast<const bf16_t*>(x), num_tokens, ldx, d_pairs,
+                               reinterpret_cast<const bf16_t*>(w13),
+                               reinterpret_cast<const bf16_t*>(w2), num_experts, inter, hidden,
+                               reinterpret_cast<const float*>(topk_weights),
+                               reinterpret_cast<const int32_t*>(topk_ids), top_k, expert_offset,
+                               reinterpret_cast<bf16_t*>(out), ldo});
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "Routed experts, bf16 x [T, 2*d_pairs] and out [T, hidden], packed w13/w2 "
+      "(native/_gemm_ops.py), fp32 topk_weights [T, K], int32 topk_ids [T, K].");
+}
+
+}  // namespace duet

@@ -1,0 +1,57 @@
+"""Ops the model calls: torch tensors in and out, dispatched to the C++ kernels in `native._C`
+when the tensors are on the CPU in a dtype the kernel covers, else to the twin of the same name
+in `native.reference` (the oracle in tests and the fallback on other devices).
+
+Every public function here has the signature and contract of its reference twin; see the
+docstrings in `native/reference.py`. Set DUET_NATIVE=0 to force the reference path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from native import reference
+
+try:
+    from native import _C
+except ImportError:  # not built: everything falls back to the reference ops
+    _C = None
+
+_NATIVE_ENABLED = _C is not None and os.environ.get("DUET_NATIVE", "1") != "0"
+
+
+def native_available() -> bool:
+    return _NATIVE_ENABLED
+
+
+def set_native_enabled(enabled: bool) -> None:
+    """Switches every op between the kernels and the reference twins (tests compare both)."""
+    global _NATIVE_ENABLED
+    _NATIVE_ENABLED = bool(enabled) and _C is not None
+
+
+def set_num_threads(num_threads: int) -> None:
+    """Threads used by the kernels (and by torch, for the ops still on the reference path)."""
+    torch.set_num_threads(num_threads)
+    if _C is not None:
+        _C.set_num_threads(num_threads)
+
+
+# Ops not yet backed by a kernel are the reference twins themselves.
+rms_norm = reference.rms_norm
+fused_add_rms_norm = reference.fused_add_rms_norm
+apply_rope = reference.apply_rope
+prepack_linear = reference.prepack_linear
+linear = reference.linear
+silu_and_mul = reference.silu_and_mul
+bmm = reference.bmm
+grouped_topk = reference.grouped_topk
+prepack_experts = reference.prepack_experts
+fused_moe = reference.fused_moe
+extend_attention = reference.extend_attention
+mla_decode = reference.mla_decode
+store_kv_rows = reference.store_kv_rows
+gather_kv_rows = reference.gather_kv_rows
+page_slots = reference.page_slots

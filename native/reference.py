@@ -1,0 +1,252 @@
+"""Plain-torch versions of every op in `native.ops`.
+
+They are the oracle of the kernel tests and the fallback on devices the C++ kernels do not cover.
+They favour clarity over speed; accumulation is fp32, outputs take the input dtype.
+Shapes use: T tokens, B sequences, H heads, D hidden, E experts, K top-k, L kv_lora_rank,
+R rope dim, W = L + R (one cached latent row).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# ---- norms -----------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = x / sqrt(mean(x^2) + eps) * weight.   x: [T, D], weight: [D] -> [T, D]."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """s = x + residual; returns (rms_norm(s), s).   x, residual: [T, D]."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+# ---- rotary embedding ------------------------------------------------------------------------
+
+
+def apply_rope(
+    q_pe: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Interleaved (DeepSeek) rotary embedding: pair (x[2i], x[2i+1]) rotates by angle pos * f_i.
+
+    q_pe: [T, H, R], k_pe: [T, R], positions: [T] int64,
+    cos_sin: [max_pos, R] fp32 holding cos(pos * f_i) in [:, :R/2] and sin in [:, R/2:].
+    Returns new (q_pe, k_pe) of the input dtypes.
+    """
+    half = cos_sin.shape[1] // 2
+    cs = cos_sin[positions.long()]
+    cos, sin = cs[:, :half], cs[:, half:]  # [T, R/2]
+
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        x0, x1 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+        return out.flatten(-2).to(x.dtype)
+
+    return rotate(q_pe, cos[:, None, :], sin[:, None, :]), rotate(k_pe, cos, sin)
+
+
+# ---- dense layers ----------------------------------------------------------------------------
+
+
+def prepack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """Prepares a [N, K] weight for `linear` (the kernels repack; the reference keeps it)."""
+    return weight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y = x @ weight.T.   x: [T, K], weight: [N, K] (as returned by prepack_linear) -> [T, N]."""
+    return F.linear(x, weight.to(x.dtype))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] = [gate | up] -> silu(gate) * up: [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return (F.silu(gate.float()) * up.float()).to(x.dtype)
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched matmul.  a: [N, M, K], b: [N, K, P] -> [N, M, P] (fp32 accumulation)."""
+    return torch.bmm(a.float(), b.float()).to(a.dtype)
+
+
+# ---- MoE -------------------------------------------------------------------------------------
+
+
+def grouped_topk(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    scoring_func: str,
+    topk_method: str,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek routing.   router_logits: [T, E] -> (weights [T, K] fp32, ids [T, K] int32).
+
+    scores = softmax or sigmoid of the logits; choice scores add the correction bias (noaux_tc).
+    Groups are ranked by the sum of their top-2 choice scores (noaux_tc) or their max
+    (group_limited_greedy); only experts of the best `topk_group` groups compete ("greedy" has
+    no groups). Weights are the unbiased scores of the chosen experts, renormalized to sum 1 when
+    `norm_topk_prob`, then multiplied by `routed_scaling_factor`.
+    """
+    logits = router_logits.float()
+    scores = logits.softmax(-1) if scoring_func == "softmax" else logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    num_tokens, num_experts = choice.shape
+    if topk_method != "greedy" and n_group > 1:
+        grouped = choice.view(num_tokens, n_group, num_experts // n_group)
+        if topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        else:
+            group_scores = grouped.max(dim=-1).values
+        group_idx = group_scores.topk(topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(num_tokens, num_experts)
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob and top_k > 1:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids.to(torch.int32)
+
+
+def prepack_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prepares routed-expert weights for `fused_moe` (kernels repack; the reference keeps them).
+
+    w13: [E, 2I, D] ([gate | up] rows per expert), w2: [E, D, I]."""
+    return w13, w2
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_offset: int = 0,
+) -> torch.Tensor:
+    """Routed experts: out[t] = sum_k w[t,k] * expert_{id[t,k]}(x[t]).
+
+    x: [T, D]; w13: [E_local, 2I, D] ([gate | up] rows); w2: [E_local, D, I] (both as returned
+    by prepack_experts);
+    topk_weights: [T, K] fp32; topk_ids: [T, K] int32 global expert ids. Only experts
+    expert_offset .. expert_offset + E_local - 1 are held here; other ids contribute nothing
+    (expert parallelism sums the partial outputs across ranks). Returns [T, D] in x.dtype.
+    """
+    num_local = w13.shape[0]
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    local_ids = topk_ids.long() - expert_offset
+    counts = torch.bincount(local_ids.clamp(0, num_local).flatten(), minlength=num_local + 1)
+    for e in range(num_local):
+        if counts[e] == 0:
+            continue
+        token_idx, slot = torch.nonzero(local_ids == e, as_tuple=True)
+        h = silu_and_mul(linear(x[token_idx], w13[e]))
+        y = linear(h, w2[e]).float()
+        out.index_add_(0, token_idx, y * topk_weights[token_idx, slot, None].float())
+    return out.to(x.dtype)
+
+
+# ---- attention -------------------------------------------------------------------------------
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    new_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Prefill attention over a batch of sequences, each = cached prefix + new tokens.
+
+    q, k: [T, H, Dqk] and v: [T, H, Dv] for the new tokens of all sequences, packed in order;
+    k_prefix: [P, H, Dqk], v_prefix: [P, H, Dv] the prefix rows, packed in the same order;
+    new_lens, prefix_lens: [B] int. A query attends every prefix row of its sequence and the
+    new keys up to its own position (causal). Returns [T, H, Dv] in q.dtype.
+    """
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
+    new_start = prefix_start = 0
+    for new_len, prefix_len in zip(new_lens.tolist(), prefix_lens.tolist(), strict=True):
+        if new_len > 0:
+            qs = q[new_start : new_start + new_len].float().transpose(0, 1)  # [H, n, Dqk]
+            ks = torch.cat(
+                (k_prefix[prefix_start : prefix_start + prefix_len], k[new_start : new_start + new_len])
+            )
+            vs = torch.cat(
+                (v_prefix[prefix_start : prefix_start + prefix_len], v[new_start : new_start + new_len])
+            )
+            scores = qs @ ks.float().permute(1, 2, 0) * sm_scale  # [H, n, prefix + n]
+            causal = torch.ones(new_len, new_len, dtype=torch.bool, device=q.device).tril()
+            mask = torch.cat(
+                (torch.ones(new_len, prefix_len, dtype=torch.bool, device=q.device), causal), dim=1
+            )
+            scores = scores.masked_fill(~mask, float("-inf"))
+            probs = scores.softmax(-1)
+            o = probs @ vs.float().transpose(0, 1)  # [H, n, Dv]
+            out[new_start : new_start + new_len] = o.transpose(0, 1).to(q.dtype)
+        new_start += new_len
+        prefix_start += prefix_len
+    return out
+
+
+def page_slots(page_table_row: torch.Tensor, start: int, end: int, page_size: int) -> torch.Tensor:
+    """Flat cache slots (page * page_size + offset) of token positions [start, end)."""
+    pos = torch.arange(start, end, device=page_table_row.device)
+    return page_table_row[pos // page_size].long() * page_size + pos % page_size
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    kv_lora_rank: int,
+    new_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Absorbed MLA decode over the paged latent cache of one layer.
+
+    q: [B, H, W] (q_nope absorbed into the latent space | roped q_pe);
+    kv_cache: [num_pages, page_size, W]; page_table: [B, max_pages] int32;
+    seq_lens: [B] int32, the context length including the token being decoded;
+    new_rows: [B, W] or None. When given, row b is first stored at position seq_lens[b] - 1
+    (this mutates kv_cache). Keys are the full rows, values their first kv_lora_rank columns.
+    Returns [B, H, kv_lora_rank] in q.dtype (zeros for a sequence of length 0).
+    """
+    page_size = kv_cache.shape[1]
+    flat = kv_cache.view(-1, kv_cache.shape[2])
+    out = torch.zeros(q.shape[0], q.shape[1], kv_lora_rank, dtype=q.dtype, device=q.device)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            continue
+        slots = page_slots(page_table[b], 0, seq_len, page_size)
+        if new_rows is not None:
+            flat[slots[-1]] = new_rows[b].to(flat.dtype)
+        rows = flat[slots].float()  # [S, W]
+        scores = q[b].float() @ rows.T * sm_scale  # [H, S]
+        out[b] = (scores.softmax(-1) @ rows[:, :kv_lora_rank]).to(q.dtype)
+    return out
+
+
+def store_kv_rows(kv_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """kv_cache.view(-1, W)[slots] = rows.   kv_cache: [num_pages, page_size, W] (one layer)."""
+    kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slots.long(), rows.to(kv_cache.dtype))
+
+
+def gather_kv_rows(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows at the given flat slots: [S, W]."""
+    return kv_cache.view(-1, kv_cache.shape[-1]).index_select(0, slots.long())

@@ -1,0 +1,50 @@
+"""Paged KV pool: allocation is all-or-nothing, pages never overlap, rows round-trip."""
+
+import pytest
+import torch
+
+from engine.errors import OutOfPagesError
+from engine.kv_pool import KVPool, PageAllocator
+
+
+def test_allocator_all_or_nothing_and_double_free():
+    alloc = PageAllocator(4)
+    first = alloc.allocate(3)
+    with pytest.raises(OutOfPagesError):
+        alloc.allocate(2)
+    assert alloc.num_free == 1  # the failed request took nothing
+    alloc.free(first)
+    assert alloc.num_free == 4
+    with pytest.raises(ValueError):
+        alloc.free(first)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_rows_round_trip_and_neighbours_untouched(page_size):
+    pool = KVPool(num_layers=2, num_pages=40, page_size=page_size, row_width=5, dtype=torch.float32)
+    a, b = pool.new_table(), pool.new_table()
+    pool.reserve(a, 10)
+    pool.reserve(b, 7)
+    assert not set(a.pages) & set(b.pages)
+    rows_a = torch.randn(2, 10, 5)
+    rows_b = torch.randn(2, 7, 5)
+    pool.write_rows(a, 0, 0, rows_a)
+    pool.write_rows(b, 0, 0, rows_b)
+    pool.write_rows(a, 1, 4, torch.full((1, 3, 5), 7.0))
+    expected = rows_a.clone()
+    expected[1, 4:7] = 7.0
+    assert torch.equal(pool.read_rows(a, 0, 2, 0, 10), expected)
+    assert torch.equal(pool.read_rows(b, 0, 2, 0, 7), rows_b)
+
+
+def test_writes_outside_a_reservation_are_refused():
+    pool = KVPool(num_layers=1, num_pages=8, page_size=4, row_width=3, dtype=torch.float32)
+    table = pool.new_table()
+    pool.reserve(table, 5)  # 2 pages = 8 tokens of capacity
+    with pytest.raises(IndexError):
+        pool.write_rows(table, 0, 6, torch.zeros(1, 3, 3))
+    with pytest.raises(IndexError):
+        pool.write_rows(table, 1, 0, torch.zeros(1, 1, 3))
+    pool.release(table)
+    pool.release(table)  # releasing twice is harmless
+    assert pool.allocator.num_free == 8
