@@ -84,10 +84,13 @@ inline bf16_t from_float<bf16_t>(float v) {
 
 // ---- AVX-512 ---------------------------------------------------------------------------------
 
+// Masks of the first n lanes (n <= 0: none).
 inline __mmask16 mask16(int64_t n) {
+  if (n <= 0) return 0;
   return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
 }
 inline __mmask32 mask32(int64_t n) {
+  if (n <= 0) return 0;
   return n >= 32 ? static_cast<__mmask32>(0xffffffffu) : static_cast<__mmask32>((1u << n) - 1u);
 }
 

@@ -14,6 +14,8 @@ void register_topk(py::module_& m);
 void register_membw(py::module_& m);
 void register_gemm(py::module_& m);  // gemm.cpp (linear_bf16)
 void register_moe(py::module_& m);   // moe.cpp (fused_moe_bf16)
+void register_extend_attention(py::module_& m);  // extend_attention.cpp
+void register_mla_decode(py::module_& m);        // mla_decode.cpp
 }  // namespace duet
 
 PYBIND11_MODULE(_C, m) {
@@ -26,4 +28,6 @@ PYBIND11_MODULE(_C, m) {
   duet::register_membw(m);
   duet::register_gemm(m);
   duet::register_moe(m);
+  duet::register_extend_attention(m);
+  duet::register_mla_decode(m);
 }

@@ -1,0 +1,225 @@
+"""Cluster config: one TOML file read by the router and every node's launch script.
+
+    model = ""                # checkpoint dir; empty = the built-in tiny model
+    dtype = "bfloat16"
+    [sla]       ttft_ms = 1000, tpot_ms = 50
+    [router]    host, port (HTTP), control_port (ZeroMQ PULL for node messages), limits
+    [timeouts]  reserve_s, prefill_queue_s, transfer_s, decode_s, heartbeat_s, node_timeout_s
+    [[prefill]] name, host, control_port, threads, page_size, chunk_size, replicas, device
+    [[decode]]  name, host, control_port, kv_port, threads, page_size, num_pages, max_batch,
+                ranks, replicas, device
+
+The xPyD ratio is the number of [[prefill]] and [[decode]] entries after `replicas` expansion
+(replica i of "p" is named "p-i" and takes ports + i). Everything is validated here, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ConfigError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+
+@dataclass(frozen=True)
+class SlaConfig:
+    ttft_ms: float = 1000.0
+    tpot_ms: float = 50.0
+
+
+@dataclass(frozen=True)
+class TimeoutConfig:
+    reserve_s: float = 10.0  # router waits this long for a decode node's ReserveReply
+    prefill_queue_s: float = 60.0  # a request may wait this long in a prefill queue
+    transfer_s: float = 60.0  # decode waits this long for the whole KV after reserving
+    decode_s: float = 600.0  # a request may decode this long in total
+    heartbeat_s: float = 0.5  # nodes send a heartbeat this often
+    node_timeout_s: float = 5.0  # a node silent this long is dead
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    control_port: int = 7000
+    max_queued_requests: int = 512  # beyond this many unfinished requests: 503
+    max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
+
+    @property
+    def control_endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.control_port}"
+
+
+@dataclass(frozen=True)
+class PrefillNodeConfig:
+    name: str
+    host: str = "127.0.0.1"
+    control_port: int = 7100
+    device: str = "cpu"
+    threads: int = 1
+    page_size: int = 16
+    chunk_size: int = 256
+    num_pages: int = 4096
+    max_batch_tokens: int = 512  # token budget of one prefill forward (chunks of several requests)
+
+    @property
+    def control_endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.control_port}"
+
+
+@dataclass(frozen=True)
+class DecodeNodeConfig:
+    name: str
+    host: str = "127.0.0.1"
+    control_port: int = 7200
+    kv_port: int = 7300
+    device: str = "cpu"
+    threads: int = 1
+    page_size: int = 16
+    num_pages: int = 4096
+    max_batch: int = 64  # running requests per rank
+    ranks: int = 1
+
+    @property
+    def control_endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.control_port}"
+
+    @property
+    def kv_endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.kv_port}"
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model: str = ""
+    dtype: str = "bfloat16"
+    sla: SlaConfig = field(default_factory=SlaConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    prefill: tuple[PrefillNodeConfig, ...] = ()
+    decode: tuple[DecodeNodeConfig, ...] = ()
+
+    @property
+    def ratio(self) -> str:
+        return f"{len(self.prefill)}P{len(self.decode)}D"
+
+    def node(self, name: str) -> PrefillNodeConfig | DecodeNodeConfig:
+        for node in (*self.prefill, *self.decode):
+            if node.name == name:
+                return node
+        names = ", ".join(n.name for n in (*self.prefill, *self.decode))
+        raise ConfigError(f"no node named {name!r} in the cluster config (nodes: {names})")
+
+    def with_model(self, model: str) -> ClusterConfig:
+        return dataclasses.replace(self, model=model)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ClusterConfig:
+        path = Path(path)
+        try:
+            raw = tomllib.loads(path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read the cluster config ({exc.strerror})") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML ({exc})") from None
+        try:
+            return cls.from_dict(raw)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ClusterConfig:
+        _check_keys("top level", raw, {"model", "dtype", "sla", "router", "timeouts", "prefill", "decode"})
+        cfg = cls(
+            model=str(raw.get("model", "")),
+            dtype=raw.get("dtype", "bfloat16"),
+            sla=_section(SlaConfig, "sla", raw.get("sla", {})),
+            router=_section(RouterConfig, "router", raw.get("router", {})),
+            timeouts=_section(TimeoutConfig, "timeouts", raw.get("timeouts", {})),
+            prefill=_nodes(PrefillNodeConfig, "prefill", raw.get("prefill", [])),
+            decode=_nodes(DecodeNodeConfig, "decode", raw.get("decode", [])),
+        )
+        _validate(cfg)
+        return cfg
+
+
+def _check_keys(where: str, raw: dict[str, Any], allowed: set[str]) -> None:
+    unknown = set(raw) - allowed
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)} (allowed: {sorted(allowed)})")
+
+
+def _section(cls, where: str, raw: Any):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{where}] must be a table")
+    fields_ = {f.name: f for f in dataclasses.fields(cls)}
+    _check_keys(f"[{where}]", raw, set(fields_))
+    values = {}
+    for name, value in raw.items():
+        default = fields_[name].default
+        kind = type(default) if default is not dataclasses.MISSING else str
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or isinstance(value, bool) != (kind is bool):
+            raise ConfigError(f"[{where}] {name} must be {kind.__name__}, got {value!r}")
+        values[name] = value
+    return cls(**values)
+
+
+def _nodes(cls, role: str, raw: Any) -> tuple:
+    if not isinstance(raw, list):
+        raise ConfigError(f"[[{role}]] must be an array of tables")
+    nodes = []
+    for i, entry in enumerate(raw):
+        if not isinstance(entry, dict):
+            raise ConfigError(f"[[{role}]] entry {i} must be a table")
+        entry = dict(entry)
+        replicas = entry.pop("replicas", 1)
+        if not isinstance(replicas, int) or replicas < 1:
+            raise ConfigError(f"[[{role}]] entry {i}: replicas must be a positive int")
+        entry.setdefault("name", f"{role}-{i}")
+        base = _section(cls, f"{role}.{entry['name']}", entry)
+        if replicas == 1:
+            nodes.append(base)
+            continue
+        for r in range(replicas):
+            ports = {f.name: getattr(base, f.name) + r for f in dataclasses.fields(cls) if f.name.endswith("_port")}
+            nodes.append(dataclasses.replace(base, name=f"{base.name}-{r}", **ports))
+    return tuple(nodes)
+
+
+def _validate(cfg: ClusterConfig) -> None:
+    if cfg.dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"dtype must be float32 or bfloat16, got {cfg.dtype!r}")
+    if not cfg.prefill or not cfg.decode:
+        raise ConfigError("a cluster needs at least one [[prefill]] and one [[decode]] node")
+    names = [n.name for n in (*cfg.prefill, *cfg.decode)]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"node names must be unique, got {names}")
+    endpoints = [(cfg.router.host, cfg.router.port), (cfg.router.host, cfg.router.control_port)]
+    for node in cfg.prefill:
+        endpoints.append((node.host, node.control_port))
+    for node in cfg.decode:
+        endpoints += [(node.host, node.control_port), (node.host, node.kv_port)]
+    if len(set(endpoints)) != len(endpoints):
+        raise ConfigError("two sockets of the cluster share a host:port")
+    for node in (*cfg.prefill, *cfg.decode):
+        if node.threads < 1 or node.page_size < 1 or node.num_pages < 1:
+            raise ConfigError(f"node {node.name}: threads, page_size and num_pages must be >= 1")
+        if node.device not in ("cpu", "cuda") and not node.device.startswith("cuda:"):
+            raise ConfigError(f"node {node.name}: unsupported device {node.device!r}")
+    for node in cfg.decode:
+        if node.ranks < 1 or node.max_batch < 1:
+            raise ConfigError(f"node {node.name}: ranks and max_batch must be >= 1")
+    for node in cfg.prefill:
+        if node.chunk_size < 1 or node.max_batch_tokens < node.chunk_size:
+            raise ConfigError(f"node {node.name}: need 1 <= chunk_size <= max_batch_tokens")
+    if cfg.sla.ttft_ms <= 0 or cfg.sla.tpot_ms <= 0:
+        raise ConfigError("[sla] ttft_ms and tpot_ms must be positive")

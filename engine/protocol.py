@@ -1,0 +1,242 @@
+"""Control-plane messages between the router and the prefill/decode nodes (msgpack, no pickle).
+
+Bulk KV rows do not travel here (see `kvtransfer.wire`). Every message is a frozen dataclass;
+`encode` packs it as a msgpack map with a "type" key, `decode` validates the field names and
+types and raises `ProtocolError` for anything else, so a bad frame never reaches a loop.
+
+Links (each a ZeroMQ PUSH -> PULL; the receiver binds):
+  router -> decode:  Reserve, Abort, Shutdown
+  router -> prefill: Prefill, Abort, Shutdown
+  decode -> router:  NodeReady, NodeFailed, Heartbeat, ReserveReply, Tokens, RequestError
+  prefill -> router: NodeReady, NodeFailed, Heartbeat, FirstToken, RequestError
+  prefill -> decode KV traffic goes through kvtransfer, never through the router.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from engine.sampling import SamplingParams
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a prompt of a few million token ids at most
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid control message."""
+
+
+# ---- lifecycle (node -> router) ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeReady:
+    """A node finished loading and listens. `info` holds role-specific facts: for a decode node
+    `kv_endpoint`, `num_pages`, `page_size`, `ranks`; for both `fingerprint`, `dtype`."""
+
+    node: str
+    role: str  # "prefill" | "decode"
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NodeFailed:
+    """A node could not start or hit a fatal error; the router fails its requests at once."""
+
+    node: str
+    role: str
+    error: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Sent every heartbeat interval; a node silent for `node_timeout_s` is declared dead."""
+
+    node: str
+    role: str
+    queued_tokens: int = 0  # prefill: prompt tokens waiting or in progress
+    num_waiting: int = 0
+    num_running: int = 0
+    free_pages: int = 0  # decode
+    total_pages: int = 0  # decode
+    page_size: int = 0  # decode
+    kv_bytes_sent: int = 0  # prefill, cumulative
+    kv_bytes_received: int = 0  # decode, cumulative
+    kv_chunks_dropped: int = 0  # decode, cumulative
+    stage_ms: dict[str, float] = field(default_factory=dict)  # recent per-stage latencies
+
+
+# ---- request flow ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """Router -> decode: reserve pages for a prompt of `prompt_len` tokens (admission control).
+    The decode node answers ReserveReply; on success it expects the KV under (request_id, room)
+    until `timeout_s` from now, then fails the request (stage "transfer")."""
+
+    request_id: str
+    room: int
+    prompt_len: int
+    sampling: dict[str, Any]  # SamplingParams fields
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class ReserveReply:
+    request_id: str
+    ok: bool
+    kv_endpoint: str = ""
+    rank: int = 0
+    reason: str = ""  # why it was refused (no pages, too many requests, shutting down)
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Router -> prefill: run the prompt and stream its KV to `kv_endpoint` under (id, room)."""
+
+    request_id: str
+    room: int
+    token_ids: list[int]
+    sampling: dict[str, Any]
+    kv_endpoint: str
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """Prefill -> router: the token sampled after the prompt (the client's first token)."""
+
+    request_id: str
+    token: int
+    prompt_len: int
+    stage_ms: dict[str, float] = field(default_factory=dict)  # queue, prefill, transfer
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Decode -> router: newly generated tokens; `finish_reason` set on the last message."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | None while running
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """Either node -> router: the request failed at `stage` (reserve, prefill_queue, prefill,
+    transfer, decode); the node has already freed everything it held for it."""
+
+    request_id: str
+    stage: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Router -> nodes: drop the request and free its pages (client gone, stop string hit)."""
+
+    request_id: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    reason: str = ""
+
+
+MESSAGE_TYPES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        NodeReady,
+        NodeFailed,
+        Heartbeat,
+        Reserve,
+        ReserveReply,
+        Prefill,
+        FirstToken,
+        Tokens,
+        RequestError,
+        Abort,
+        Shutdown,
+    )
+}
+
+
+def sampling_to_dict(params: SamplingParams) -> dict[str, Any]:
+    out = dataclasses.asdict(params)
+    out["stop_token_ids"] = list(params.stop_token_ids)
+    return out
+
+
+def sampling_from_dict(raw: dict[str, Any]) -> SamplingParams:
+    """Raises InvalidRequestError / ProtocolError for bad values."""
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = set(raw) - names
+    if unknown:
+        raise ProtocolError(f"unknown sampling fields {sorted(unknown)}")
+    raw = dict(raw)
+    raw["stop_token_ids"] = tuple(raw.get("stop_token_ids", ()))
+    return SamplingParams(**raw)
+
+
+def encode(msg: Any) -> bytes:
+    name = type(msg).__name__
+    if MESSAGE_TYPES.get(name) is not type(msg):
+        raise TypeError(f"not a protocol message: {msg!r}")
+    body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    return msgpack.packb({"type": name, **body}, use_bin_type=True)
+
+
+def _type_ok(value: Any, annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if annotation is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, arg) for arg in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(isinstance(k, str) for k in value)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, annotation)
+
+
+def decode(frame: bytes) -> Any:
+    """bytes -> message dataclass; ProtocolError for anything malformed."""
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        raw = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"not msgpack: {exc}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
+        raise ProtocolError("a message must be a map with a 'type'")
+    cls = MESSAGE_TYPES.get(raw.pop("type"))
+    if cls is None:
+        raise ProtocolError("unknown message type")
+    hints = typing.get_type_hints(cls)
+    fields_ = {f.name: f for f in dataclasses.fields(cls)}
+    if set(raw) - set(fields_):
+        raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(set(raw) - set(fields_))}")
+    for name, f in fields_.items():
+        if name not in raw:
+            has_default = f.default is not dataclasses.MISSING or (
+                f.default_factory is not dataclasses.MISSING
+            )
+            if not has_default:
+                raise ProtocolError(f"{cls.__name__}: missing field '{name}'")
+        elif not _type_ok(raw[name], hints[name]):
+            raise ProtocolError(f"{cls.__name__}: field '{name}' has the wrong type")
+    return cls(**raw)

@@ -1,0 +1,127 @@
+"""Wire format: round trips, and every kind of bad header rejected with a one-line WireError."""
+
+import zlib
+
+import msgpack
+import pytest
+import torch
+
+from kvtransfer.wire import (
+    PROTOCOL_VERSION,
+    Hello,
+    HelloAck,
+    KVAbort,
+    KVChunk,
+    KVDone,
+    Rendezvous,
+    WireError,
+    build_chunk,
+    decode,
+    encode,
+    fingerprint_mismatch,
+    make_fingerprint,
+    payload_rows,
+)
+
+RDV = Rendezvous("req-7", (1 << 64) - 1)
+
+
+def _chunk_head(**overrides):
+    head = {
+        "v": PROTOCOL_VERSION, "kind": "kv_chunk", "rid": "req-7", "room": 5, "seq": 0,
+        "l0": 0, "l1": 2, "t0": 3, "t1": 7, "dtype": "bfloat16", "w": 8, "len": 2 * 4 * 8 * 2,
+        "crc": 0,
+    }  # fmt: skip
+    head.update(overrides)
+    return {k: v for k, v in head.items() if v is not ...}
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        Hello("prefill-0", {"model.x": 1, "dtype": "bfloat16", "f": 0.5, "b": True, "n": None}),
+        HelloAck(False, {"row_width": 576}, "fingerprint field 'row_width' differs"),
+        KVChunk(RDV, 3, 0, 27, 256, 512, "bfloat16", 576, 27 * 256 * 576 * 2, 0xDEADBEEF),
+        KVDone(RDV, 9, 2048, 151_000),
+        KVAbort(RDV, 2, "client went away"),
+    ],
+)
+def test_round_trip(msg):
+    assert decode(encode(msg)) == msg
+
+
+def test_build_chunk_matches_rows():
+    rows = torch.randn(3, 5, 8).to(torch.bfloat16)
+    chunk, payload = build_chunk(RDV, 4, 1, 10, rows[:, :, :])
+    assert (chunk.layer_start, chunk.layer_end, chunk.token_start, chunk.token_end) == (1, 4, 10, 15)
+    assert chunk.payload_len == rows.numel() * 2 == len(payload)
+    assert chunk.checksum == zlib.crc32(rows.view(torch.uint8).numpy().tobytes())
+    assert decode(encode(chunk)) == chunk
+    assert torch.equal(payload_rows(chunk, bytes(payload)), rows)  # read-only buffers work too
+
+
+def test_build_chunk_of_non_contiguous_rows():
+    full = torch.randn(4, 6, 8)
+    chunk, payload = build_chunk(RDV, 0, 0, 2, full[1:3, 2:5])
+    assert torch.equal(payload_rows(chunk, payload), full[1:3, 2:5])
+
+
+BAD_HEADERS = {
+    "not msgpack": b"\xc1\xc1garbage",
+    "not a map": msgpack.packb([1, 2, 3]),
+    "empty": b"",
+    "too big": msgpack.packb({"v": 1, "kind": "hello", "sender": "x" * 70000, "fp": {}}),
+    "unknown kind": msgpack.packb(_chunk_head(kind="kv_teleport")),
+    "missing field": msgpack.packb(_chunk_head(crc=...)),
+    "extra field": msgpack.packb(_chunk_head(extra=1)),
+    "bool as int": msgpack.packb(_chunk_head(seq=True)),
+    "str as int": msgpack.packb(_chunk_head(l0="0")),
+    "negative token": msgpack.packb(_chunk_head(t0=-1)),
+    "negative room": msgpack.packb(_chunk_head(room=-5)),
+    "empty layer range": msgpack.packb(_chunk_head(l0=2, l1=2, len=0)),
+    "reversed tokens": msgpack.packb(_chunk_head(t0=7, t1=3)),
+    "unknown dtype": msgpack.packb(_chunk_head(dtype="complex64")),
+    "zero width": msgpack.packb(_chunk_head(w=0, len=0)),
+    "length not the shape": msgpack.packb(_chunk_head(len=129)),
+    "empty request id": msgpack.packb(_chunk_head(rid="")),
+    "bytes request id": msgpack.packb(_chunk_head(rid=b"req"), use_bin_type=True),
+    "token id too big": msgpack.packb(
+        {"v": 1, "kind": "kv_done", "rid": "r", "room": 1, "seq": 0, "num_tokens": 4,
+         "first_token": 1 << 40}
+    ),  # fmt: skip
+    "zero tokens done": msgpack.packb(
+        {"v": 1, "kind": "kv_done", "rid": "r", "room": 1, "seq": 0, "num_tokens": 0,
+         "first_token": 1}
+    ),  # fmt: skip
+    "fingerprint not a map": msgpack.packb({"v": 1, "kind": "hello", "sender": "p", "fp": [1]}),
+    "fingerprint nested": msgpack.packb(
+        {"v": 1, "kind": "hello", "sender": "p", "fp": {"a": {"b": 1}}}
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_HEADERS))
+def test_bad_header_rejected(name):
+    with pytest.raises(WireError) as err:
+        decode(BAD_HEADERS[name])
+    assert "\n" not in str(err.value)
+
+
+def test_other_protocol_version_named():
+    with pytest.raises(WireError, match="^protocol version 2"):
+        decode(msgpack.packb(_chunk_head(v=2)))
+
+
+def test_valid_hand_made_chunk_header():
+    assert decode(msgpack.packb(_chunk_head())).num_tokens == 4
+
+
+def test_fingerprint_mismatch_names_the_field():
+    a = make_fingerprint({"model_type": "deepseek_v2"}, 27, 576, torch.bfloat16)
+    assert fingerprint_mismatch(a, dict(a)) is None
+    b = make_fingerprint({"model_type": "deepseek_v2"}, 27, 576, torch.float16)
+    assert "'dtype'" in fingerprint_mismatch(a, b)
+    c = make_fingerprint({"model_type": "deepseek_v3"}, 27, 576, torch.bfloat16)
+    assert "'model.model_type'" in fingerprint_mismatch(a, c)
+    d = dict(a, extra=1)
+    assert "'extra'" in fingerprint_mismatch(a, d)
