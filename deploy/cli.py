@@ -51,6 +51,10 @@ def _run_generate(args) -> int:
 
     if args.threads:
         ops.set_num_threads(args.threads)
+    from engine.errors import InvalidRequestError
+
+    if args.prompt == "":
+        raise InvalidRequestError("the prompt is empty")
     model_dir = args.model or str(ensure_tiny_model())
     tokenizer = Tokenizer(model_dir)
     prompt_ids = args.prompt_ids if args.prompt is None else tokenizer.encode_prompt(args.prompt)

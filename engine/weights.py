@@ -64,32 +64,31 @@ def load_checkpoint(
         WeightLoadError: missing/corrupt file, missing or mis-shaped tensor, unsupported dtype.
     """
     model_dir = Path(model_dir)
-    weight_map, where = _weight_map(model_dir)
-    for name in expected:
-        if name not in weight_map:
-            raise WeightLoadError(f"tensor '{name}' is missing from {where}")
+    weight_map = _weight_map(model_dir)
+    if weight_map is not None:
+        for name in expected:
+            if name not in weight_map:
+                raise WeightLoadError(f"tensor '{name}' is missing from {model_dir / INDEX_FILE}")
 
     out: dict[str, torch.Tensor] = {}
     bar = tqdm(
         total=len(expected),
         desc=f"loading {model_dir.name}",
         unit="tensor",
-        file=None,  # stderr
         disable=True if not progress else None,  # None: tqdm turns itself off off a tty
         leave=False,
     )
     with ExitStack() as stack, bar:
-        files = _FileCache(model_dir, stack)
-        # Read shard by shard so each file's pages are touched together.
-        for name in sorted(expected, key=lambda n: (weight_map[n], n)):
-            tensor = _load_one(files, weight_map, name, expected[name], dtype, fp8_block)
-            out[name] = tensor
+        files = _FileCache(model_dir, weight_map, stack)
+        # Read shard by shard (a stable sort keeps checkpoint order within a shard).
+        for name in sorted(expected, key=files.file_of):
+            out[name] = _load_one(files, name, expected[name], dtype, fp8_block)
             bar.update(1)
     return {name: out[name] for name in expected}
 
 
-def _weight_map(model_dir: Path) -> tuple[dict[str, str], str]:
-    """Tensor name -> file name, and a description of where the map came from (for errors)."""
+def _weight_map(model_dir: Path) -> dict[str, str] | None:
+    """Tensor name -> shard file name from the index; None for a single-file checkpoint."""
     index_path = model_dir / INDEX_FILE
     single_path = model_dir / SINGLE_FILE
     if index_path.is_file():
@@ -100,57 +99,55 @@ def _weight_map(model_dir: Path) -> tuple[dict[str, str], str]:
                 raise TypeError("weight_map is not an object")
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
             raise WeightLoadError(f"{index_path}: unreadable index ({exc})") from None
-        return {str(k): str(v) for k, v in weight_map.items()}, str(index_path)
+        return {str(k): str(v) for k, v in weight_map.items()}
     if single_path.is_file():
-        names = _FileCache.open_names(single_path)
-        return dict.fromkeys(names, SINGLE_FILE), str(single_path)
+        return None
     raise WeightLoadError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE} in the model directory")
 
 
 class _FileCache:
-    """Opens each safetensors file once, lazily, and closes all of them with the ExitStack."""
+    """Finds the file of each tensor and opens each file once, lazily; the ExitStack closes them."""
 
-    def __init__(self, model_dir: Path, stack: ExitStack):
+    def __init__(self, model_dir: Path, weight_map: dict[str, str] | None, stack: ExitStack):
         self._dir = model_dir
+        self._map = weight_map
         self._stack = stack
         self._open: dict[str, object] = {}
         self._names: dict[str, set[str]] = {}
 
-    @staticmethod
-    def open_names(path: Path) -> list[str]:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                return list(f.keys())
-        except Exception as exc:  # safetensors raises its own error types, and OSError
-            raise WeightLoadError(f"{path}: corrupt or unreadable safetensors file ({exc})") from None
+    def file_of(self, tensor: str) -> str:
+        return SINGLE_FILE if self._map is None else self._map.get(tensor, "")
 
-    def get(self, file_name: str, tensor: str):
+    def path_of(self, tensor: str) -> Path:
+        return self._dir / self.file_of(tensor)
+
+    def handle(self, tensor: str):
+        """The open safe_open handle holding `tensor` (WeightLoadError if it has none)."""
+        file_name, path = self.file_of(tensor), self.path_of(tensor)
+        if not file_name:
+            raise WeightLoadError(f"tensor '{tensor}' is missing from {self._dir / INDEX_FILE}")
         if file_name not in self._open:
-            path = self._dir / file_name
             if not path.is_file():
                 raise WeightLoadError(
                     f"tensor '{tensor}': shard {path} named by the index does not exist"
                 )
             try:
                 handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
-            except Exception as exc:
+                names = set(handle.keys())
+            except Exception as exc:  # safetensors raises its own error types, and OSError
                 raise WeightLoadError(
-                    f"{path}: corrupt or unreadable safetensors file ({exc})"
+                    f"tensor '{tensor}': {path} is a corrupt or unreadable safetensors file ({exc})"
                 ) from None
-            self._open[file_name] = handle
-            self._names[file_name] = set(handle.keys())
+            self._open[file_name], self._names[file_name] = handle, names
         if tensor not in self._names[file_name]:
-            raise WeightLoadError(
-                f"tensor '{tensor}' is missing from {self._dir / file_name} (the index names it)"
-            )
+            raise WeightLoadError(f"tensor '{tensor}' is missing from {path}")
         return self._open[file_name]
 
 
-def _read(files: _FileCache, weight_map: dict[str, str], name: str) -> tuple[torch.Tensor, str]:
+def _read(files: _FileCache, name: str) -> tuple[torch.Tensor, Path]:
     """The raw tensor `name` and the path of its file (for messages)."""
-    file_name = weight_map[name]
-    path = files._dir / file_name
-    handle = files.get(file_name, name)
+    handle = files.handle(name)
+    path = files.path_of(name)
     try:
         dtype = handle.get_slice(name).get_dtype()
         if dtype not in _FLOAT_DTYPES and dtype != _FP8_DTYPE:
@@ -158,7 +155,7 @@ def _read(files: _FileCache, weight_map: dict[str, str], name: str) -> tuple[tor
                 f"tensor '{name}' in {path}: unsupported dtype {dtype} "
                 "(supported: BF16, F16, F32, F8_E4M3 with a scale)"
             )
-        return handle.get_tensor(name), str(path)
+        return handle.get_tensor(name), path
     except WeightLoadError:
         raise
     except Exception as exc:
@@ -167,13 +164,12 @@ def _read(files: _FileCache, weight_map: dict[str, str], name: str) -> tuple[tor
 
 def _load_one(
     files: _FileCache,
-    weight_map: dict[str, str],
     name: str,
     shape: tuple[int, ...],
     dtype: torch.dtype,
     fp8_block: tuple[int, int] | None,
 ) -> torch.Tensor:
-    raw, path = _read(files, weight_map, name)
+    raw, path = _read(files, name)
     if tuple(raw.shape) != tuple(shape):
         raise WeightLoadError(
             f"tensor '{name}' in {path}: expected shape {list(shape)}, got {list(raw.shape)}"
@@ -190,9 +186,7 @@ def _load_one(
         )
     if raw.dim() != 2:
         raise WeightLoadError(f"tensor '{name}' in {path}: FP8 tensors must be 2-D")
-    if scale_name not in weight_map:
-        raise WeightLoadError(f"tensor '{scale_name}' (scale of FP8 '{name}') is missing from {path}")
-    scale, scale_path = _read(files, weight_map, scale_name)
+    scale, scale_path = _read(files, scale_name)
     blocks = (math.ceil(raw.shape[0] / fp8_block[0]), math.ceil(raw.shape[1] / fp8_block[1]))
     if tuple(scale.shape) != blocks:
         raise WeightLoadError(

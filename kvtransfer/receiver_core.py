@@ -57,6 +57,8 @@ class ReceiverCore(KVReceiver):
             raise ValueError("fingerprint dtype does not match the pool's dtype")
         if fingerprint.get("row_width") != pool.row_width:
             raise ValueError("fingerprint row_width does not match the pool's row width")
+        if fingerprint.get("num_layers") != pool.num_layers:
+            raise ValueError("fingerprint num_layers does not match the pool's layers")
         self.pool = pool
         self.fingerprint = fingerprint
         self._dtype_name = DTYPE_NAMES[pool.dtype]
@@ -110,16 +112,17 @@ class ReceiverCore(KVReceiver):
         return True
 
     def poll(self, timeout: float = 0.0) -> list[TransferEvent]:
-        self._expire(time.monotonic())
-        with self._lock:
-            if not self._events and timeout > 0:
-                self._has_events.wait(timeout)
-            events, self._events = self._events, []
-        if not events and timeout > 0:
-            self._expire(time.monotonic())
+        end = time.monotonic() + timeout
+        while True:
+            now = time.monotonic()
+            self._expire(now)
             with self._lock:
-                events, self._events = self._events, []
-        return events
+                if self._events or now >= end:
+                    events, self._events = self._events, []
+                    return events
+                # Sleep until an event, the caller's timeout, or the next deadline to expire.
+                wake = min([end] + [e.deadline for e in self._expected.values()])
+                self._has_events.wait(max(0.0, wake - now) + 1e-3)
 
     def stats(self) -> ReceiverStats:
         with self._lock:
@@ -203,7 +206,7 @@ class ReceiverCore(KVReceiver):
             reason = self._check_chunk(exp, chunk, payload)
             if reason:
                 return self._drop(reason, chunk.rendezvous, exp)
-            rows = payload_rows(chunk, payload)
+            rows = payload_rows(chunk, payload).to(self.pool.buffer.device)  # no-op on CPU
             self.pool.write_rows(exp.table, chunk.layer_start, chunk.token_start, rows)
             exp.covered[
                 chunk.layer_start : chunk.layer_end, chunk.token_start : chunk.token_end

@@ -265,26 +265,13 @@ def _rdv(r: Rendezvous) -> dict[str, Any]:
 
 # ---- decode -------------------------------------------------------------------------------
 
+_RDV_KEYS = {"v", "kind", "rid", "room", "seq"}
 _KEYS = {
     "hello": {"v", "kind", "sender", "fp"},
     "hello_ack": {"v", "kind", "ok", "fp", "error"},
-    "kv_chunk": {
-        "v",
-        "kind",
-        "rid",
-        "room",
-        "seq",
-        "l0",
-        "l1",
-        "t0",
-        "t1",
-        "dtype",
-        "w",
-        "len",
-        "crc",
-    },
-    "kv_done": {"v", "kind", "rid", "room", "seq", "num_tokens", "first_token"},
-    "kv_abort": {"v", "kind", "rid", "room", "seq", "reason"},
+    "kv_chunk": _RDV_KEYS | {"l0", "l1", "t0", "t1", "dtype", "w", "len", "crc"},
+    "kv_done": _RDV_KEYS | {"num_tokens", "first_token"},
+    "kv_abort": _RDV_KEYS | {"reason"},
 }
 
 
@@ -306,7 +293,7 @@ def decode(frame: Any) -> Message:
     if version != PROTOCOL_VERSION:
         raise WireError(f"protocol version {version} (expected {PROTOCOL_VERSION})")
     kind = head.get("kind")
-    if kind not in _KEYS:
+    if not isinstance(kind, str) or kind not in _KEYS:
         raise WireError(f"unknown message kind {kind!r}")
     if set(head) != _KEYS[kind]:
         extra, missing = set(head) - _KEYS[kind], _KEYS[kind] - set(head)
@@ -341,7 +328,7 @@ def _decode_chunk(head: dict[str, Any], rdv: Rendezvous, seq: int) -> KVChunk:
     if t0 >= t1:
         raise WireError(f"kv_chunk: empty token range [{t0}, {t1})")
     dtype = head["dtype"]
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise WireError(f"kv_chunk: unknown dtype {dtype!r}")
     width = _int(head, "w", 1, MAX_ROW_WIDTH)
     length = _int(head, "len", 0, MAX_PAYLOAD_BYTES)

@@ -183,9 +183,11 @@ class ZmqSender(SenderCore):
             self._queue.put(item, timeout=self._send_timeout)
         except queue.Full:
             self._done_one()
-            raise KVTransferError(
-                f"KV send queue to {self.endpoint} full for {self._send_timeout:g}s"
-            ) from None
+            if self._error is None:  # no progress for send_timeout: as broken as a failed send
+                self._error = KVTransferError(
+                    f"KV send queue to {self.endpoint} full for {self._send_timeout:g}s"
+                )
+            raise self._error from None
 
     def flush(self, timeout: float) -> None:
         self._check_usable()

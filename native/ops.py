@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from native import reference
+from native import _gemm_ops, _small_ops, reference
 
 try:
     from native import _C
@@ -40,16 +40,16 @@ def set_num_threads(num_threads: int) -> None:
 
 
 # Ops not yet backed by a kernel are the reference twins themselves.
-rms_norm = reference.rms_norm
-fused_add_rms_norm = reference.fused_add_rms_norm
-apply_rope = reference.apply_rope
-prepack_linear = reference.prepack_linear
-linear = reference.linear
-silu_and_mul = reference.silu_and_mul
+rms_norm = _small_ops.rms_norm
+fused_add_rms_norm = _small_ops.fused_add_rms_norm
+apply_rope = _small_ops.apply_rope
+prepack_linear = _gemm_ops.prepack_linear
+linear = _gemm_ops.linear
+silu_and_mul = _small_ops.silu_and_mul
 bmm = reference.bmm
-grouped_topk = reference.grouped_topk
-prepack_experts = reference.prepack_experts
-fused_moe = reference.fused_moe
+grouped_topk = _small_ops.grouped_topk
+prepack_experts = _gemm_ops.prepack_experts
+fused_moe = _gemm_ops.fused_moe
 extend_attention = reference.extend_attention
 mla_decode = reference.mla_decode
 store_kv_rows = reference.store_kv_rows

@@ -3,6 +3,10 @@
 // Every AVX-512 helper carries DUET_TARGET_AVX512, so callers need that target or a superset.
 #pragma once
 
+// GCC 12's intrinsic headers self-initialize "undefined" vectors, which -Wall flags at -O3.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
 #include <immintrin.h>
 
 #include <cmath>

@@ -54,7 +54,7 @@ struct Dims {
 };
 
 struct Task {
-  int64_t seq, head, m0, m_len, cost;
+  int64_t seq, head, m0, m_len;
 };
 
 // Key visibility inside one key block: key j is seen by query row r iff j <= r + offset
@@ -414,42 +414,77 @@ const T* row_ptr(const View3& t, int64_t token, int64_t head) {
   return reinterpret_cast<const T*>(t.data) + token * t.token_stride + head * t.head_stride;
 }
 
+// One block of keys and values (rows of one head) and its mask offset (see visible_keys).
+template <typename T>
+struct KeyBlock {
+  const T* k;
+  const T* v;
+  int64_t k_stride, v_stride, n_len, offset;
+};
+
+// Pulls a block's rows towards L2 while the previous block computes: the rows of one head are
+// strided by the token stride, a pattern the hardware prefetchers follow poorly.
+template <typename T>
+void prefetch_block(const KeyBlock<T>& b, const Dims& d) {
+  const int64_t k_bytes = d.dqk * static_cast<int64_t>(sizeof(T));
+  const int64_t v_bytes = d.dv * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < b.n_len; ++j) {
+    const char* k = reinterpret_cast<const char*>(b.k + j * b.k_stride);
+    const char* v = reinterpret_cast<const char*>(b.v + j * b.v_stride);
+    for (int64_t i = 0; i < k_bytes; i += 64) __builtin_prefetch(k + i, 0, 2);
+    for (int64_t i = 0; i < v_bytes; i += 64) __builtin_prefetch(v + i, 0, 2);
+  }
+}
+
 template <typename Path, typename T>
-void run_task(const Problem& pb, const Dims& d, const Task& t, typename Path::Work& w) {
+void run_task(const Problem& pb, const Dims& d, const Task& t, typename Path::Work& w,
+              std::vector<KeyBlock<T>>& blocks) {
   const int64_t new_start = pb.new_start[t.seq], prefix_start = pb.prefix_start[t.seq];
   const int64_t prefix_len = pb.prefix_lens[t.seq];
-  Path::load_q(w, d, row_ptr<T>(pb.q, new_start + t.m0, t.head), pb.q.token_stride, t.m_len);
-  Path::begin(w, d, t.m_len);
+  blocks.clear();
   for (int64_t n0 = 0; n0 < prefix_len; n0 += d.bn) {
     const int64_t n_len = std::min(d.bn, prefix_len - n0);
-    Path::block(w, d, t.m_len, row_ptr<T>(pb.k_prefix, prefix_start + n0, t.head),
-                pb.k_prefix.token_stride, row_ptr<T>(pb.v_prefix, prefix_start + n0, t.head),
-                pb.v_prefix.token_stride, n_len, n_len, pb.sm_scale);
+    blocks.push_back({row_ptr<T>(pb.k_prefix, prefix_start + n0, t.head),
+                      row_ptr<T>(pb.v_prefix, prefix_start + n0, t.head), pb.k_prefix.token_stride,
+                      pb.v_prefix.token_stride, n_len, n_len});
   }
   // New keys: key n0 + j is visible to query m0 + r iff n0 + j <= m0 + r.
   const int64_t key_end = t.m0 + t.m_len;
   for (int64_t n0 = 0; n0 < key_end; n0 += d.bn) {
-    const int64_t n_len = std::min(d.bn, key_end - n0);
-    Path::block(w, d, t.m_len, row_ptr<T>(pb.k, new_start + n0, t.head), pb.k.token_stride,
-                row_ptr<T>(pb.v, new_start + n0, t.head), pb.v.token_stride, n_len, t.m0 - n0,
-                pb.sm_scale);
+    blocks.push_back({row_ptr<T>(pb.k, new_start + n0, t.head),
+                      row_ptr<T>(pb.v, new_start + n0, t.head), pb.k.token_stride,
+                      pb.v.token_stride, std::min(d.bn, key_end - n0), t.m0 - n0});
+  }
+  Path::load_q(w, d, row_ptr<T>(pb.q, new_start + t.m0, t.head), pb.q.token_stride, t.m_len);
+  Path::begin(w, d, t.m_len);
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    if (i + 1 < blocks.size()) prefetch_block(blocks[i + 1], d);
+    const KeyBlock<T>& b = blocks[i];
+    Path::block(w, d, t.m_len, b.k, b.k_stride, b.v, b.v_stride, b.n_len, b.offset, pb.sm_scale);
   }
   T* out = const_cast<T*>(row_ptr<T>(pb.out, new_start + t.m0, t.head));
   Path::store(w, d, out, pb.out.token_stride, t.m_len);
 }
 
+// Tasks of one (sequence, head) are consecutive, so the blocks working on it share its keys and
+// values through the caches; sequences go longest first and, inside one, the query blocks with
+// the most keys first, so the short tasks come last under dynamic scheduling.
 std::vector<Task> make_tasks(const Problem& pb, int64_t bm) {
+  std::vector<int64_t> order(pb.new_lens.size());
+  for (size_t b = 0; b < order.size(); ++b) order[b] = static_cast<int64_t>(b);
+  auto seq_cost = [&](int64_t b) { return pb.new_lens[b] * (pb.prefix_lens[b] + pb.new_lens[b]); };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return seq_cost(x) > seq_cost(y); });
   std::vector<Task> tasks;
-  for (size_t b = 0; b < pb.new_lens.size(); ++b) {
-    for (int64_t m0 = 0; m0 < pb.new_lens[b]; m0 += bm) {
-      const int64_t m_len = std::min(bm, pb.new_lens[b] - m0);
-      const int64_t cost = m_len * (pb.prefix_lens[b] + m0 + m_len + 16);
-      for (int64_t h = 0; h < pb.num_heads; ++h) tasks.push_back({int64_t(b), h, m0, m_len, cost});
+  for (const int64_t b : order) {
+    const int64_t num_blocks = ceil_div(pb.new_lens[b], bm);
+    for (int64_t h = 0; h < pb.num_heads; ++h) {
+      for (int64_t i = num_blocks - 1; i >= 0; --i) {
+        const int64_t m0 = i * bm;
+        tasks.push_back({b, h, m0, std::min(bm, pb.new_lens[b] - m0)});
+      }
     }
   }
-  // Longest first, then dynamic scheduling: the tail of the schedule holds the short tasks.
-  std::stable_sort(tasks.begin(), tasks.end(),
-                   [](const Task& x, const Task& y) { return x.cost > y.cost; });
   return tasks;
 }
 
@@ -485,8 +520,9 @@ void run(const Problem& pb) {
   {
     Arena arena(thread_scratch(0, bytes));
     typename Path::Work w = Path::carve(arena, d);
+    std::vector<KeyBlock<T>> blocks;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_tasks; ++i) run_task<Path, T>(pb, d, tasks[i], w);
+    for (int64_t i = 0; i < num_tasks; ++i) run_task<Path, T>(pb, d, tasks[i], w, blocks);
   }
 }
 

@@ -284,13 +284,14 @@ float* thread_scratch_f32(int64_t floats) {
 
 namespace {
 
-// GEMM blocking (M > 6): 240-row chunks (40 tiles) x 64-column panels, K in chunks of 512 pairs:
-// the panel's K slice (128 KB) and the chunk's A slice (240 KB) stay in L2 across the tiles.
+// GEMM blocking (M > 6): M chunks of <= 240 rows x 64-column panels, K in chunks of 512 pairs:
+// the panel's K slice (128 KB) and the chunk's A slice (<= 240 KB) stay in L2 across the tiles.
 constexpr int64_t kGemmChunkRows = 240;
 constexpr int64_t kGemmChunkPairs = 512;
 constexpr int kGemmPanelBlocks = 2;
-// GEMV: at least this many weight bytes per thread, else the fork/join costs more than it saves.
-constexpr int64_t kGemvBytesPerThread = 128 << 10;
+// Below this much work a fork/join costs more than it saves: run on the calling thread.
+constexpr int64_t kGemvMinParallelBytes = 256 << 10;
+constexpr int64_t kGemmMinParallelMacs = 1 << 21;
 
 struct LinearArgs {
   const bf16_t* x;  // [M, 2 * k_pairs], row stride ldx
@@ -301,33 +302,47 @@ struct LinearArgs {
   int64_t ldy;
 };
 
-// Columns [32*block, 32*(block+num_blocks)) of rows [row0, row0+rows), full K, straight to y.
-void gemv_panel(Isa isa, const LinearArgs& p, int64_t row0, int rows, int64_t block,
-                int num_blocks) {
+// Tasks are handed out dynamically: the two cores are shared with other work, and a static split
+// would wait for whichever thread got descheduled. Each task holds >= 64 KB of weights, so the
+// shared counter costs nothing.
+template <typename F>
+void parallel_tasks(int64_t num_tasks, bool parallel, const F& f) {
+  if (!parallel || num_tasks <= 1 || num_threads() <= 1) {
+    for (int64_t i = 0; i < num_tasks; ++i) f(i);
+    return;
+  }
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < num_tasks; ++i) f(i);
+}
+
+// Columns [32*block, 32*(block+num_blocks)) of all M <= 6 rows, full K, straight to y.
+void gemv_panel(Isa isa, const LinearArgs& p, int64_t block, int num_blocks) {
   alignas(64) float tile[kTileMaxRows * kTileMaxBlocks * kPackBlockN];
   constexpr int64_t ldt = kTileMaxBlocks * kPackBlockN;
+  const int rows = static_cast<int>(p.m);
   const bf16_t* a_rows[kTileMaxRows];
   const bf16_t* b_blocks[kTileMaxBlocks];
-  for (int r = 0; r < rows; ++r) a_rows[r] = p.x + (row0 + r) * p.ldx;
+  for (int r = 0; r < rows; ++r) a_rows[r] = p.x + r * p.ldx;
   const int64_t block_elems = p.k_pairs * 2 * kPackBlockN;
   for (int i = 0; i < num_blocks; ++i) b_blocks[i] = p.w + (block + i) * block_elems;
   tile_gemm(isa, rows, num_blocks, a_rows, b_blocks, p.k_pairs, tile, ldt, false);
   const int64_t col0 = block * kPackBlockN;
   const int64_t cols = std::min<int64_t>(num_blocks * kPackBlockN, p.n - col0);
-  for (int r = 0; r < rows; ++r) store_row_bf16(isa, tile + r * ldt, p.y + (row0 + r) * p.ldy + col0, cols);
+  for (int r = 0; r < rows; ++r) store_row_bf16(isa, tile + r * ldt, p.y + r * p.ldy + col0, cols);
 }
 
+// M <= 6: every weight is read once; tasks are panels of 1-4 blocks, narrower when N is small so
+// that each thread still gets ~16 tasks to balance.
 void linear_small_m(Isa isa, const LinearArgs& p) {
-  const int rows = static_cast<int>(p.m);
-  const int panel = tile_max_blocks(rows);
   const int64_t num_blocks = pack_num_blocks(p.n);
-  const int64_t block_bytes = p.k_pairs * 4 * kPackBlockN;
-  const int64_t grain = std::max<int64_t>(1, kGemvBytesPerThread / std::max<int64_t>(block_bytes, 1));
-  parallel_for(num_blocks, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; b += panel) {
-      gemv_panel(isa, p, 0, rows, b, static_cast<int>(std::min<int64_t>(panel, end - b)));
-    }
-  }, grain);
+  int panel = tile_max_blocks(static_cast<int>(p.m));
+  while (panel > 1 && num_blocks < 16 * num_threads() * panel) --panel;
+  const int64_t num_panels = (num_blocks + panel - 1) / panel;
+  const bool parallel = num_blocks * p.k_pairs * 4 * kPackBlockN >= kGemvMinParallelBytes;
+  parallel_tasks(num_panels, parallel, [&](int64_t i) {
+    const int64_t block = i * panel;
+    gemv_panel(isa, p, block, static_cast<int>(std::min<int64_t>(panel, num_blocks - block)));
+  });
 }
 
 // One (M chunk, panel) task: every 6-row tile of the chunk over each K chunk in turn.
@@ -338,7 +353,9 @@ void gemm_task(Isa isa, const LinearArgs& p, int64_t row0, int64_t rows, int64_t
   for (int64_t kp0 = 0; kp0 < p.k_pairs; kp0 += kGemmChunkPairs) {
     const int64_t pairs = std::min(kGemmChunkPairs, p.k_pairs - kp0);
     const bf16_t* b_blocks[kTileMaxBlocks];
-    for (int i = 0; i < num_blocks; ++i) b_blocks[i] = p.w + (block + i) * block_elems + kp0 * 2 * kPackBlockN;
+    for (int i = 0; i < num_blocks; ++i) {
+      b_blocks[i] = p.w + (block + i) * block_elems + kp0 * 2 * kPackBlockN;
+    }
     for (int64_t r0 = 0; r0 < rows; r0 += kTileMaxRows) {
       const int tile_rows = static_cast<int>(std::min<int64_t>(kTileMaxRows, rows - r0));
       const bf16_t* a_rows[kTileMaxRows];
@@ -348,23 +365,27 @@ void gemm_task(Isa isa, const LinearArgs& p, int64_t row0, int64_t rows, int64_t
   }
   const int64_t col0 = block * kPackBlockN;
   const int64_t cols = std::min<int64_t>(ldt, p.n - col0);
-  for (int64_t r = 0; r < rows; ++r) store_row_bf16(isa, acc + r * ldt, p.y + (row0 + r) * p.ldy + col0, cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    store_row_bf16(isa, acc + r * ldt, p.y + (row0 + r) * p.ldy + col0, cols);
+  }
 }
 
 void linear_large_m(Isa isa, const LinearArgs& p) {
   const int64_t num_blocks = pack_num_blocks(p.n);
   const int64_t num_panels = (num_blocks + kGemmPanelBlocks - 1) / kGemmPanelBlocks;
+  // Equal chunks (multiples of the 6-row tile) rather than 240 + a ragged remainder.
   const int64_t num_chunks = (p.m + kGemmChunkRows - 1) / kGemmChunkRows;
-  // Tasks ordered [chunk][panel]: consecutive tasks of a thread share the chunk's A rows.
-  parallel_for(num_chunks * num_panels, [&](int64_t begin, int64_t end) {
-    float* acc = thread_scratch_f32(kGemmChunkRows * kGemmPanelBlocks * kPackBlockN);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t chunk = t / num_panels, panel = t % num_panels;
-      const int64_t row0 = chunk * kGemmChunkRows;
-      const int64_t block = panel * kGemmPanelBlocks;
-      gemm_task(isa, p, row0, std::min(kGemmChunkRows, p.m - row0), block,
-                static_cast<int>(std::min<int64_t>(kGemmPanelBlocks, num_blocks - block)), acc);
-    }
+  const int64_t chunk_rows = ((p.m + num_chunks - 1) / num_chunks + kTileMaxRows - 1) /
+                             kTileMaxRows * kTileMaxRows;
+  const bool parallel = p.m * p.n * p.k_pairs * 2 >= kGemmMinParallelMacs;
+  // Tasks ordered [chunk][panel]: tasks running together share the chunk's A rows.
+  parallel_tasks(num_chunks * num_panels, parallel, [&](int64_t t) {
+    const int64_t row0 = t / num_panels * chunk_rows;
+    const int64_t block = t % num_panels * kGemmPanelBlocks;
+    if (row0 >= p.m) return;
+    float* acc = thread_scratch_f32(chunk_rows * kGemmPanelBlocks * kPackBlockN);
+    gemm_task(isa, p, row0, std::min(chunk_rows, p.m - row0), block,
+              static_cast<int>(std::min<int64_t>(kGemmPanelBlocks, num_blocks - block)), acc);
   });
 }
 

@@ -8,9 +8,7 @@ import time
 
 import pytest
 import torch
-
-from kvtransfer import InprocSender, KVTransferError, Rendezvous, ZmqSender
-from tests.kvtransfer.conftest import (
+from kv_helpers import (
     NUM_LAYERS,
     TIMEOUT,
     fingerprint,
@@ -18,6 +16,8 @@ from tests.kvtransfer.conftest import (
     random_rows,
     reserve,
 )
+
+from kvtransfer import InprocSender, KVTransferError, Rendezvous, ZmqSender
 
 
 def prefill_and_send(sender, rdv, prompt_len, chunk_len, seed, first_token=11, done=True):

@@ -1,5 +1,6 @@
 """Wire format: round trips, and every kind of bad header rejected with a one-line WireError."""
 
+import random
 import zlib
 
 import msgpack
@@ -53,7 +54,12 @@ def test_round_trip(msg):
 def test_build_chunk_matches_rows():
     rows = torch.randn(3, 5, 8).to(torch.bfloat16)
     chunk, payload = build_chunk(RDV, 4, 1, 10, rows[:, :, :])
-    assert (chunk.layer_start, chunk.layer_end, chunk.token_start, chunk.token_end) == (1, 4, 10, 15)
+    assert (chunk.layer_start, chunk.layer_end, chunk.token_start, chunk.token_end) == (
+        1,
+        4,
+        10,
+        15,
+    )
     assert chunk.payload_len == rows.numel() * 2 == len(payload)
     assert chunk.checksum == zlib.crc32(rows.view(torch.uint8).numpy().tobytes())
     assert decode(encode(chunk)) == chunk
@@ -81,17 +87,33 @@ BAD_HEADERS = {
     "empty layer range": msgpack.packb(_chunk_head(l0=2, l1=2, len=0)),
     "reversed tokens": msgpack.packb(_chunk_head(t0=7, t1=3)),
     "unknown dtype": msgpack.packb(_chunk_head(dtype="complex64")),
+    "dtype a list": msgpack.packb(_chunk_head(dtype=["bfloat16"])),
+    "kind a list": msgpack.packb(_chunk_head(kind=["kv_chunk"])),
     "zero width": msgpack.packb(_chunk_head(w=0, len=0)),
     "length not the shape": msgpack.packb(_chunk_head(len=129)),
     "empty request id": msgpack.packb(_chunk_head(rid="")),
     "bytes request id": msgpack.packb(_chunk_head(rid=b"req"), use_bin_type=True),
     "token id too big": msgpack.packb(
-        {"v": 1, "kind": "kv_done", "rid": "r", "room": 1, "seq": 0, "num_tokens": 4,
-         "first_token": 1 << 40}
+        {
+            "v": 1,
+            "kind": "kv_done",
+            "rid": "r",
+            "room": 1,
+            "seq": 0,
+            "num_tokens": 4,
+            "first_token": 1 << 40,
+        }
     ),  # fmt: skip
     "zero tokens done": msgpack.packb(
-        {"v": 1, "kind": "kv_done", "rid": "r", "room": 1, "seq": 0, "num_tokens": 0,
-         "first_token": 1}
+        {
+            "v": 1,
+            "kind": "kv_done",
+            "rid": "r",
+            "room": 1,
+            "seq": 0,
+            "num_tokens": 0,
+            "first_token": 1,
+        }
     ),  # fmt: skip
     "fingerprint not a map": msgpack.packb({"v": 1, "kind": "hello", "sender": "p", "fp": [1]}),
     "fingerprint nested": msgpack.packb(
@@ -125,3 +147,44 @@ def test_fingerprint_mismatch_names_the_field():
     assert "'model.model_type'" in fingerprint_mismatch(a, c)
     d = dict(a, extra=1)
     assert "'extra'" in fingerprint_mismatch(a, d)
+
+
+def _mutations(rng: random.Random, frame: bytes):
+    """Random byte flips, cuts and splices of a valid header, plus values of odd types."""
+    data = bytearray(frame)
+    for _ in range(rng.randint(1, 4)):
+        op = rng.randrange(3)
+        if op == 0 and data:
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        elif op == 1 and data:
+            del data[rng.randrange(len(data)) :]
+        else:
+            data.insert(rng.randrange(len(data) + 1), rng.randrange(256))
+    return bytes(data)
+
+
+ODD_VALUES = [None, True, -1, 1 << 63, 1.5, "", "x" * 300, b"\0", [1], {"a": 1}, [[[]]]]
+
+
+def test_random_corruption_raises_only_wire_error():
+    rng = random.Random(1234)
+    valid = [
+        encode(KVChunk(RDV, 3, 0, 27, 256, 512, "bfloat16", 576, 27 * 256 * 576 * 2, 1)),
+        encode(KVDone(RDV, 9, 2048, 7)),
+        encode(Hello("p", {"a": 1})),
+    ]
+    outcomes = {"ok": 0, "rejected": 0}
+    for i in range(3000):
+        frame = _mutations(rng, valid[i % len(valid)])
+        if i % 3 == 0:  # a well-formed map with one field of an odd type
+            head = msgpack.unpackb(valid[i % len(valid)])
+            head[rng.choice(sorted(head))] = rng.choice(ODD_VALUES)
+            frame = msgpack.packb(head, use_bin_type=True)
+        try:
+            msg = decode(frame)
+        except WireError:
+            outcomes["rejected"] += 1
+        else:
+            assert decode(encode(msg)) == msg  # whatever passes is a fully valid message
+            outcomes["ok"] += 1
+    assert outcomes["rejected"] > 2000

@@ -1,0 +1,269 @@
+"""The cases of `duet bench-kernels`: DeepSeek-V2-Lite per-layer shapes, one generator per family.
+
+A case binds its inputs into zero-argument callables: `run` goes through `native.ops` (weights
+prepacked by ops.prepack_* before timing), `reference` through `native.reference`, and `others`
+holds extra baselines (SDPA for extend attention). `num_bytes` counts weights and activations
+read and written once (for MoE only the experts the routing selected; for mla_decode the KV rows
+read); `flops` counts multiply-adds as 2.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from native import ops, reference
+
+BF16 = torch.bfloat16
+ELEM = 2  # bytes of a bf16 element
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Model dimensions and the token counts of the cases (defaults: DeepSeek-V2-Lite)."""
+
+    hidden: int = 2048
+    heads: int = 16
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    rope_dim: int = 64
+    qk_nope_dim: int = 128
+    v_head_dim: int = 128
+    num_experts: int = 64
+    top_k: int = 6
+    moe_inter: int = 1408
+    dense_inter: int = 10944
+    page_size: int = 16
+    moe_decode_tokens: tuple[int, ...] = (1, 8)
+    prefill_tokens: int = 2048
+    gemm_tokens: int = 512
+    mla_batches: tuple[int, ...] = (1, 8, 32)
+    mla_contexts: tuple[int, ...] = (1024, 4096)
+    extend_prefixes: tuple[int, ...] = (0, 2048)
+    decode_tokens: tuple[int, ...] = (1, 32)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_dim + self.rope_dim
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """Linear layers benchmarked as gemv/gemm: name -> (K in, N out)."""
+        return {
+            "dense_up": (self.hidden, self.dense_inter),
+            "dense_down": (self.dense_inter, self.hidden),
+            "q_a": (self.hidden, self.q_lora_rank),
+            "q_b": (self.q_lora_rank, self.heads * self.qk_head_dim),
+            "kv_a": (self.hidden, self.latent_dim),
+            "o": (self.heads * self.v_head_dim, self.hidden),
+        }
+
+
+FULL = Dims()
+QUICK = Dims(
+    hidden=256, heads=2, q_lora_rank=96, kv_lora_rank=64, rope_dim=16, qk_nope_dim=32,
+    v_head_dim=32, num_experts=8, top_k=2, moe_inter=96, dense_inter=320, prefill_tokens=48,
+    gemm_tokens=16, mla_batches=(1, 3), mla_contexts=(40,), extend_prefixes=(0, 33),
+    decode_tokens=(1,),
+)  # fmt: skip
+
+
+@dataclass
+class Case:
+    kernel: str
+    shape: str
+    num_bytes: int
+    flops: int
+    run: Callable[[], object]
+    reference: Callable[[], object]
+    others: dict[str, Callable[[], object]] = field(default_factory=dict)
+
+
+Wanted = Callable[[str], bool]
+
+
+def _weight(*shape: int) -> torch.Tensor:
+    return torch.empty(*shape, dtype=BF16).uniform_(-0.05, 0.05)
+
+
+def _act(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).to(BF16)
+
+
+# ---- MoE -------------------------------------------------------------------------------------
+
+
+def moe_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
+    token_counts = [("moe_decode", t) for t in d.moe_decode_tokens]
+    token_counts.append(("moe_prefill", d.prefill_tokens))
+    token_counts = [(name, t) for name, t in token_counts if wanted(name)]
+    if not token_counts:
+        return
+    w13, w2 = (
+        _weight(d.num_experts, 2 * d.moe_inter, d.hidden),
+        _weight(d.num_experts, d.hidden, d.moe_inter),
+    )
+    packed = ops.prepack_experts(w13, w2)
+    ref_packed = reference.prepack_experts(w13, w2)
+    expert_bytes = 3 * d.moe_inter * d.hidden * ELEM
+    for name, tokens in token_counts:
+        x = _act(tokens, d.hidden)
+        logits = torch.randn(tokens, d.num_experts)
+        weights, ids = reference.grouped_topk(
+            logits, None, d.top_k, 1, 1, "softmax", "greedy", False, 1.0
+        )
+        used = int(torch.unique(ids).numel())
+        yield Case(
+            kernel=name,
+            shape=f"T={tokens} E={d.num_experts} K={d.top_k} D={d.hidden} I={d.moe_inter}",
+            num_bytes=used * expert_bytes + 2 * x.numel() * ELEM + ids.numel() * 8,
+            flops=2 * tokens * d.top_k * 3 * d.moe_inter * d.hidden,
+            run=lambda x=x, w=weights, i=ids: ops.fused_moe(x, *packed, w, i),
+            reference=lambda x=x, w=weights, i=ids: reference.fused_moe(x, *ref_packed, w, i),
+        )
+
+
+# ---- dense projections -----------------------------------------------------------------------
+
+
+def linear_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
+    for proj, (k, n) in d.projections.items():
+        rows = [(f"{fam}_{proj}", m) for fam, m in (("gemv", 1), ("gemm", d.gemm_tokens))]
+        rows = [(name, m) for name, m in rows if wanted(name)]
+        if not rows:
+            continue
+        w = _weight(n, k)
+        packed, ref_packed = ops.prepack_linear(w), reference.prepack_linear(w)
+        for name, m in rows:
+            x = _act(m, k)
+            yield Case(
+                kernel=name,
+                shape=f"M={m} K={k} N={n}",
+                num_bytes=(n * k + m * k + m * n) * ELEM,
+                flops=2 * m * n * k,
+                run=lambda x=x, w=packed: ops.linear(x, w),
+                reference=lambda x=x, w=ref_packed: reference.linear(x, w),
+            )
+
+
+# ---- attention -------------------------------------------------------------------------------
+
+
+def mla_decode_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
+    if not wanted("mla_decode"):
+        return
+    sm_scale = 1.0 / math.sqrt(d.qk_head_dim)
+    width = d.latent_dim
+    for batch in d.mla_batches:
+        for context in d.mla_contexts:
+            pages_per_seq = -(-context // d.page_size)
+            num_pages = batch * pages_per_seq
+            kv_cache = _act(num_pages, d.page_size, width)
+            # Pages of a sequence scattered over the pool, as after some churn.
+            page_table = torch.randperm(num_pages).view(batch, pages_per_seq).to(torch.int32)
+            seq_lens = torch.full((batch,), context, dtype=torch.int32)
+            q = _act(batch, d.heads, width)
+            args = (q, kv_cache, page_table, seq_lens, sm_scale, d.kv_lora_rank)
+            yield Case(
+                kernel="mla_decode",
+                shape=f"B={batch} ctx={context} H={d.heads} W={width}",
+                num_bytes=(batch * context * width + q.numel() + batch * d.heads * d.kv_lora_rank)
+                * ELEM,
+                flops=2 * batch * d.heads * context * (width + d.kv_lora_rank),
+                run=lambda args=args: ops.mla_decode(*args),
+                reference=lambda args=args: reference.mla_decode(*args),
+            )
+
+
+def _sdpa(q, k, v, k_prefix, v_prefix, sm_scale) -> Callable[[], object]:
+    """SDPA over the same data: [1, H, S, D] copies and the prefix-plus-causal mask made here."""
+    new_len, prefix_len = q.shape[0], k_prefix.shape[0]
+    q4 = q.transpose(0, 1)[None].contiguous()
+    k4 = torch.cat((k_prefix, k)).transpose(0, 1)[None].contiguous()
+    v4 = torch.cat((v_prefix, v)).transpose(0, 1)[None].contiguous()
+    if prefix_len == 0:
+        return lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=sm_scale)
+    mask = torch.ones(new_len, prefix_len + new_len, dtype=torch.bool).tril(prefix_len)
+    return lambda: F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=sm_scale)
+
+
+def extend_attention_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
+    if not wanted("extend_attention"):
+        return
+    heads, dqk, dv, new_len = d.heads, d.qk_head_dim, d.v_head_dim, d.prefill_tokens
+    sm_scale = 1.0 / math.sqrt(dqk)
+    for prefix_len in d.extend_prefixes:
+        q, k, v = _act(new_len, heads, dqk), _act(new_len, heads, dqk), _act(new_len, heads, dv)
+        k_prefix, v_prefix = _act(prefix_len, heads, dqk), _act(prefix_len, heads, dv)
+        new_lens = torch.tensor([new_len], dtype=torch.int32)
+        prefix_lens = torch.tensor([prefix_len], dtype=torch.int32)
+        args = (q, k, v, k_prefix, v_prefix, new_lens, prefix_lens, sm_scale)
+        pairs = new_len * prefix_len + new_len * (new_len + 1) // 2  # (query, key) pairs attended
+        yield Case(
+            kernel="extend_attention",
+            shape=f"new={new_len} prefix={prefix_len} H={heads} qk={dqk} v={dv}",
+            num_bytes=(2 * q.numel() + v.numel() + k_prefix.numel() + v_prefix.numel()
+                       + new_len * heads * dv) * ELEM,
+            flops=2 * heads * pairs * (dqk + dv),
+            run=lambda args=args: ops.extend_attention(*args),
+            reference=lambda args=args: reference.extend_attention(*args),
+            others={"sdpa": _sdpa(q, k, v, k_prefix, v_prefix, sm_scale)},
+        )  # fmt: skip
+
+
+# ---- small per-token ops ---------------------------------------------------------------------
+
+
+def small_op_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
+    for tokens in (*d.decode_tokens, d.prefill_tokens):
+        x, res, w = _act(tokens, d.hidden), _act(tokens, d.hidden), _weight(d.hidden) + 1
+        if wanted("rmsnorm"):
+            yield Case(
+                "rmsnorm", f"T={tokens} D={d.hidden}", (2 * x.numel() + w.numel()) * ELEM,
+                4 * x.numel(), lambda x=x, w=w: ops.rms_norm(x, w, 1e-6),
+                lambda x=x, w=w: reference.rms_norm(x, w, 1e-6),
+            )  # fmt: skip
+        if wanted("rmsnorm_fused_add"):
+            yield Case(
+                "rmsnorm_fused_add", f"T={tokens} D={d.hidden}", (4 * x.numel() + w.numel()) * ELEM,
+                5 * x.numel(), lambda x=x, r=res, w=w: ops.fused_add_rms_norm(x, r, w, 1e-6),
+                lambda x=x, r=res, w=w: reference.fused_add_rms_norm(x, r, w, 1e-6),
+            )  # fmt: skip
+        if wanted("rope"):
+            # q_pe / k_pe are slices of q [T, H, nope + rope] and kv_a [T, L + rope], as in the model.
+            q = _act(tokens, d.heads, d.qk_head_dim)[..., d.qk_nope_dim :]
+            k = _act(tokens, d.latent_dim)[:, d.kv_lora_rank :]
+            positions = torch.randint(0, 4096, (tokens,))
+            cos_sin = torch.randn(4096, d.rope_dim)
+            values = tokens * (d.heads + 1) * d.rope_dim
+            yield Case(
+                "rope", f"T={tokens} H={d.heads} R={d.rope_dim}",
+                2 * values * ELEM + tokens * (d.rope_dim * 4 + 8), 3 * values,
+                lambda a=(q, k, positions, cos_sin): ops.apply_rope(*a),
+                lambda a=(q, k, positions, cos_sin): reference.apply_rope(*a),
+            )  # fmt: skip
+        if wanted("topk"):
+            logits = _act(tokens, d.num_experts)
+            args = (logits, None, d.top_k, 1, 1, "softmax", "greedy", False, 1.0)
+            yield Case(
+                "topk", f"T={tokens} E={d.num_experts} K={d.top_k}",
+                logits.numel() * ELEM + tokens * d.top_k * 8, 8 * logits.numel(),
+                lambda a=args: ops.grouped_topk(*a), lambda a=args: reference.grouped_topk(*a),
+            )  # fmt: skip
+
+
+FAMILIES = (moe_cases, linear_cases, mla_decode_cases, extend_attention_cases, small_op_cases)
+
+
+def all_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
+    """Cases of every family whose kernel name `wanted` accepts, built one family at a time."""
+    for family in FAMILIES:
+        yield from family(d, wanted)

@@ -1,0 +1,253 @@
+"""The decode node's loop: reserve, receive KV, decode with continuous batching, stream tokens.
+
+`step()` is six numbered steps; socket I/O lives in the inbox/outbox (`engine.messaging`) and
+the KV receiver (`kvtransfer`), so tests run the same loop with in-process queues and receiver.
+
+Every reserved request ends in exactly one of: Tokens with a finish_reason (finished),
+RequestError (failed: refused KV, timeout), or silence after an Abort from the router. Its pages
+are freed on every path in the step that ends it; while its KV is in flight they are lent to
+the receiver, and the loop takes them back (`cancel`) before freeing them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from decode_node.scheduler import DecodeRequest, DecodeScheduler, DecodeState, StepOutput
+from engine.batch import ForwardBatch
+from engine.cluster_config import DecodeNodeConfig, TimeoutConfig
+from engine.errors import DuetError
+from engine.messaging import Inbox, Outbox, StageTimes
+from engine.model import DeepseekModel
+from engine.protocol import (
+    Abort,
+    Heartbeat,
+    RequestError,
+    Reserve,
+    ReserveReply,
+    Shutdown,
+    Tokens,
+    sampling_from_dict,
+)
+from engine.sampling import SamplingParams, sample
+from kvtransfer import KVReceiver, Rendezvous, TransferEvent
+
+log = logging.getLogger(__name__)
+
+
+class DecodeNode:
+    def __init__(
+        self,
+        name: str,
+        model: DeepseekModel,
+        cfg: DecodeNodeConfig,
+        timeouts: TimeoutConfig,
+        inbox: Inbox,
+        outbox: Outbox,
+        receiver: KVReceiver,
+    ):
+        """`receiver` must be bound to `model`'s KV layout over `receiver.pool`, which this node
+        decodes from."""
+        self.name = name
+        self.model = model
+        self.timeouts = timeouts
+        self.inbox = inbox
+        self.outbox = outbox
+        self.receiver = receiver
+        self.pool = receiver.pool
+        mcfg = model.cfg
+        self.scheduler = DecodeScheduler(
+            self.pool, cfg.max_batch, mcfg.max_position_embeddings, frozenset(mcfg.eos_token_id)
+        )
+        self.stage_times = StageTimes()
+        self.is_stopping = False
+        self._next_heartbeat = 0.0
+
+    def ready_info(self) -> dict[str, Any]:
+        """What NodeReady carries."""
+        return {
+            "kv_endpoint": self.receiver.endpoint,
+            "num_pages": self.pool.num_pages,
+            "page_size": self.pool.page_size,
+            "ranks": 1,
+            "dtype": str(self.pool.dtype).removeprefix("torch."),
+        }
+
+    def run(self) -> None:
+        """Steps until a Shutdown message (or `is_stopping` set from outside), then closes."""
+        try:
+            while not self.is_stopping:
+                self.step()
+        finally:
+            self.close("the decode node is shutting down")
+
+    def step(self) -> None:
+        # 1. Block when idle: wait for a control message only if there is nothing to decode;
+        #    wait briefly while KV is in flight so a finished transfer is seen soon.
+        if self.scheduler.has_runnable():
+            wait = 0.0
+        elif self.scheduler.count(DecodeState.AWAITING_KV):
+            wait = 0.001
+        else:
+            wait = min(0.05, self.timeouts.heartbeat_s)
+        # 2. Drain inputs: reservations, aborts, shutdown.
+        msg = self.inbox.recv(wait)
+        while msg is not None:
+            self._handle(msg)
+            msg = self.inbox.recv(0.0)
+        # 3. Drain transfer events: complete KV joins the batch, anything else fails.
+        for event in self.receiver.poll(0.001 if wait else 0.0):
+            self._on_transfer(event)
+        # 4. Fail requests that decoded too long.
+        for request in self.scheduler.expire(time.monotonic()):
+            self._error(request.request_id, "decode", f"decode timed out: {request.error}")
+        # 5. One decode step over the running batch (requests join and leave at every step).
+        batch = self.scheduler.schedule()
+        if batch:
+            self._decode(batch)
+        # 6. Heartbeat with the free pages the router admits by.
+        self._maybe_heartbeat()
+
+    # ---- inputs ----------------------------------------------------------------------------
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, Reserve):
+            self._on_reserve(msg)
+        elif isinstance(msg, Abort):
+            self._abort(msg.request_id, f"aborted: {msg.reason}")
+        elif isinstance(msg, Shutdown):
+            self.is_stopping = True
+        else:
+            log.warning("decode node ignores a %s message", type(msg).__name__)
+
+    def _on_reserve(self, msg: Reserve) -> None:
+        def refuse(reason: str) -> None:
+            self.outbox.send(ReserveReply(msg.request_id, ok=False, reason=reason))
+
+        if self.is_stopping:
+            return refuse("the decode node is shutting down")
+        try:
+            params = sampling_from_dict(msg.sampling)
+        except (DuetError, ValueError, TypeError) as exc:
+            return refuse(f"bad sampling parameters: {exc}")
+        now = time.monotonic()
+        request, reason = self.scheduler.reserve(
+            msg.request_id, msg.room, msg.prompt_len, params, now
+        )
+        if request is None:
+            return refuse(reason)
+        request.generator = _continued_generator(params, self.model.cfg.vocab_size)
+        timeout = msg.timeout_s if msg.timeout_s > 0 else self.timeouts.transfer_s
+        try:
+            self.receiver.expect(_rendezvous(request), request.table, msg.prompt_len, now + timeout)
+        except ValueError as exc:
+            self.scheduler.abort(msg.request_id)
+            return refuse(f"cannot expect the KV: {exc}")
+        self.outbox.send(ReserveReply(msg.request_id, ok=True, kv_endpoint=self.receiver.endpoint))
+
+    def _on_transfer(self, event: TransferEvent) -> None:
+        request = self.scheduler.get(event.rendezvous.request_id)
+        if (
+            request is None
+            or request.room != event.rendezvous.room
+            or request.state != DecodeState.AWAITING_KV
+        ):
+            log.warning("decode node ignores a stale transfer event for %s", event.rendezvous)
+            return
+        if not event.is_ready or event.first_token is None:
+            # Incomplete, aborted or expired KV: the pages hold garbage and are never decoded.
+            self.scheduler.kv_failed(request.request_id, event.reason)
+            self._error(request.request_id, "transfer", event.reason or "KV transfer failed")
+            return
+        now = time.monotonic()
+        self.stage_times.add("reserve_to_ready", now - request.arrival)
+        output = self.scheduler.kv_ready(
+            request.request_id, event.first_token, now, self.timeouts.decode_s
+        )
+        if output is not None:  # the first token already ended it
+            self._emit([output])
+
+    def _abort(self, request_id: str, reason: str) -> None:
+        request = self.scheduler.get(request_id)
+        if request is None:
+            return
+        if request.state == DecodeState.AWAITING_KV:
+            self.receiver.cancel(_rendezvous(request))  # take the lent pages back first
+        self.scheduler.abort(request_id, reason)
+
+    # ---- compute ---------------------------------------------------------------------------
+    def _decode(self, batch: list[DecodeRequest]) -> None:
+        fb = ForwardBatch.build(
+            self.pool,
+            [r.table for r in batch],
+            [[r.output_ids[-1]] for r in batch],
+            [r.next_position for r in batch],
+            is_decode=True,
+        )
+        started = time.monotonic()
+        try:
+            logits = self.model.forward(fb, self.pool)  # [B, vocab] fp32
+        except Exception as exc:  # fail these requests loudly, keep serving the others
+            log.exception("decode forward failed")
+            for request in batch:
+                self.scheduler.abort(request.request_id)
+                self._error(request.request_id, "decode", f"decode forward failed: {exc}")
+            return
+        tokens = sample(logits, [r.params for r in batch], [r.generator for r in batch])
+        self.stage_times.add("decode_step", time.monotonic() - started)
+        self._emit(self.scheduler.update(batch, tokens))
+
+    def _emit(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            self.outbox.send(Tokens(out.request_id, out.token_ids, out.finish_reason))
+
+    def _error(self, request_id: str, stage: str, message: str) -> None:
+        self.outbox.send(RequestError(request_id, stage, message))
+
+    def _maybe_heartbeat(self) -> None:
+        now = time.monotonic()
+        if now < self._next_heartbeat:
+            return
+        self._next_heartbeat = now + self.timeouts.heartbeat_s
+        stats = self.receiver.stats()
+        self.outbox.send(
+            Heartbeat(
+                self.name,
+                "decode",
+                num_waiting=self.scheduler.count(DecodeState.AWAITING_KV)
+                + self.scheduler.count(DecodeState.READY),
+                num_running=self.scheduler.count(DecodeState.RUNNING),
+                free_pages=self.pool.allocator.num_free,
+                total_pages=self.pool.num_pages,
+                page_size=self.pool.page_size,
+                kv_bytes_received=stats.bytes_written,
+                kv_chunks_dropped=stats.num_dropped,
+                stage_ms=self.stage_times.means(),
+            )
+        )
+
+    def close(self, reason: str) -> None:
+        """Fails whatever is still held (the router hears of each), frees it, closes the
+        receiver."""
+        for request in self.scheduler.requests:
+            self._abort(request.request_id, reason)
+            self._error(request.request_id, "decode", reason)
+        self.receiver.close()
+
+
+def _rendezvous(request: DecodeRequest) -> Rendezvous:
+    return Rendezvous(request.request_id, request.room)
+
+
+def _continued_generator(params: SamplingParams, vocab_size: int) -> torch.Generator | None:
+    """The request's random stream as it stands after P drew the first token: seeded the same
+    way and advanced by one draw over the vocabulary (CPU multinomial of one sample consumes
+    the same amount of the stream whatever the probabilities), so seeded sampling reproduces
+    offline generation."""
+    generator = params.make_generator()
+    if generator is not None:
+        torch.multinomial(torch.ones(vocab_size), 1, generator=generator)
+    return generator

@@ -1,0 +1,230 @@
+"""The decode node's scheduler: admission by free KV pages, then continuous batching.
+
+Pure bookkeeping (no model, no sockets): `reserve` / `kv_ready` / `kv_failed` / `abort` /
+`expire` / `schedule` -> running batch / `update(batch, tokens)` -> outputs.
+
+Admission reserves pages for the prompt plus every token the request may still generate
+(clipped to the context), so an admitted request always finishes without waiting for pages.
+Requests join the running batch at every step (oldest ready first, up to `max_batch`) and
+leave it the step they finish; their pages are freed at once, as they are on abort and failure.
+
+A request's state only moves forward: AWAITING_KV -> READY -> RUNNING -> FINISHED, and any
+state -> FAILED (sticky; abort included). While AWAITING_KV its pages are lent to the KV
+receiver: the node must take them back (`KVReceiver.cancel`) before calling `abort`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import OutOfPagesError
+from engine.kv_pool import KVPool, PageTable
+from engine.sampling import SamplingParams
+
+
+class DecodeState(enum.IntEnum):
+    AWAITING_KV = 0  # pages reserved and lent to the receiver
+    READY = 1  # KV complete, first token known; waiting for a batch slot
+    RUNNING = 2  # in the running batch
+    FINISHED = 3  # stopped; pages freed
+    FAILED = 4  # aborted, incomplete KV, timed out; pages freed (sticky)
+
+
+@dataclass
+class DecodeRequest:
+    request_id: str
+    room: int
+    prompt_len: int
+    params: SamplingParams
+    table: PageTable
+    num_reserved: int  # tokens of pages held: the prompt plus every token it may feed
+    arrival: float
+    stop_ids: frozenset[int]
+    generator: Any = None  # torch.Generator for seeded/random sampling; None when greedy
+    state: DecodeState = DecodeState.AWAITING_KV
+    output_ids: list[int] = field(default_factory=list)  # the first token (from P) included
+    decode_deadline: float = float("inf")
+    ready_time: float | None = None
+    finish_reason: str | None = None
+    error: str = ""
+
+    @property
+    def next_position(self) -> int:
+        """Position of the last output token, which the next decode step feeds."""
+        return self.prompt_len + len(self.output_ids) - 1
+
+    def advance(self, state: DecodeState) -> None:
+        if self.state == DecodeState.FAILED or state < self.state:
+            raise RuntimeError(f"request {self.request_id}: {self.state.name} -> {state.name}")
+        self.state = state
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One token (or none, when the first token already ended it) and the finish reason."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | None while running
+
+
+@dataclass
+class DecodeScheduler:
+    pool: KVPool
+    max_batch: int
+    max_position: int  # the model's context (max_position_embeddings)
+    eos_ids: frozenset[int]
+    max_requests: int = 0  # reserved + ready + running at most; 0 = 4 * max_batch
+    _requests: OrderedDict[str, DecodeRequest] = field(default_factory=OrderedDict)
+
+    def __post_init__(self) -> None:
+        if self.max_requests <= 0:
+            self.max_requests = 4 * self.max_batch
+
+    # ---- queries ---------------------------------------------------------------------------
+    def get(self, request_id: str) -> DecodeRequest | None:
+        return self._requests.get(request_id)
+
+    def count(self, state: DecodeState) -> int:
+        return sum(r.state == state for r in self._requests.values())
+
+    @property
+    def requests(self) -> list[DecodeRequest]:
+        return list(self._requests.values())
+
+    def has_runnable(self) -> bool:
+        return any(
+            r.state in (DecodeState.READY, DecodeState.RUNNING) for r in self._requests.values()
+        )
+
+    def pages_for(self, prompt_len: int, max_new_tokens: int) -> int:
+        return -(-self._reserve_len(prompt_len, max_new_tokens) // self.pool.page_size)
+
+    # ---- admission -------------------------------------------------------------------------
+    def reserve(
+        self,
+        request_id: str,
+        room: int,
+        prompt_len: int,
+        params: SamplingParams,
+        now: float,
+    ) -> tuple[DecodeRequest | None, str]:
+        """Reserves pages; returns (request, "") or (None, why it was refused)."""
+        if request_id in self._requests:
+            return None, f"request {request_id} is already on this decode node"
+        if not 0 < prompt_len < self.max_position:
+            return None, (
+                f"a prompt of {prompt_len} tokens does not fit the context of {self.max_position}"
+            )
+        if len(self._requests) >= self.max_requests:
+            return None, f"too many requests ({len(self._requests)} on this decode node)"
+        num_tokens = self._reserve_len(prompt_len, params.max_new_tokens)
+        table = self.pool.new_table()
+        try:
+            self.pool.reserve(table, num_tokens)
+        except OutOfPagesError:
+            need = -(-num_tokens // self.pool.page_size)
+            free = self.pool.allocator.num_free
+            return None, f"no room: needs {need} KV pages, {free} free"
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+        request = DecodeRequest(
+            request_id, room, prompt_len, params, table, num_tokens, now, frozenset(stop_ids)
+        )
+        self._requests[request_id] = request
+        return request, ""
+
+    def kv_ready(
+        self, request_id: str, first_token: int, now: float, decode_timeout: float
+    ) -> StepOutput | None:
+        """The KV is complete: the request joins the ready queue with P's first token. If that
+        token already ends it, it finishes here and its StepOutput (no new tokens) is returned."""
+        request = self._requests[request_id]
+        request.advance(DecodeState.READY)
+        request.ready_time = now
+        request.decode_deadline = now + decode_timeout
+        request.output_ids.append(first_token)
+        reason = self._finish_reason(request, first_token)
+        if reason is None:
+            return None
+        self._finish(request, reason)
+        return StepOutput(request_id, [], reason)
+
+    def kv_failed(self, request_id: str, reason: str) -> DecodeRequest | None:
+        """The receiver gave the pages back with incomplete rows: free them, never decode."""
+        return self.abort(request_id, reason)
+
+    def abort(self, request_id: str, reason: str = "aborted") -> DecodeRequest | None:
+        """Frees the request's pages at once and marks it FAILED; None if unknown. If it was
+        AWAITING_KV the caller must have cancelled the receiver's expectation first."""
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            self.pool.release(request.table)
+            request.error = reason
+            request.state = DecodeState.FAILED
+        return request
+
+    def expire(self, now: float) -> list[DecodeRequest]:
+        """Ready/running requests past their decode deadline, removed and FAILED."""
+        late = [
+            r
+            for r in self._requests.values()
+            if r.state in (DecodeState.READY, DecodeState.RUNNING) and now > r.decode_deadline
+        ]
+        for r in late:
+            self.abort(
+                r.request_id, f"decoding took longer than allowed ({len(r.output_ids)} tokens)"
+            )
+        return late
+
+    # ---- continuous batching ---------------------------------------------------------------
+    def schedule(self) -> list[DecodeRequest]:
+        """The running batch of the next step: everything running plus the oldest ready
+        requests, up to `max_batch`."""
+        batch = [r for r in self._requests.values() if r.state == DecodeState.RUNNING]
+        for request in self._requests.values():
+            if len(batch) >= self.max_batch:
+                break
+            if request.state == DecodeState.READY:
+                request.advance(DecodeState.RUNNING)
+                batch.append(request)
+        return batch
+
+    def update(self, batch: list[DecodeRequest], tokens: list[int]) -> list[StepOutput]:
+        """Appends each request's sampled token; finished requests leave (pages freed)."""
+        outputs = []
+        for request, token in zip(batch, tokens, strict=True):
+            if request.state != DecodeState.RUNNING:
+                continue  # aborted during the step
+            request.output_ids.append(token)
+            reason = self._finish_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason)
+            outputs.append(StepOutput(request.request_id, [token], reason))
+        return outputs
+
+    # ---- internals -------------------------------------------------------------------------
+    def _reserve_len(self, prompt_len: int, max_new_tokens: int) -> int:
+        # The last token fed sits at prompt_len + max_new_tokens - 2 (the last sampled token
+        # is never fed); one spare slot keeps the arithmetic obviously safe.
+        return min(prompt_len + max_new_tokens, self.max_position)
+
+    def _finish_reason(self, request: DecodeRequest, token: int) -> str | None:
+        """Same rule as OfflineGenerator: stop token, then max_new_tokens, then context end."""
+        if token in request.stop_ids:
+            return "stop"
+        num_out = len(request.output_ids)
+        if (
+            num_out >= request.params.max_new_tokens
+            or request.next_position + 1 >= self.max_position
+        ):
+            return "length"
+        return None
+
+    def _finish(self, request: DecodeRequest, reason: str) -> None:
+        request.advance(DecodeState.FINISHED)
+        request.finish_reason = reason
+        self.pool.release(request.table)
+        del self._requests[request.request_id]

@@ -1,0 +1,175 @@
+"""Prepacked bf16 weights and the wrappers of the linear / fused-MoE kernels (gemm.cpp, moe.cpp).
+
+`native.ops` re-exports `prepack_linear`, `linear`, `prepack_experts` and `fused_moe` from here;
+they keep the signatures and contracts of their twins in `native/reference.py`.
+
+Packed layout (see the NOTE in native/csrc/gemm_kernels.h): a weight [..., N, K] is zero-padded
+to N a multiple of 32 and K even, then stored as [..., N/32, K/2, 32, 2]: per block of 32 output
+columns, per pair of inputs, the 32 columns' (even k, odd k) pairs side by side.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from native import reference
+
+try:
+    from native import _C
+except ImportError:  # not built: every call takes the reference path
+    _C = None
+
+_BLOCK_N = 32
+
+
+def _native_on() -> bool:
+    from native import ops  # ops imports this module; its switch is read at call time
+
+    return ops.native_available()
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """[..., N, K] -> [..., ceil(N/32), ceil(K/2), 32, 2], zero padded."""
+    *lead, n, k = weight.shape
+    num_blocks, k_pairs = -(-n // _BLOCK_N), -(-k // 2)
+    if num_blocks * _BLOCK_N != n or 2 * k_pairs != k:
+        weight = F.pad(weight, (0, 2 * k_pairs - k, 0, num_blocks * _BLOCK_N - n))
+    blocked = weight.reshape(*lead, num_blocks, _BLOCK_N, k_pairs, 2)
+    return blocked.transpose(-3, -2).contiguous()
+
+
+def _unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Inverse of _pack: [..., N/32, K/2, 32, 2] -> [..., N, K]."""
+    *lead, num_blocks, k_pairs, _, _ = packed.shape
+    full = packed.transpose(-3, -2).reshape(*lead, num_blocks * _BLOCK_N, 2 * k_pairs)
+    return full[..., :n, :k].contiguous()
+
+
+class PackedLinear:
+    """A bf16 weight prepacked for the kernels.
+
+    `packed` holds the weight viewed as [*lead, n, k] in the layout above; `shape` is the shape of
+    the original tensor (for a linear weight [N, K]: lead = (), n = N, k = K; for MoE w13
+    [E, 2I, D]: lead = (E, 2), n = I, k = D, gate and up packed apart; for w2 [E, D, I]:
+    lead = (E,), n = D, k = I). `unpack()` returns the original tensor.
+    """
+
+    __slots__ = ("packed", "n", "k", "shape")
+
+    def __init__(self, weight: torch.Tensor, view_shape: tuple[int, ...]):
+        self.shape = weight.shape
+        self.n, self.k = view_shape[-2], view_shape[-1]
+        self.packed = _pack(weight.reshape(view_shape))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.packed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @property
+    def k_pairs(self) -> int:
+        return self.packed.shape[-3]
+
+    def unpack(self) -> torch.Tensor:
+        return _unpack(self.packed, self.n, self.k).reshape(self.shape)
+
+    def __repr__(self) -> str:
+        return f"PackedLinear(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _native_on()
+
+
+def _kernel_input(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x [M, k] bf16 -> rows of even length with unit stride and 4-byte aligned row starts."""
+    if k % 2:
+        return F.pad(x, (0, 1))
+    if x.stride(-1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+        return x.contiguous()
+    return x
+
+
+def prepack_linear(weight: torch.Tensor) -> torch.Tensor | PackedLinear:
+    """Packs a bf16 CPU weight [N, K] for `linear`; anything else is returned unchanged."""
+    if weight.dim() != 2 or not _packable(weight):
+        return weight
+    return PackedLinear(weight.detach(), tuple(weight.shape))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear) -> torch.Tensor:
+    """y = x @ weight.T.   x: [..., K], weight: [N, K] or its PackedLinear -> [..., N]."""
+    if not isinstance(weight, PackedLinear):
+        return reference.linear(x, weight)
+    if not (_native_on() and x.dtype == torch.bfloat16 and x.device.type == "cpu"):
+        return reference.linear(x, weight.unpack())
+    n, k = weight.n, weight.k
+    if x.shape[-1] != k:
+        raise ValueError(f"linear: x has {x.shape[-1]} features, the weight expects {k}")
+    lead = x.shape[:-1]
+    x2 = _kernel_input(x.reshape(-1, k), k)
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    if m and n:
+        ldx = x2.stride(0) if m > 1 else 2 * weight.k_pairs
+        _C.linear_bf16(x2.data_ptr(), m, ldx, weight.k_pairs, weight.packed.data_ptr(), n,
+                       y.data_ptr(), n)  # fmt: skip
+    return y.reshape(*lead, n)
+
+
+def prepack_experts(w13: torch.Tensor, w2: torch.Tensor):
+    """Packs bf16 CPU expert weights w13 [E, 2I, D], w2 [E, D, I] for `fused_moe`.
+
+    Returns (PackedLinear, PackedLinear), or the tensors unchanged when the kernel does not cover
+    them (other dtype or device, native disabled)."""
+    if w13.dim() != 3 or w2.dim() != 3 or not (_packable(w13) and _packable(w2)):
+        return w13, w2
+    num_experts, two_inter, hidden = w13.shape
+    if two_inter % 2 or tuple(w2.shape) != (num_experts, hidden, two_inter // 2):
+        raise ValueError(f"prepack_experts: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} disagree")
+    inter = two_inter // 2
+    return (
+        PackedLinear(w13.detach(), (num_experts, 2, inter, hidden)),
+        PackedLinear(w2.detach(), (num_experts, hidden, inter)),
+    )
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor | PackedLinear,
+    w2: torch.Tensor | PackedLinear,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_offset: int = 0,
+) -> torch.Tensor:
+    """Routed experts; the contract of `reference.fused_moe` (x: [T, D] -> [T, D])."""
+    if not isinstance(w13, PackedLinear):
+        return reference.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_offset)
+    if not (_native_on() and x.dtype == torch.bfloat16 and x.device.type == "cpu"):
+        return reference.fused_moe(x, w13.unpack(), w2.unpack(), topk_weights, topk_ids, expert_offset)
+    num_experts, _, hidden = w13.shape
+    inter = w13.n
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"fused_moe: x {tuple(x.shape)} does not match hidden size {hidden}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"fused_moe: topk_ids {tuple(topk_ids.shape)} / topk_weights "
+            f"{tuple(topk_weights.shape)} do not match {x.shape[0]} tokens"
+        )
+    num_tokens = x.shape[0]
+    top_k = topk_ids.shape[1] if topk_ids.dim() == 2 else 0
+    out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16)
+    if num_tokens == 0:
+        return out
+    x2 = _kernel_input(x, hidden)
+    weights = topk_weights.to(torch.float32).contiguous()
+    ids = topk_ids.to(torch.int32).contiguous()
+    ldx = x2.stride(0) if num_tokens > 1 else 2 * w13.k_pairs
+    _C.fused_moe_bf16(x2.data_ptr(), num_tokens, ldx, w13.k_pairs, w13.packed.data_ptr(),
+                      w2.packed.data_ptr(), num_experts, inter, hidden, weights.data_ptr(),
+                      ids.data_ptr(), top_k, int(expert_offset), out.data_ptr(), hidden)  # fmt: skip
+    return out

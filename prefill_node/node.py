@@ -1,0 +1,260 @@
+"""The prefill node's loop: chunked prefill, KV streamed to decode nodes, first token to the router.
+
+`step()` is five numbered steps; socket I/O lives in the inbox/outbox (`engine.messaging`) and
+the KV senders (`kvtransfer`), so tests run the same loop with in-process queues and senders.
+
+Every request ends in exactly one of: FirstToken to the router plus kv_done to D (finished), or
+RequestError to the router plus kv_abort to D (failed), or silence after an Abort from the router
+(plus kv_abort to D). Its pages are freed on every path before the step returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine.batch import ForwardBatch
+from engine.cluster_config import PrefillNodeConfig, TimeoutConfig
+from engine.errors import DuetError
+from engine.generate import validate_prompt
+from engine.messaging import Inbox, Outbox, StageTimes
+from engine.model import DeepseekModel
+from engine.protocol import (
+    Abort,
+    FirstToken,
+    Heartbeat,
+    Prefill,
+    ProtocolError,
+    RequestError,
+    Shutdown,
+    sampling_from_dict,
+)
+from engine.sampling import sample
+from kvtransfer import KVSender, KVTransferError, Rendezvous, make_fingerprint
+from prefill_node.kv_senders import SenderPool
+from prefill_node.scheduler import Chunk, PrefillRequest, PrefillScheduler, PrefillState
+
+log = logging.getLogger(__name__)
+
+
+class PrefillNode:
+    def __init__(
+        self,
+        name: str,
+        model: DeepseekModel,
+        cfg: PrefillNodeConfig,
+        timeouts: TimeoutConfig,
+        inbox: Inbox,
+        outbox: Outbox,
+        sender_factory: Callable[[], KVSender],
+    ):
+        self.name = name
+        self.model = model
+        self.timeouts = timeouts
+        self.inbox = inbox
+        self.outbox = outbox
+        self.pool = model.new_kv_pool(cfg.num_pages, cfg.page_size)
+        self.scheduler = PrefillScheduler(self.pool, cfg.chunk_size, cfg.max_batch_tokens)
+        mcfg = model.cfg
+        self.fingerprint = make_fingerprint(
+            mcfg.fingerprint(), mcfg.num_hidden_layers, mcfg.kv_row_width, model.dtype
+        )
+        self.senders = SenderPool(sender_factory, self.fingerprint, timeouts.reserve_s)
+        self.stage_times = StageTimes()
+        self.kv_bytes_sent = 0
+        self.is_stopping = False
+        self._is_stalled = False  # last schedule found nothing to run although work is queued
+        self._next_heartbeat = 0.0
+
+    def ready_info(self) -> dict[str, Any]:
+        """What NodeReady carries."""
+        return {
+            "fingerprint": self.fingerprint,
+            "dtype": self.fingerprint["dtype"],
+            "num_pages": self.pool.num_pages,
+            "page_size": self.pool.page_size,
+        }
+
+    def run(self) -> None:
+        """Steps until a Shutdown message (or `is_stopping` set from outside), then closes."""
+        try:
+            while not self.is_stopping:
+                self.step()
+        finally:
+            self.close("the prefill node is shutting down")
+
+    def step(self) -> None:
+        # 1. Block when idle: wait for a control message only if there is nothing to compute.
+        is_busy = self.scheduler.has_work() and not self._is_stalled
+        wait = 0.0 if is_busy else min(0.05, self.timeouts.heartbeat_s)
+        # 2. Drain inputs: prefill requests, aborts, shutdown.
+        msg = self.inbox.recv(wait)
+        while msg is not None:
+            self._handle(msg)
+            msg = self.inbox.recv(0.0)
+        # 3. Fail requests that waited too long for their turn.
+        now = time.monotonic()
+        for request in self.scheduler.expire(now):
+            self._fail(request, "prefill_queue", request.error)
+        # 4. One forward over the scheduled chunks; rows stream out while the next one computes.
+        chunks = self.scheduler.schedule(now)
+        self._is_stalled = not chunks
+        if chunks:
+            self._run_chunks(chunks)
+        # 5. Heartbeat with the load figures the router pairs by.
+        self._maybe_heartbeat()
+
+    # ---- inputs ----------------------------------------------------------------------------
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, Prefill):
+            self._on_prefill(msg)
+        elif isinstance(msg, Abort):
+            request = self.scheduler.abort(msg.request_id, f"aborted: {msg.reason}")
+            if request is not None:
+                self._abort_peer(request, f"aborted by the router: {msg.reason}")
+        elif isinstance(msg, Shutdown):
+            self.is_stopping = True
+        else:
+            log.warning("prefill node ignores a %s message", type(msg).__name__)
+
+    def _on_prefill(self, msg: Prefill) -> None:
+        cfg = self.model.cfg
+        try:
+            params = sampling_from_dict(msg.sampling)
+            validate_prompt(msg.token_ids, cfg.vocab_size, cfg.max_position_embeddings)
+            if not msg.kv_endpoint:
+                raise ProtocolError("the Prefill message names no kv_endpoint")
+            now = time.monotonic()
+            queue_s = msg.timeout_s if msg.timeout_s > 0 else self.timeouts.prefill_queue_s
+            request = PrefillRequest(
+                msg.request_id,
+                msg.room,
+                list(msg.token_ids),
+                params,
+                msg.kv_endpoint,
+                arrival=now,
+                queue_deadline=now + queue_s,
+                generator=params.make_generator(),
+            )
+            self.scheduler.add(request)
+        except (DuetError, ValueError, TypeError) as exc:
+            self.outbox.send(RequestError(msg.request_id, "prefill", f"bad request: {exc}"))
+            return
+        try:  # first contact with this decode node: the handshake checks compatibility
+            self.senders.get(msg.kv_endpoint)
+        except KVTransferError as exc:
+            self.scheduler.abort(msg.request_id)
+            self.outbox.send(RequestError(msg.request_id, "transfer", str(exc)))
+
+    # ---- compute ---------------------------------------------------------------------------
+    def _run_chunks(self, chunks: list[Chunk]) -> None:
+        batch = ForwardBatch.build(
+            self.pool,
+            [c.request.table for c in chunks],
+            [c.tokens for c in chunks],
+            [c.start for c in chunks],
+            is_decode=False,
+        )
+        try:
+            logits = self.model.forward(batch, self.pool)  # [B, vocab] fp32
+        except Exception as exc:  # fail these requests loudly, keep serving the others
+            log.exception("prefill forward failed")
+            for chunk in chunks:
+                self._fail(chunk.request, "prefill", f"prefill forward failed: {exc}")
+            return
+        for chunk in chunks:
+            self._send_chunk(chunk)
+        row_of = {id(c.request): i for i, c in enumerate(chunks) if c.is_last}
+        finished = self.scheduler.update(chunks)
+        if finished:
+            rows = logits[[row_of[id(r)] for r in finished]]
+            tokens = sample(rows, [r.params for r in finished], [r.generator for r in finished])
+            for request, token in zip(finished, tokens, strict=True):
+                self._finish(request, token)
+
+    def _send_chunk(self, chunk: Chunk) -> None:
+        request = chunk.request
+        if request.state != PrefillState.RUNNING:
+            return  # failed earlier in this step (its endpoint broke)
+        num_layers = self.pool.num_layers
+        rows = self.pool.read_rows(request.table, 0, num_layers, chunk.start, chunk.end)
+        try:
+            sender = self.senders.get(request.kv_endpoint)
+            sender.send_chunk(_rendezvous(request), 0, chunk.start, rows)
+        except (KVTransferError, ValueError) as exc:
+            self._on_sender_error(request, exc)
+            return
+        self.kv_bytes_sent += rows.numel() * rows.element_size()
+
+    def _finish(self, request: PrefillRequest, token: int) -> None:
+        """Hands the request to its decode node: kv_done first (so D can start), then the router."""
+        try:
+            sender = self.senders.get(request.kv_endpoint)
+            sender.send_done(_rendezvous(request), request.prompt_len, token)
+        except (KVTransferError, ValueError) as exc:
+            self._on_sender_error(request, exc)
+            return
+        now = time.monotonic()
+        stage_ms = {
+            "queue": (request.start_time - request.arrival) * 1000.0,
+            "prefill": (now - request.start_time) * 1000.0,
+        }
+        for stage, ms in stage_ms.items():
+            self.stage_times.add(stage, ms / 1000.0)
+        self.outbox.send(FirstToken(request.request_id, token, request.prompt_len, stage_ms))
+
+    # ---- failures --------------------------------------------------------------------------
+    def _on_sender_error(self, request: PrefillRequest, exc: Exception) -> None:
+        """A broken sender loses every in-flight transfer to that endpoint: fail them all."""
+        endpoint = request.kv_endpoint
+        self.senders.drop(endpoint)
+        message = f"KV transfer to {endpoint} failed: {exc}"
+        self._fail(request, "transfer", message)
+        for other in self.scheduler.requests:
+            if other.kv_endpoint == endpoint and other.state == PrefillState.RUNNING:
+                self._fail(other, "transfer", message)
+
+    def _fail(self, request: PrefillRequest, stage: str, message: str) -> None:
+        """Frees the request (if still held), tells D to drop it and the router why."""
+        self.scheduler.abort(request.request_id, message)
+        self._abort_peer(request, message)
+        self.outbox.send(RequestError(request.request_id, stage, message))
+
+    def _abort_peer(self, request: PrefillRequest, reason: str) -> None:
+        """Best effort kv_abort, so D frees its reservation now rather than at its deadline."""
+        sender = self.senders.peek(request.kv_endpoint)
+        if sender is None:
+            return
+        try:
+            sender.send_abort(_rendezvous(request), reason)
+        except (KVTransferError, ValueError):
+            pass  # D's deadline (or the router's Abort) reclaims its pages instead
+
+    def _maybe_heartbeat(self) -> None:
+        now = time.monotonic()
+        if now < self._next_heartbeat:
+            return
+        self._next_heartbeat = now + self.timeouts.heartbeat_s
+        self.outbox.send(
+            Heartbeat(
+                self.name,
+                "prefill",
+                queued_tokens=self.scheduler.queued_tokens,
+                num_waiting=self.scheduler.num_waiting,
+                num_running=self.scheduler.num_running,
+                kv_bytes_sent=self.kv_bytes_sent,
+                stage_ms=self.stage_times.means(),
+            )
+        )
+
+    def close(self, reason: str) -> None:
+        """Fails whatever is still queued (the router hears of each) and closes the senders."""
+        for request in self.scheduler.requests:
+            self._fail(request, "prefill", reason)
+        self.senders.close()
+
+
+def _rendezvous(request: PrefillRequest) -> Rendezvous:
+    return Rendezvous(request.request_id, request.room)

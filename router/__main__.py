@@ -1,0 +1,76 @@
+"""`python -m router --config FILE [--model DIR] [--host H] [--port P]`: the HTTP gateway.
+
+Reads the cluster config (the same file every node reads), loads the tokenizer and the model's
+config.json (no weights), binds the control socket the nodes report to, and serves HTTP until
+SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from engine.errors import DuetError
+
+
+def build_app(cfg, model_dir: str | None = None):
+    """The FastAPI app for a `ClusterConfig`, and the (host, port) it should listen on."""
+    from engine.config import ModelConfig
+    from engine.tiny_model import ensure_tiny_model
+    from engine.tokenizer import Tokenizer
+    from router.app import ModelInfo, create_app
+    from router.core import Router
+
+    model_dir = model_dir or cfg.model or str(ensure_tiny_model())
+    model_cfg = ModelConfig.from_model_dir(model_dir)
+    tokenizer = Tokenizer(model_dir)
+    router = Router(
+        cfg,
+        eos_token_ids=list(model_cfg.eos_token_id),
+        max_positions=model_cfg.max_position_embeddings,
+        fingerprint=model_cfg.fingerprint(),
+    )
+    info = ModelInfo(
+        name=Path(model_dir).name,
+        path=str(model_dir),
+        vocab_size=model_cfg.vocab_size,
+        max_positions=model_cfg.max_position_embeddings,
+    )
+    return create_app(router, tokenizer, info), (cfg.router.host, cfg.router.port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m router", description=__doc__)
+    parser.add_argument("--config", required=True, help="cluster config (TOML)")
+    parser.add_argument("--model", help="checkpoint directory (overrides the config's)")
+    parser.add_argument("--port", type=int, help="HTTP port (overrides the config's)")
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s router %(levelname)s %(message)s"
+    )
+    import dataclasses
+
+    from engine.cluster_config import ClusterConfig
+
+    try:
+        cfg = ClusterConfig.load(args.config)
+        if args.port is not None:
+            cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, port=args.port))
+        app, (host, port) = build_app(cfg, args.model)
+    except DuetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    import uvicorn
+
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2
+    )
+    uvicorn.Server(config).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

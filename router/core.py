@@ -1,0 +1,493 @@
+"""The router's request engine: admission, pairing, the per-request protocol and node health.
+
+For each request (see `router.state` for its state machine):
+  1. admit: refuse at once (503 + Retry-After) when too many requests are unfinished or no
+     node of a role is ready;
+  2. reserve: ask decode nodes in the policy's order to reserve KV pages; a refusal moves on
+     to the next node, a silent node fails the request (stage "reserve");
+  3. prefill: send the prompt to the chosen prefill node with the decode node's KV endpoint;
+  4. stream: P's FirstToken and D's Tokens become `TokenEvent`s in output order (D's tokens
+     that arrive before P's first token wait in the request); exactly one terminal event ends
+     the stream.
+Every wait is bounded: a watchdog fails requests past their stage deadline and nodes silent
+past `node_timeout_s`; failures and aborts send Abort to both nodes, so pages are freed on
+both sides whatever happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.cluster_config import ClusterConfig
+from engine.protocol import (
+    Abort,
+    FirstToken,
+    Heartbeat,
+    NodeFailed,
+    NodeReady,
+    Prefill,
+    RequestError,
+    Reserve,
+    ReserveReply,
+    Tokens,
+    sampling_to_dict,
+)
+from engine.sampling import SamplingParams
+from router.metrics import RouterMetrics
+from router.nodes import NodeRegistry, NodeState
+from router.policy import LeastLoadedPolicy, PairingPolicy
+from router.state import ErrorEvent, RequestState, RouterRequest, TokenEvent
+from router.transport import RouterTransport
+
+log = logging.getLogger("router")
+
+RETRY_AFTER_S = 1
+_STAGE_OF_STATE = {
+    RequestState.CREATED: "reserve",
+    RequestState.RESERVING: "reserve",
+    RequestState.PREFILLING: "prefill",
+    RequestState.DECODING: "decode",
+}
+
+
+class RouterError(Exception):
+    """A request refused before it started; the HTTP layer turns it into an error response."""
+
+    def __init__(self, status: int, message: str, code: str, retry_after: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.retry_after = retry_after
+
+
+class Router:
+    """Owns the nodes' state, the unfinished requests and the sockets. Event-loop only.
+
+    Args:
+        cfg: the cluster config (nodes, timeouts, SLA, router limits).
+        eos_token_ids: tokens that end a request unless `ignore_eos`.
+        max_positions: the model's context length.
+        fingerprint: the model's `ModelConfig.fingerprint()`; nodes reporting another are
+            refused (marked dead) at NodeReady.
+    """
+
+    def __init__(
+        self,
+        cfg: ClusterConfig,
+        eos_token_ids: list[int],
+        max_positions: int,
+        fingerprint: dict[str, Any] | None = None,
+        policy: PairingPolicy | None = None,
+    ):
+        self.cfg = cfg
+        self.t = cfg.timeouts
+        self.eos_ids = frozenset(eos_token_ids)
+        self.max_positions = max_positions
+        self.fingerprint = fingerprint
+        self.nodes = NodeRegistry(cfg)
+        self.policy = policy or LeastLoadedPolicy()
+        self.metrics = RouterMetrics(self.nodes, cfg.sla)
+        self.requests: dict[str, RouterRequest] = {}
+        self.transport: RouterTransport | None = None
+        self._reserve_waiters: dict[str, asyncio.Future] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._closing = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        endpoints = {n.name: n.control_endpoint for n in self.nodes.nodes.values()}
+        self.transport = RouterTransport(self.cfg.router.control_endpoint, endpoints)
+        self._tasks = [
+            asyncio.create_task(self._recv_loop(), name="router-recv"),
+            asyncio.create_task(self._watchdog_loop(), name="router-watchdog"),
+        ]
+
+    async def stop(self) -> None:
+        """Fails every unfinished request (aborting it on its nodes) and closes the sockets."""
+        self._closing = True
+        for req in list(self.requests.values()):
+            self._fail(req, "router", "the router is shutting down")
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.transport is not None:
+            self.transport.close()
+
+    @property
+    def is_serving(self) -> bool:
+        return bool(self.nodes.ready("prefill")) and bool(self.nodes.ready("decode"))
+
+    # ---- the request API used by the HTTP layer -------------------------------------------
+    async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams):
+        """Admits, reserves and dispatches a request; returns it in PREFILLING.
+
+        Raises RouterError (503 with Retry-After) if it cannot start now. `sampling` is final:
+        its max_new_tokens already fits the context.
+        """
+        if self._closing:
+            raise RouterError(503, "the router is shutting down", "shutting_down", RETRY_AFTER_S)
+        limit = self.cfg.router.max_queued_requests
+        if len(self.requests) >= limit:
+            self.metrics.rejections.labels("overloaded").inc()
+            raise RouterError(
+                503, f"too many unfinished requests ({limit}); retry later", "overloaded",
+                RETRY_AFTER_S,
+            )  # fmt: skip
+        if not self.nodes.ready("prefill") or not self.nodes.ready("decode"):
+            self.metrics.rejections.labels("no_node").inc()
+            raise RouterError(
+                503, "no prefill or no decode node is ready", "no_node_ready", RETRY_AFTER_S
+            )
+        stop_ids = frozenset(sampling.stop_token_ids) | (
+            frozenset() if sampling.ignore_eos else self.eos_ids
+        )
+        req = RouterRequest(request_id, secrets.randbits(63), prompt_ids, sampling, stop_ids)
+        self.requests[request_id] = req
+        req.advance(RequestState.RESERVING)
+        await self._reserve_somewhere(req)
+        self._dispatch_prefill(req)
+        return req
+
+    async def events(self, req: RouterRequest) -> AsyncIterator[TokenEvent | ErrorEvent]:
+        """The request's events up to and including the terminal one."""
+        backstop = self.t.prefill_queue_s + self.t.transfer_s + self.t.decode_s + 10.0
+        while True:
+            try:
+                event = await asyncio.wait_for(req.events.get(), backstop)
+            except TimeoutError:
+                # Never expected (the watchdog fails requests earlier); keeps the wait bounded.
+                self._fail(req, _STAGE_OF_STATE.get(req.state, "decode"), "no progress")
+                event = req.error or ErrorEvent("decode", "no progress")
+            yield event
+            if isinstance(event, ErrorEvent) or event.finish_reason is not None:
+                return
+
+    def finish_early(self, req: RouterRequest, finish_reason: str) -> None:
+        """The HTTP layer ended the request (a stop string): FINISHED, nodes told to drop it."""
+        if req.advance(RequestState.FINISHED):
+            req.finish_reason = finish_reason
+            self._abort_on_nodes(req, "stop string")
+            self._close(req, "finished")
+
+    def abort(self, req: RouterRequest, reason: str = "client disconnected") -> None:
+        """The client went away: FAILED (sticky), Abort to both nodes; no-op once terminal."""
+        if req.advance(RequestState.FAILED):
+            req.error = ErrorEvent("client", reason)
+            self._abort_on_nodes(req, reason)
+            self._close(req, "aborted")
+
+    # ---- admission steps -------------------------------------------------------------------
+    async def _reserve_somewhere(self, req: RouterRequest) -> None:
+        num_tokens = min(req.prompt_len + req.sampling.max_new_tokens, self.max_positions)
+        candidates = self.policy.rank_decode(self.nodes.ready("decode"), num_tokens)
+        refusals = []
+        for node in candidates:
+            if not node.is_ready:  # died while we waited on an earlier candidate
+                continue
+            reply = await self._reserve_on(req, node, num_tokens)
+            if req.is_done:  # failed meanwhile (node death, router shutdown)
+                break
+            if reply is not None and reply.ok:
+                req.timings.reserved = time.monotonic()
+                self.metrics.stage.labels("reserve").observe(
+                    req.timings.reserved - req.timings.arrival
+                )
+                return
+            refusals.append(f"{node.name}: {reply.reason if reply else 'no answer'}")
+        if req.is_done:
+            error = req.error or ErrorEvent("reserve", "the request ended during reservation")
+            self._forget(req)
+            raise RouterError(503, error.message, "reserve_failed", RETRY_AFTER_S)
+        self.metrics.rejections.labels("no_decode_room").inc()
+        why = "; ".join(refusals) or "no decode node has enough free KV pages"
+        self._reject(req, f"no decode node admitted the request ({why})", "no_decode_room")
+
+    async def _reserve_on(self, req: RouterRequest, node: NodeState, num_tokens: int):
+        """Reserve on one decode node: the reply, None for a refusal to send; a silent node
+        fails the request (stage reserve) rather than trying another, so a late reply can never
+        be mistaken for the next node's."""
+        req.decode_node = node.name
+        req.reserved_pages = node.pages_for(num_tokens)
+        self._hold_decode(req, node)
+        msg = Reserve(
+            req.request_id, req.room, req.prompt_len, sampling_to_dict(req.sampling),
+            timeout_s=self.t.transfer_s,
+        )  # fmt: skip
+        waiter = asyncio.get_running_loop().create_future()
+        self._reserve_waiters[req.request_id] = waiter
+        try:
+            if not self.transport.send(node.name, msg):
+                self._release_decode(req)
+                return None
+            reply = await asyncio.wait_for(waiter, self.t.reserve_s)
+        except TimeoutError:
+            self.metrics.failures.labels("reserve").inc()
+            self._abort_on_nodes(req, "reserve timed out")
+            message = (
+                f"decode node {node.name} did not answer the reservation within "
+                f"{self.t.reserve_s:g} s (stage reserve)"
+            )
+            self._reject(req, message, "reserve_timeout")
+        finally:
+            self._reserve_waiters.pop(req.request_id, None)
+        if reply is None or not reply.ok:
+            self._release_decode(req)
+        return reply
+
+    def _dispatch_prefill(self, req: RouterRequest) -> None:
+        node = self.policy.pick_prefill(self.nodes.ready("prefill"), req.prompt_len)
+        if node is None:
+            self._abort_on_nodes(req, "no prefill node")
+            self.metrics.rejections.labels("no_node").inc()
+            self._reject(req, "no prefill node is ready", "no_node_ready")
+        req.prefill_node = node.name
+        req.holds_prefill = True
+        node.queued_tokens += req.prompt_len
+        node.num_active += 1
+        node.num_served += 1
+        msg = Prefill(
+            req.request_id, req.room, req.prompt_ids, sampling_to_dict(req.sampling),
+            kv_endpoint=req.kv_endpoint, timeout_s=self.t.prefill_queue_s,
+        )  # fmt: skip
+        if not self.transport.send(node.name, msg):
+            self._abort_on_nodes(req, "prefill node unreachable")
+            self.metrics.rejections.labels("unreachable").inc()
+            self._reject(req, f"prefill node {node.name} is not accepting requests", "unreachable")
+        req.timings.dispatched = time.monotonic()
+        req.advance(RequestState.PREFILLING)
+        self.metrics.dispatched.labels(node.name, "prefill").inc()
+        self.metrics.dispatched.labels(req.decode_node, "decode").inc()
+        self.metrics.prompt_tokens.inc(req.prompt_len)
+
+    # ---- incoming messages -----------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self.transport.recv()
+            try:
+                self.handle(msg)
+            except Exception:  # a bug here must not stop the router from hearing its nodes
+                log.exception("error while handling %s", type(msg).__name__)
+
+    def handle(self, msg: Any) -> None:
+        """Applies one node message (public so tests can drive the router without sockets)."""
+        handler = {
+            Heartbeat: self._on_heartbeat,
+            NodeReady: self._on_node_ready,
+            NodeFailed: self._on_node_failed,
+            ReserveReply: self._on_reserve_reply,
+            FirstToken: self._on_first_token,
+            Tokens: self._on_tokens,
+            RequestError: self._on_request_error,
+        }.get(type(msg))
+        if handler is None:
+            log.warning("ignored a %s sent to the router", type(msg).__name__)
+            return
+        handler(msg)
+
+    def _on_heartbeat(self, msg: Heartbeat) -> None:
+        node = self.nodes.get(msg.node, msg.role)
+        if node is None:
+            return
+        if node.status == "dead" and node.error.startswith("incompatible"):
+            return  # a node refused at NodeReady stays out until it restarts
+        if self.nodes.on_heartbeat(node, msg):
+            log.info("node %s (%s) is alive", node.name, node.role)
+
+    def _on_node_ready(self, msg: NodeReady) -> None:
+        node = self.nodes.get(msg.node, msg.role)
+        if node is None:
+            log.warning("NodeReady from %r (%s), which is not in the cluster config", msg.node, msg.role)
+            return
+        if node.num_active:  # it restarted: whatever it held is gone
+            self._fail_node_requests(node, "restarted")
+        theirs = msg.info.get("fingerprint")
+        if self.fingerprint is not None and theirs is not None and theirs != self.fingerprint:
+            self.nodes.mark_dead(node, f"incompatible model: {theirs} != router's {self.fingerprint}")
+            log.error("node %s serves another model; it gets no requests (%s)", node.name, node.error)
+            return
+        self.nodes.mark_ready(node, msg.info)
+        log.info("node %s (%s) is ready", node.name, node.role)
+
+    def _on_node_failed(self, msg: NodeFailed) -> None:
+        node = self.nodes.get(msg.node, msg.role)
+        if node is None:
+            return
+        log.error("node %s (%s) failed: %s", node.name, node.role, msg.error)
+        self.nodes.mark_dead(node, msg.error)
+        self._fail_node_requests(node, f"failed: {msg.error}")
+
+    def _on_reserve_reply(self, msg: ReserveReply) -> None:
+        waiter = self._reserve_waiters.get(msg.request_id)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(msg)
+            if msg.ok:
+                self.requests[msg.request_id].kv_endpoint = msg.kv_endpoint
+            return
+        if msg.ok:  # a late yes to a request we gave up on: make the node free its pages
+            for node in self.nodes.of_role("decode"):
+                self.transport.send(node.name, Abort(msg.request_id, "reservation came too late"))
+
+    def _on_first_token(self, msg: FirstToken) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is None or not req.advance(RequestState.DECODING):
+            return
+        now = time.monotonic()
+        req.timings.first_token = req.timings.last_token = now
+        self._release_prefill(req)
+        for stage, ms in msg.stage_ms.items():
+            self.metrics.stage.labels(stage).observe(ms / 1000)
+        tokens, finish = [msg.token, *req.pending_tokens], req.pending_finish
+        req.pending_tokens = []
+        self._emit(req, tokens, finish, now)
+
+    def _on_tokens(self, msg: Tokens) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is None or req.is_done:
+            return
+        if req.state < RequestState.DECODING:  # the decode node beat P's FirstToken here
+            req.pending_tokens.extend(msg.token_ids)
+            req.pending_finish = msg.finish_reason
+            return
+        self._emit(req, msg.token_ids, msg.finish_reason, time.monotonic())
+
+    def _on_request_error(self, msg: RequestError) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is not None:
+            self._fail(req, msg.stage, msg.message)
+
+    # ---- output ----------------------------------------------------------------------------
+    def _emit(self, req: RouterRequest, tokens: list[int], finish: str | None, now: float) -> None:
+        """Queues tokens for the client. The router also checks stop tokens, max_new_tokens and
+        the context end itself, so a request ends on time even if a node's finish is late."""
+        out: list[int] = []
+        local_finish = None
+        for token in tokens:
+            out.append(token)
+            total = req.num_output_tokens + len(out)
+            if token in req.stop_ids:
+                local_finish = "stop"
+            elif total >= req.sampling.max_new_tokens or req.prompt_len + total >= self.max_positions:
+                local_finish = "length"
+            if local_finish:
+                break
+        if out:
+            gap = (now - req.timings.last_token) / len(out)
+            if req.num_output_tokens > 0:
+                for _ in out:
+                    self.metrics.itl.observe(gap)
+            req.timings.last_token = now
+        req.num_output_tokens += len(out)
+        self.metrics.output_tokens.inc(len(out))
+        final = local_finish or finish
+        if not out and final is None:
+            return
+        req.events.put_nowait(TokenEvent(out, final))
+        if final is not None and req.advance(RequestState.FINISHED):
+            req.finish_reason = final
+            if finish is None:  # ended here before the decode node said so: it must drop it
+                self._abort_on_nodes(req, "finished")
+            self._close(req, "finished")
+
+    # ---- failure paths ---------------------------------------------------------------------
+    def _fail(self, req: RouterRequest, stage: str, message: str) -> None:
+        if not req.advance(RequestState.FAILED):
+            return
+        req.error = ErrorEvent(stage, message)
+        self._abort_on_nodes(req, f"failed at {stage}")
+        waiter = self._reserve_waiters.get(req.request_id)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        self.metrics.failures.labels(stage).inc()
+        req.events.put_nowait(req.error)
+        self._close(req, "failed")
+
+    def _reject(self, req: RouterRequest, message: str, code: str) -> None:
+        """Ends a request that never started streaming and raises the 503 for the client."""
+        req.advance(RequestState.FAILED)
+        req.error = ErrorEvent("admission", message)
+        self._forget(req)
+        raise RouterError(503, message, code, RETRY_AFTER_S)
+
+    def _fail_node_requests(self, node: NodeState, what: str) -> None:
+        for req in list(self.requests.values()):
+            on_decode = req.decode_node == node.name
+            on_prefill = req.prefill_node == node.name and req.state <= RequestState.PREFILLING
+            if not req.is_done and (on_decode or on_prefill):
+                stage = _STAGE_OF_STATE.get(req.state, "decode")
+                self._fail(req, stage, f"{node.role} node {node.name} {what} (stage {stage})")
+
+    def _abort_on_nodes(self, req: RouterRequest, reason: str) -> None:
+        for name in (req.prefill_node, req.decode_node):
+            if name is not None:
+                self.transport.send(name, Abort(req.request_id, reason))
+
+    # ---- bookkeeping -----------------------------------------------------------------------
+    def _hold_decode(self, req: RouterRequest, node: NodeState) -> None:
+        req.holds_decode = True
+        node.reserved_pages += req.reserved_pages
+        node.num_active += 1
+
+    def _release_decode(self, req: RouterRequest) -> None:
+        node = self.nodes.nodes.get(req.decode_node or "")
+        if req.holds_decode and node is not None:
+            node.reserved_pages -= req.reserved_pages
+            node.num_active -= 1
+        req.holds_decode = False
+
+    def _release_prefill(self, req: RouterRequest) -> None:
+        node = self.nodes.nodes.get(req.prefill_node or "")
+        if req.holds_prefill and node is not None:
+            node.queued_tokens -= req.prompt_len
+            node.num_active -= 1
+        req.holds_prefill = False
+
+    def _forget(self, req: RouterRequest) -> None:
+        self._release_prefill(req)
+        self._release_decode(req)
+        self.requests.pop(req.request_id, None)
+
+    def _close(self, req: RouterRequest, outcome: str) -> None:
+        """Terminal bookkeeping: free the load estimates, count the outcome, record latencies."""
+        self._forget(req)
+        self.metrics.requests.labels(outcome).inc()
+        if outcome == "finished" and req.timings.first_token:
+            t = req.timings
+            self.metrics.observe_finished(
+                t.ttft, t.tpot(req.num_output_tokens), t.last_token - t.arrival
+            )
+
+    # ---- watchdog --------------------------------------------------------------------------
+    async def _watchdog_loop(self) -> None:
+        period = min(0.25, self.t.heartbeat_s / 2)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self.check_deadlines(time.monotonic())
+            except Exception:
+                log.exception("watchdog error")
+
+    def check_deadlines(self, now: float) -> None:
+        """Declares silent nodes dead and fails requests past their stage deadline."""
+        for node in self.nodes.expired(self.t.node_timeout_s, now):
+            silent = now - node.last_seen
+            log.error("node %s (%s) silent for %.1f s: declared dead", node.name, node.role, silent)
+            self.nodes.mark_dead(node, f"no heartbeat for {silent:.1f} s")
+            self._fail_node_requests(node, f"stopped answering (no heartbeat for {silent:.1f} s)")
+        prefill_limit = self.t.prefill_queue_s + self.t.transfer_s
+        for req in list(self.requests.values()):
+            t = req.timings
+            if req.state == RequestState.PREFILLING and now - t.dispatched > prefill_limit:
+                self._fail(
+                    req, "prefill_queue",
+                    f"no first token within {prefill_limit:g} s (stage prefill_queue)",
+                )  # fmt: skip
+            elif req.state == RequestState.DECODING and now - t.first_token > self.t.decode_s:
+                self._fail(
+                    req, "decode", f"decoding took longer than {self.t.decode_s:g} s (stage decode)"
+                )

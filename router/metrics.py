@@ -1,0 +1,167 @@
+"""Prometheus metrics of the router (text format at GET /metrics).
+
+Request latencies are measured by the router (client-visible): TTFT, TPOT (mean per request)
+and inter-token latency histograms, per-stage timings, outcomes, rejections, failures by stage
+and the share of finished requests within the SLA. Per-node figures (queued and running
+requests, KV pages, KV bytes moved, dropped chunks) come from the nodes' latest heartbeats and
+are read at scrape time by `NodeCollector`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.cluster_config import SlaConfig
+from router.nodes import NodeRegistry
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+disable_created_metrics()  # the *_created series only add noise to a scrape
+
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+
+class RouterMetrics:
+    def __init__(self, nodes: NodeRegistry, sla: SlaConfig):
+        self.sla = sla
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram(
+            "duet_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "duet_tpot_seconds",
+            "Mean time per output token after the first, per request",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "duet_inter_token_latency_seconds",
+            "Time between consecutive output tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "duet_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.stage = Histogram(
+            "duet_stage_seconds",
+            "Per-stage time (reserve: router<->decode; queue/prefill/transfer: prefill node)",
+            ["stage"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "duet_requests", "Requests ended, by outcome", ["outcome"], registry=r
+        )
+        self.rejections = Counter(
+            "duet_rejections", "Requests refused before starting, by reason", ["reason"],
+            registry=r,
+        )  # fmt: skip
+        self.failures = Counter(
+            "duet_request_failures", "Accepted requests that failed, by stage", ["stage"],
+            registry=r,
+        )  # fmt: skip
+        self.dispatched = Counter(
+            "duet_node_requests", "Requests sent to each node", ["node", "role"], registry=r
+        )
+        self.prompt_tokens = Counter("duet_prompt_tokens", "Prompt tokens accepted", registry=r)
+        self.output_tokens = Counter("duet_output_tokens", "Tokens generated", registry=r)
+        self.sla_met = Counter(
+            "duet_sla_met_requests", "Finished requests within the TTFT and TPOT SLA", registry=r
+        )
+        self.num_finished = 0  # plain counts for the SLA share (read at scrape time)
+        self.num_sla_met = 0
+        r.register(NodeCollector(nodes, self))
+
+    def observe_finished(self, ttft: float, tpot: float | None, latency: float) -> None:
+        """A request completed normally: record its latencies and whether it met the SLA."""
+        self.ttft.observe(ttft)
+        if tpot is not None:
+            self.tpot.observe(tpot)
+        self.e2e.observe(latency)
+        self.num_finished += 1
+        within = ttft * 1000 <= self.sla.ttft_ms and (tpot is None or tpot * 1000 <= self.sla.tpot_ms)
+        if within:
+            self.num_sla_met += 1
+            self.sla_met.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class NodeCollector:
+    """Per-node gauges and counters, read from the registry when /metrics is scraped."""
+
+    def __init__(self, nodes: NodeRegistry, metrics: RouterMetrics):
+        self.nodes = nodes
+        self.metrics = metrics
+
+    def collect(self):
+        labels = ["node", "role"]
+        up = GaugeMetricFamily("duet_node_up", "1 if the node is ready and alive", labels=labels)
+        queued = GaugeMetricFamily(
+            "duet_node_queued_requests", "Requests waiting on the node (heartbeat)", labels=labels
+        )
+        running = GaugeMetricFamily(
+            "duet_node_running_requests", "Requests running on the node (heartbeat)", labels=labels
+        )
+        queued_tokens = GaugeMetricFamily(
+            "duet_node_queued_tokens", "Prompt tokens queued on a prefill node", labels=labels
+        )
+        pages_used = GaugeMetricFamily(
+            "duet_kv_pages_used", "KV pages in use on a decode node (heartbeat)", labels=labels
+        )
+        pages_total = GaugeMetricFamily(
+            "duet_kv_pages_total", "KV pages of a decode node", labels=labels
+        )
+        sent = CounterMetricFamily("duet_kv_bytes_sent", "KV bytes sent by a prefill node", labels=labels)
+        received = CounterMetricFamily(
+            "duet_kv_bytes_received", "KV bytes received by a decode node", labels=labels
+        )
+        dropped = CounterMetricFamily(
+            "duet_kv_chunks_dropped", "KV messages a decode node dropped", labels=labels
+        )
+        stage_ms = GaugeMetricFamily(
+            "duet_node_stage_ms", "Recent per-stage latency reported by a node",
+            labels=["node", "role", "stage"],
+        )  # fmt: skip
+        for n in self.nodes.nodes.values():
+            lv = [n.name, n.role]
+            up.add_metric(lv, 1.0 if n.is_ready else 0.0)
+            hb = n.heartbeat
+            if hb is None:
+                continue
+            queued.add_metric(lv, hb.num_waiting)
+            running.add_metric(lv, hb.num_running)
+            if n.role == "prefill":
+                queued_tokens.add_metric(lv, hb.queued_tokens)
+                sent.add_metric(lv, hb.kv_bytes_sent)
+            else:
+                pages_used.add_metric(lv, hb.total_pages - hb.free_pages)
+                pages_total.add_metric(lv, hb.total_pages)
+                received.add_metric(lv, hb.kv_bytes_received)
+                dropped.add_metric(lv, hb.kv_chunks_dropped)
+            for stage, ms in hb.stage_ms.items():
+                stage_ms.add_metric([*lv, stage], float(ms))
+        finished = self.metrics.num_finished
+        share = GaugeMetricFamily(
+            "duet_sla_attainment_ratio",
+            "Share of finished requests within the SLA (1 before any finished)",
+        )
+        share.add_metric([], self.metrics.num_sla_met / finished if finished else 1.0)
+        sla = GaugeMetricFamily("duet_sla_target_seconds", "The SLA targets", labels=["metric"])
+        sla.add_metric(["ttft"], self.metrics.sla.ttft_ms / 1000)
+        sla.add_metric(["tpot"], self.metrics.sla.tpot_ms / 1000)
+        yield from (up, queued, running, queued_tokens, pages_used, pages_total, sent, received)
+        yield from (dropped, stage_ms, share, sla)

@@ -1,0 +1,129 @@
+"""The router's view of its nodes: liveness (NodeReady, heartbeats, NodeFailed) and load.
+
+Load has two sources. Heartbeats carry the node's own figures (queued tokens, free pages),
+which lag by up to one heartbeat interval. The router adds what it knows exactly and at once:
+the prompt tokens it sent to each prefill node that have not produced a first token yet, and
+the pages each decode node reserved for the router's unfinished requests. Pairing uses the
+router's figures, so a burst of requests spreads out instead of piling onto whichever node
+looked idlest in the last heartbeat.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.cluster_config import ClusterConfig
+from engine.protocol import Heartbeat
+
+
+class NodeStatus:
+    STARTING = "starting"  # configured, never heard from
+    READY = "ready"
+    DEAD = "dead"  # NodeFailed, or silent for node_timeout_s
+
+
+@dataclass
+class NodeState:
+    name: str
+    role: str  # "prefill" | "decode"
+    control_endpoint: str
+    page_size: int  # decode: tokens per page (from the config; NodeReady may refine it)
+    total_pages: int  # decode: from the config; NodeReady / heartbeats refine it
+    status: str = NodeStatus.STARTING
+    last_seen: float = 0.0  # monotonic
+    info: dict[str, Any] = field(default_factory=dict)
+    heartbeat: Heartbeat | None = None
+    error: str = ""
+    queued_tokens: int = 0  # prefill: prompt tokens sent, first token not seen yet
+    reserved_pages: int = 0  # decode: pages held for the router's unfinished requests
+    num_active: int = 0  # the router's unfinished requests on this node
+    num_served: int = 0  # requests ever sent to this node (cumulative)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.status == NodeStatus.READY
+
+    @property
+    def free_pages(self) -> int:
+        """The router's estimate of pages a new reservation may take."""
+        return max(0, self.total_pages - self.reserved_pages)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+
+class NodeRegistry:
+    """All configured nodes by name. Only configured names are accepted from the wire."""
+
+    def __init__(self, cfg: ClusterConfig):
+        self.nodes: dict[str, NodeState] = {}
+        for p in cfg.prefill:
+            self.nodes[p.name] = NodeState(p.name, "prefill", p.control_endpoint, p.page_size, 0)
+        for d in cfg.decode:
+            self.nodes[d.name] = NodeState(
+                d.name, "decode", d.control_endpoint, d.page_size, d.num_pages
+            )
+
+    def get(self, name: str, role: str) -> NodeState | None:
+        """The node, if `name` is configured with this role (anything else is ignored)."""
+        node = self.nodes.get(name)
+        return node if node is not None and node.role == role else None
+
+    def of_role(self, role: str) -> list[NodeState]:
+        return [n for n in self.nodes.values() if n.role == role]
+
+    def ready(self, role: str) -> list[NodeState]:
+        return [n for n in self.nodes.values() if n.role == role and n.is_ready]
+
+    # ---- liveness --------------------------------------------------------------------------
+    def mark_ready(self, node: NodeState, info: dict[str, Any]) -> None:
+        node.status = NodeStatus.READY
+        node.error = ""
+        node.info = dict(info)
+        node.last_seen = time.monotonic()
+        if node.role == "decode":
+            node.total_pages = int(info.get("num_pages", node.total_pages))
+            node.page_size = int(info.get("page_size", node.page_size)) or node.page_size
+
+    def on_heartbeat(self, node: NodeState, hb: Heartbeat) -> bool:
+        """Records the heartbeat; True if it revived a node (first sign of life or back from dead).
+
+        A heartbeat implies the node finished starting, so a router that (re)started after its
+        nodes still learns about them without their NodeReady.
+        """
+        revived = node.status != NodeStatus.READY
+        node.heartbeat = hb
+        node.last_seen = time.monotonic()
+        node.status = NodeStatus.READY
+        node.error = ""
+        if node.role == "decode" and hb.total_pages > 0:
+            node.total_pages = hb.total_pages
+            if hb.page_size > 0:
+                node.page_size = hb.page_size
+        return revived
+
+    def mark_dead(self, node: NodeState, error: str) -> None:
+        node.status = NodeStatus.DEAD
+        node.error = error
+
+    def expired(self, timeout_s: float, now: float | None = None) -> list[NodeState]:
+        """Ready nodes silent for longer than `timeout_s`."""
+        now = time.monotonic() if now is None else now
+        return [n for n in self.nodes.values() if n.is_ready and now - n.last_seen > timeout_s]
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """For /health: each node's role, status, error and load."""
+        out = {}
+        for n in self.nodes.values():
+            entry: dict[str, Any] = {"role": n.role, "status": n.status, "active": n.num_active}
+            if n.error:
+                entry["error"] = n.error
+            if n.role == "prefill":
+                entry["queued_tokens"] = n.queued_tokens
+            else:
+                entry["free_pages"] = n.free_pages
+                entry["total_pages"] = n.total_pages
+            out[n.name] = entry
+        return out

@@ -1,0 +1,159 @@
+"""A prefill node and a decode node wired in-process: queues for the control plane, the in-process
+kvtransfer for KV. `Pair` plays the router: it reserves, sends prefills and aborts, and steps
+both loops on the test's thread (deterministic: no sockets, no threads)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from decode_node.node import DecodeNode
+from engine.cluster_config import DecodeNodeConfig, PrefillNodeConfig, TimeoutConfig
+from engine.messaging import QueueInbox, QueueOutbox
+from engine.protocol import (
+    Abort,
+    FirstToken,
+    Heartbeat,
+    Prefill,
+    RequestError,
+    Reserve,
+    ReserveReply,
+    Tokens,
+    sampling_to_dict,
+)
+from engine.sampling import SamplingParams
+from kvtransfer import InprocReceiver, InprocSender, make_fingerprint
+from prefill_node.node import PrefillNode
+
+TIMEOUT = 60.0  # upper bound of any loop here; they normally take well under a second
+
+
+@dataclass
+class Seen:
+    """What the router saw of one request."""
+
+    first_token: int | None = None
+    token_ids: list[int] = field(default_factory=list)  # after the first token
+    finish_reason: str | None = None
+    errors: list[RequestError] = field(default_factory=list)
+
+    @property
+    def output(self) -> list[int]:
+        """The whole output, as OfflineGenerator returns it."""
+        return [self.first_token, *self.token_ids]
+
+    @property
+    def is_over(self) -> bool:
+        return self.finish_reason is not None or bool(self.errors)
+
+
+class Pair:
+    def __init__(
+        self,
+        model,
+        *,
+        p_page_size=3,
+        d_page_size=5,
+        chunk_size=4,
+        max_batch_tokens=8,
+        d_num_pages=64,
+        max_batch=3,
+        timeouts=None,
+    ):
+        self.model = model
+        self.timeouts = timeouts or TimeoutConfig(heartbeat_s=0.05)
+        cfg = model.cfg
+        fp = make_fingerprint(cfg.fingerprint(), cfg.num_hidden_layers, cfg.kv_row_width, model.dtype)
+        self.receiver = InprocReceiver(model.new_kv_pool(d_num_pages, d_page_size), fp)
+        self.p_in, self.p_out = QueueInbox(), QueueOutbox()
+        self.d_in, self.d_out = QueueInbox(), QueueOutbox()
+        p_cfg = PrefillNodeConfig(
+            "p", page_size=p_page_size, chunk_size=chunk_size, max_batch_tokens=max_batch_tokens
+        )
+        d_cfg = DecodeNodeConfig("d", page_size=d_page_size, max_batch=max_batch)
+        self.prefill = PrefillNode(
+            "p", model, p_cfg, self.timeouts, self.p_in, self.p_out, InprocSender
+        )
+        self.decode = DecodeNode(
+            "d", model, d_cfg, self.timeouts, self.d_in, self.d_out, self.receiver
+        )
+        self.seen: dict[str, Seen] = {}
+        self.heartbeats: list[Heartbeat] = []
+        self._rooms = iter(range(1000, 10**6))
+
+    # ---- the router's moves ------------------------------------------------------------------
+    def reserve(self, rid: str, prompt_len: int, params: SamplingParams, timeout_s=5.0):
+        room = next(self._rooms)
+        self.d_in.put(Reserve(rid, room, prompt_len, sampling_to_dict(params), timeout_s))
+        self.decode.step()
+        (reply,) = self.d_out.take(ReserveReply)
+        self.seen.setdefault(rid, Seen())
+        return reply, room
+
+    def submit(self, rid: str, prompt: list[int], params: SamplingParams) -> ReserveReply:
+        """Reserve on D, then (if admitted) prefill on P, as the router does."""
+        reply, room = self.reserve(rid, len(prompt), params)
+        if reply.ok:
+            self.p_in.put(
+                Prefill(rid, room, prompt, sampling_to_dict(params), reply.kv_endpoint, 5.0)
+            )
+        return reply
+
+    def prefill_only(self, rid: str, room: int, prompt, params, endpoint=None) -> None:
+        endpoint = endpoint or self.receiver.endpoint
+        self.seen.setdefault(rid, Seen())
+        self.p_in.put(Prefill(rid, room, prompt, sampling_to_dict(params), endpoint, 5.0))
+
+    def abort(self, rid: str, prefill=True, decode=True) -> None:
+        if prefill:
+            self.p_in.put(Abort(rid, "test"))
+        if decode:
+            self.d_in.put(Abort(rid, "test"))
+
+    # ---- stepping ---------------------------------------------------------------------------
+    def step(self) -> None:
+        self.prefill.step()
+        self.decode.step()
+        self.collect()
+
+    def collect(self) -> None:
+        for msg in self.p_out.take() + self.d_out.take():
+            if isinstance(msg, Heartbeat):
+                self.heartbeats.append(msg)
+            elif isinstance(msg, FirstToken):
+                self.seen[msg.request_id].first_token = msg.token
+            elif isinstance(msg, Tokens):
+                seen = self.seen[msg.request_id]
+                assert seen.finish_reason is None, f"tokens after the finish of {msg.request_id}"
+                seen.token_ids += msg.token_ids
+                seen.finish_reason = msg.finish_reason
+            elif isinstance(msg, RequestError):
+                self.seen[msg.request_id].errors.append(msg)
+            else:
+                raise AssertionError(f"unexpected message {msg}")
+
+    def run_until(self, cond, what="the requests to end") -> None:
+        deadline = time.monotonic() + TIMEOUT
+        while not cond():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}")
+            self.step()
+
+    def run_all(self) -> None:
+        self.run_until(lambda: all(s.is_over for s in self.seen.values()))
+
+    def settle(self, steps=3) -> None:
+        for _ in range(steps):
+            self.step()
+
+    @property
+    def decode_pages_used(self) -> int:
+        return self.decode.pool.allocator.num_used
+
+    @property
+    def prefill_pages_used(self) -> int:
+        return self.prefill.pool.allocator.num_used
+
+    def close(self) -> None:
+        self.prefill.close("test over")
+        self.decode.close("test over")

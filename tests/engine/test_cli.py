@@ -1,0 +1,90 @@
+"""`duet generate` end to end as a user runs it: JSON output, and one-line errors (no traceback,
+non-zero exit) for bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine.tiny_model import make_tiny_model
+
+
+def duet(*args, env_extra=None, timeout=180):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "deploy.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("cli") / "tiny", seed=0)
+
+
+def assert_one_line_error(result, needle):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert needle in lines[0]
+
+
+def test_generate_json(model_dir):
+    r = duet("generate", "--model", str(model_dir), "--prompt", "Hello world", "--max-new-tokens",
+             "5", "--json", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert 1 <= len(out["token_ids"]) <= 5 and isinstance(out["text"], str)
+    again = duet("generate", "--model", str(model_dir), "--prompt", "Hello world",
+                 "--max-new-tokens", "5", "--json", "--dtype", "float32")
+    assert json.loads(again.stdout.strip().splitlines()[-1]) == out  # greedy is deterministic
+
+
+def test_empty_prompt(model_dir):
+    assert_one_line_error(duet("generate", "--model", str(model_dir), "--prompt", ""), "empty")
+
+
+def test_prompt_past_context(model_dir):
+    ids = ",".join(["5"] * 600)
+    r = duet("generate", "--model", str(model_dir), "--prompt-ids", ids)
+    assert_one_line_error(r, "max_position_embeddings")
+
+
+def _copy(model_dir, dst):
+    dst.mkdir()
+    for f in model_dir.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_corrupt_safetensors(model_dir, tmp_path):
+    bad = _copy(model_dir, tmp_path / "bad")
+    (bad / "model.safetensors").write_bytes(b"\x10\x00garbage" * 10)
+    r = duet("generate", "--model", str(bad), "--prompt", "hi")
+    assert_one_line_error(r, "model.safetensors")
+
+
+def test_missing_tensor(model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    bad = _copy(model_dir, tmp_path / "missing")
+    tensors = load_file(str(bad / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.o_proj.weight"]
+    save_file(tensors, str(bad / "model.safetensors"))
+    r = duet("generate", "--model", str(bad), "--prompt", "hi")
+    assert_one_line_error(r, "model.layers.1.self_attn.o_proj.weight")
+
+
+def test_unknown_model_type(model_dir, tmp_path):
+    bad = _copy(model_dir, tmp_path / "llama")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    r = duet("generate", "--model", str(bad), "--prompt", "hi")
+    assert_one_line_error(r, "model_type")

@@ -1,0 +1,124 @@
+"""Test helpers: small pools, a fingerprint, and both transports behind one `Link` class.
+
+`Link` bundles a receiver, a connected sender and a "raw" channel that delivers hand-made
+frames as a handshaken peer would, synchronously (for ZeroMQ it waits until the receiver has
+handled them), so fuzz tests can assert on counters right after sending.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import zmq
+
+from engine.kv_pool import KVPool, PageTable
+from kvtransfer import (
+    InprocReceiver,
+    InprocSender,
+    Rendezvous,
+    ZmqReceiver,
+    ZmqSender,
+    make_fingerprint,
+)
+from kvtransfer.wire import Hello, HelloAck, KVAbort, decode, encode
+
+NUM_LAYERS = 4
+ROW_WIDTH = 24
+DTYPE = torch.bfloat16
+MODEL_FP = {"model_type": "deepseek_v2", "num_hidden_layers": NUM_LAYERS, "kv_lora_rank": 16}
+TIMEOUT = 5.0  # upper bound of any wait in these tests; they normally take milliseconds
+
+
+def fingerprint(**overrides):
+    fp = make_fingerprint(MODEL_FP, NUM_LAYERS, ROW_WIDTH, DTYPE)
+    fp.update(overrides)
+    return fp
+
+
+def make_pool(page_size: int, num_pages: int = 64, num_layers: int = NUM_LAYERS) -> KVPool:
+    return KVPool(num_layers, num_pages, page_size, ROW_WIDTH, DTYPE)
+
+
+def reserve(pool: KVPool, num_tokens: int) -> PageTable:
+    table = pool.new_table()
+    pool.reserve(table, num_tokens)
+    return table
+
+
+def random_rows(num_tokens: int, seed: int, num_layers: int = NUM_LAYERS) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(num_layers, num_tokens, ROW_WIDTH, generator=gen).to(DTYPE)
+
+
+def wait_until(cond: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+class Link:
+    """A receiver on `decode_pool`, a sender connected to it, and a raw handshaken channel."""
+
+    def __init__(self, kind: str, decode_pool: KVPool):
+        self.kind = kind
+        self.pool = decode_pool
+        if kind == "inproc":
+            self.receiver = InprocReceiver(decode_pool, fingerprint())
+            self.sender = InprocSender("test-prefill")
+        else:
+            self.receiver = ZmqReceiver(decode_pool, fingerprint())
+            self.sender = ZmqSender("test-prefill", send_timeout=2.0)
+        self.sender.connect(self.receiver.endpoint, fingerprint(), TIMEOUT)
+        self._raw = None
+        self._sentinels = 0
+
+    def raw_send(self, frames: list) -> None:
+        """Deliver `frames` ([header] or [header, payload, ...]) and wait until handled. For
+        zmq a kv_abort for an unknown rendezvous follows it as a sentinel (counted apart)."""
+        if self.kind == "inproc":
+            self.receiver.receive(list(frames), is_peer_known=True)
+            return
+        sock = self._raw_socket()
+        sock.send_multipart(frames, copy=True)
+        before = self.receiver.stats().dropped.get("unknown_rendezvous", 0)
+        sentinel = KVAbort(Rendezvous("sentinel", self._sentinels), 0, "sync")
+        sock.send(encode(sentinel))
+        self._sentinels += 1
+        wait_until(
+            lambda: self.receiver.stats().dropped.get("unknown_rendezvous", 0) > before,
+            "the receiver to handle the raw frames",
+        )
+
+    def dropped(self) -> dict[str, int]:
+        counts = dict(self.receiver.stats().dropped)
+        if self._sentinels:
+            counts["unknown_rendezvous"] -= self._sentinels
+            if not counts["unknown_rendezvous"]:
+                del counts["unknown_rendezvous"]
+        return counts
+
+    def raw_socket_without_hello(self) -> zmq.Socket:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.receiver.endpoint)
+        return sock
+
+    def _raw_socket(self) -> zmq.Socket:
+        if self._raw is None:
+            sock = self.raw_socket_without_hello()
+            sock.send(encode(Hello("raw-peer", fingerprint())))
+            assert sock.poll(int(TIMEOUT * 1000)), "no hello_ack for the raw peer"
+            ack = decode(sock.recv())
+            assert isinstance(ack, HelloAck) and ack.ok
+            self._raw = sock
+        return self._raw
+
+    def close(self) -> None:
+        if self._raw is not None:
+            self._raw.close(linger=0)
+        self.sender.close()
+        self.receiver.close()

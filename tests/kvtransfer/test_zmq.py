@@ -1,0 +1,97 @@
+"""ZeroMQ transport only: bounded waits when the peer is missing or goes away, clean shutdown."""
+
+import socket
+import time
+
+import pytest
+from kv_helpers import TIMEOUT, fingerprint, make_pool, random_rows, reserve
+
+from kvtransfer import KVTransferError, Rendezvous, ZmqReceiver, ZmqSender
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_connect_to_nobody_times_out():
+    sender = ZmqSender()
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    start = time.monotonic()
+    with pytest.raises(KVTransferError, match=f"{endpoint}.*timed out"):
+        sender.connect(endpoint, fingerprint(), timeout=0.3)
+    assert time.monotonic() - start < 2.0
+    sender.close()
+
+
+def test_bind_twice_is_a_clear_error():
+    first = ZmqReceiver(make_pool(page_size=3), fingerprint())
+    try:
+        with pytest.raises(KVTransferError, match="cannot bind KV endpoint"):
+            ZmqReceiver(make_pool(page_size=3), fingerprint(), first.endpoint)
+    finally:
+        first.close()
+
+
+def test_receiver_gone_breaks_the_sender_within_its_timeout():
+    receiver = ZmqReceiver(make_pool(page_size=3), fingerprint())
+    sender = ZmqSender(send_timeout=0.3, queue_size=2, sndhwm=1)
+    sender.connect(receiver.endpoint, fingerprint(), TIMEOUT)
+    receiver.close()
+    rdv = Rendezvous("orphan", 1)
+    start = time.monotonic()
+    with pytest.raises(KVTransferError, match="no progress|full"):
+        for i in range(100):  # zmq buffers a few; then the sender must notice, not hang
+            sender.send_chunk(rdv, 0, i, random_rows(1, seed=i))
+        sender.flush(TIMEOUT)
+    assert time.monotonic() - start < TIMEOUT
+    with pytest.raises(KVTransferError):
+        sender.send_done(rdv, 1, 1)  # broken for good
+    sender.close()
+    assert not sender._thread.is_alive()
+
+
+def test_close_joins_threads_and_is_idempotent():
+    receiver = ZmqReceiver(make_pool(page_size=3), fingerprint())
+    sender = ZmqSender()
+    sender.connect(receiver.endpoint, fingerprint(), TIMEOUT)
+    table = reserve(receiver.pool, 4)
+    rdv = Rendezvous("r", 1)
+    receiver.expect(rdv, table, 4, time.monotonic() + TIMEOUT)
+    sender.send_chunk(rdv, 0, 0, random_rows(4, seed=1))
+    sender.send_done(rdv, 4, 1)
+    sender.flush(TIMEOUT)
+    assert receiver.poll(TIMEOUT)[0].is_ready
+    for _ in range(2):
+        sender.close(timeout=TIMEOUT)
+        receiver.close(timeout=TIMEOUT)
+    assert not sender._thread.is_alive() and not receiver._thread.is_alive()
+
+
+def test_two_senders_one_receiver():
+    receiver = ZmqReceiver(make_pool(page_size=3, num_pages=32), fingerprint())
+    senders = [ZmqSender(f"prefill-{i}") for i in range(2)]
+    try:
+        rows = {}
+        for i, sender in enumerate(senders):
+            sender.connect(receiver.endpoint, fingerprint(), TIMEOUT)
+            rdv = Rendezvous(f"req-{i}", i)
+            table = reserve(receiver.pool, 20)
+            receiver.expect(rdv, table, 20, time.monotonic() + TIMEOUT)
+            rows[rdv] = (table, random_rows(20, seed=i))
+        for i, sender in enumerate(senders):
+            rdv = Rendezvous(f"req-{i}", i)
+            sender.send_chunk(rdv, 0, 0, rows[rdv][1][:, :10])
+            sender.send_chunk(rdv, 0, 10, rows[rdv][1][:, 10:])
+            sender.send_done(rdv, 20, i)
+        events = []
+        while len(events) < 2:
+            events += receiver.poll(TIMEOUT) or pytest.fail("no event")
+        assert all(e.is_ready for e in events)
+        for table, expected in rows.values():
+            assert receiver.pool.read_rows(table, 0, 4, 0, 20).equal(expected)
+    finally:
+        for sender in senders:
+            sender.close()
+        receiver.close()
