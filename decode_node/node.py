@@ -34,9 +34,11 @@ from engine.protocol import (
     sampling_from_dict,
 )
 from engine.sampling import SamplingParams, sample
-from kvtransfer import KVReceiver, Rendezvous, TransferEvent
+from kvtransfer import KVReceiver, Rendezvous, TransferEvent, make_fingerprint
 
 log = logging.getLogger(__name__)
+
+MAX_DRAIN = 256  # control messages handled per step at most
 
 
 class DecodeNode:
@@ -63,6 +65,9 @@ class DecodeNode:
         self.scheduler = DecodeScheduler(
             self.pool, cfg.max_batch, mcfg.max_position_embeddings, frozenset(mcfg.eos_token_id)
         )
+        self.fingerprint = make_fingerprint(
+            mcfg.fingerprint(), mcfg.num_hidden_layers, mcfg.kv_row_width, model.dtype
+        )
         self.stage_times = StageTimes()
         self.is_stopping = False
         self._next_heartbeat = 0.0
@@ -74,7 +79,8 @@ class DecodeNode:
             "num_pages": self.pool.num_pages,
             "page_size": self.pool.page_size,
             "ranks": 1,
-            "dtype": str(self.pool.dtype).removeprefix("torch."),
+            "fingerprint": self.fingerprint,
+            "dtype": self.fingerprint["dtype"],
         }
 
     def run(self) -> None:
@@ -95,10 +101,11 @@ class DecodeNode:
         else:
             wait = min(0.05, self.timeouts.heartbeat_s)
         # 2. Drain inputs: reservations, aborts, shutdown.
-        msg = self.inbox.recv(wait)
-        while msg is not None:
+        msg, num_handled = self.inbox.recv(wait), 0
+        while msg is not None:  # bounded, so a flood of messages cannot starve compute
             self._handle(msg)
-            msg = self.inbox.recv(0.0)
+            num_handled += 1
+            msg = self.inbox.recv(0.0) if num_handled < MAX_DRAIN else None
         # 3. Drain transfer events: complete KV joins the batch, anything else fails.
         for event in self.receiver.poll(0.001 if wait else 0.0):
             self._on_transfer(event)

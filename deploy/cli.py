@@ -93,7 +93,8 @@ def _run_make_tiny_model(args) -> int:
 
 def _add_passthrough(sub, name: str, help_text: str, target: str) -> None:
     """Subcommands whose module parses its own arguments: `module:function(argv)`."""
-    p = sub.add_parser(name, help=help_text, add_help=False)
+    # No option prefix of its own: REMAINDER would otherwise leave a leading "--opt" unparsed.
+    p = sub.add_parser(name, help=help_text, add_help=False, prefix_chars="\0")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=lambda args: _call(target, args.rest))
 
@@ -113,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_tiny_model(sub)
     _add_passthrough(sub, "bench-kernels", "kernel benchmark vs roofline", "bench.kernels:main")
     _add_passthrough(sub, "bench-transfer", "KV transfer benchmark", "bench.transfer:main")
+    _add_passthrough(sub, "bench-serve", "serving benchmark (OpenAI API)", "bench.serve:main")
+    _add_passthrough(sub, "bench-sweep", "bench-serve over rates and configs", "bench.sweep:main")
+    _add_passthrough(
+        sub, "make-bench-model", "random V2-Lite-shaped checkpoint", "engine.bench_model:main"
+    )
+    _add_passthrough(sub, "up", "run a whole cluster on this machine", "deploy.local_cluster:main")
     return parser
 
 

@@ -144,7 +144,7 @@ class KVPool:
             flat.index_copy_(1, slots.to(flat.device), rows)
             return
         bounds = [0, *breaks, num_tokens]
-        for a, b in zip(bounds[:-1], bounds[1:]):
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             start = int(slots[a])
             flat[:, start : start + b - a] = rows[:, a:b]
 

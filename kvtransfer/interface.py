@@ -171,8 +171,9 @@ class KVReceiver(abc.ABC):
     def cancel(self, rendezvous: Rendezvous) -> bool:
         """Take the pages back before the transfer finished (request aborted on D). Blocks only
         while a write into this request's pages is in progress; when it returns no write will
-        follow and no event for the rendezvous will come out of `poll`. Returns False if the
-        rendezvous was not expected (already reported or never expected)."""
+        follow and no event for the rendezvous will come out of `poll` (one already queued is
+        discarded). Returns False if there was nothing to take back (the event was already
+        polled, or the rendezvous never expected)."""
 
     @abc.abstractmethod
     def poll(self, timeout: float = 0.0) -> list[TransferEvent]:

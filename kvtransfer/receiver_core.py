@@ -31,6 +31,7 @@ from kvtransfer.wire import (
     decode,
     fingerprint_mismatch,
     payload_rows,
+    peek_kind,
 )
 
 log = logging.getLogger(__name__)
@@ -104,9 +105,11 @@ class ReceiverCore(KVReceiver):
     def cancel(self, rendezvous: Rendezvous) -> bool:
         with self._lock:
             exp = self._expected.pop(rendezvous, None)
+            num_events = len(self._events)
             self._events = [e for e in self._events if e.rendezvous != rendezvous]
+            had_event = len(self._events) != num_events
         if exp is None:
-            return False
+            return had_event
         with exp.lock:  # waits for a write in progress into these pages
             exp.is_active = False
         return True
@@ -163,8 +166,13 @@ class ReceiverCore(KVReceiver):
         try:
             msg = decode(frames[0])
         except WireError as exc:
-            reason = str(exc).startswith("protocol version")
-            return self._drop(DropReason.BAD_VERSION if reason else DropReason.MALFORMED)
+            if not str(exc).startswith("protocol version"):
+                return self._drop(DropReason.MALFORMED)
+            self._drop(DropReason.BAD_VERSION)
+            if peek_kind(frames[0]) != "hello" or len(frames) != 1:
+                return None
+            error = f"{exc} in the peer's hello: upgrade one side"
+            return HelloAck(ok=False, fingerprint=self.fingerprint, error=error)
         if isinstance(msg, Hello):
             return self._hello(msg) if len(frames) == 1 else self._drop(DropReason.MALFORMED)
         if isinstance(msg, HelloAck):

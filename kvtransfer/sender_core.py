@@ -74,6 +74,8 @@ class SenderCore(KVSender):
     the receiver drops anything whose number does not increase."""
 
     def __init__(self, name: str = "prefill"):
+        if not 0 < len(name) <= 64:
+            raise ValueError("sender name must be 1..64 characters")
         self.name = name
         self.endpoint: str | None = None
         self._seq: dict[Rendezvous, int] = {}

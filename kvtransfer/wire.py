@@ -14,6 +14,8 @@ Messages (prefill = P, decode = D):
     kv_done    P -> D  all chunks sent: total token count and the first sampled token
     kv_abort   P -> D  the prefill gave up on the request (the reason is one line)
 
+Each per-request message carries a sequence number (0, 1, 2, ... per rendezvous, in send order);
+the receiver drops one whose number does not increase, so a replay is never applied twice.
 A request is named by its `Rendezvous`: the request id plus a random 64-bit room number chosen
 by the router, so a late message of an earlier attempt with the same request id never matches.
 """
@@ -199,8 +201,7 @@ def rows_payload(rows: torch.Tensor) -> Any:
 
 
 def expected_payload_len(num_layers: int, num_tokens: int, row_width: int, dtype: str) -> int:
-    itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
-    return num_layers * num_tokens * row_width * itemsize
+    return num_layers * num_tokens * row_width * DTYPES[dtype].itemsize
 
 
 def payload_rows(chunk: KVChunk, payload: Any) -> torch.Tensor:
@@ -336,6 +337,19 @@ def _decode_chunk(head: dict[str, Any], rdv: Rendezvous, seq: int) -> KVChunk:
         raise WireError(f"kv_chunk: payload length {length} does not match the row shape")
     crc = _int(head, "crc", 0, U32_MAX)
     return KVChunk(rdv, seq, l0, l1, t0, t1, dtype, width, length, crc)
+
+
+def peek_kind(frame: Any) -> str | None:
+    """The `kind` of a header whatever its version (None if unreadable): lets a receiver answer
+    a `hello` of another protocol version with a refusal instead of silence."""
+    if len(frame) > MAX_HEADER_BYTES:
+        return None
+    try:
+        head = msgpack.unpackb(frame, raw=False, max_bin_len=0, max_ext_len=0)
+    except Exception:  # unreadable is the answer, not an error
+        return None
+    kind = head.get("kind") if isinstance(head, dict) else None
+    return kind if isinstance(kind, str) else None
 
 
 def _int(head: dict[str, Any], key: str, lo: int, hi: int) -> int:

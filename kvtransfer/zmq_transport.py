@@ -30,8 +30,10 @@ POLL_MS = 50  # how often blocked loops look at their stop flag
 
 
 class ZmqReceiver(ReceiverCore):
-    """Binds a ROUTER at `endpoint` ("tcp://host:port"; port 0 picks a free one, see
-    `.endpoint`) and runs one I/O thread that receives, validates and writes rows."""
+    """Binds a ROUTER at `endpoint` ("tcp://host:port"; port 0 picks a free one) and runs one
+    I/O thread that receives, validates and writes rows. `.endpoint` is the bound address, with
+    the host replaced by `advertise_host` if given (bind "tcp://0.0.0.0:5600", advertise the
+    address other machines reach)."""
 
     def __init__(
         self,
@@ -39,6 +41,7 @@ class ZmqReceiver(ReceiverCore):
         fingerprint: dict[str, Any],
         endpoint: str = "tcp://127.0.0.1:0",
         *,
+        advertise_host: str | None = None,
         rcvhwm: int = 64,
         max_message_bytes: int = 1 << 31,
         context: zmq.Context | None = None,
@@ -57,6 +60,9 @@ class ZmqReceiver(ReceiverCore):
             self._sock.close(linger=0)
             raise KVTransferError(f"cannot bind KV endpoint {endpoint}: {exc}") from None
         self._endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if advertise_host:
+            port = self._endpoint.rsplit(":", 1)[1]
+            self._endpoint = f"tcp://{advertise_host}:{port}"
         self._peers: set[bytes] = set()  # routing ids with a successful handshake
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-receiver", daemon=True)
@@ -150,6 +156,9 @@ class ZmqSender(SenderCore):
             sock.connect(endpoint)
             ack = self._handshake(sock, endpoint, fingerprint, time.monotonic() + timeout)
             check_ack(endpoint, fingerprint, ack)
+        except zmq.ZMQError as exc:  # a malformed endpoint, mostly
+            sock.close(linger=0)
+            raise KVTransferError(f"KV handshake with {endpoint} failed: {exc}") from None
         except Exception:
             sock.close(linger=0)
             raise

@@ -1,7 +1,10 @@
-"""Prepacked bf16 weights and the wrappers of the linear / fused-MoE kernels (gemm.cpp, moe.cpp).
+"""Prepacked bf16 weights and the wrappers of the linear / fused-MoE / bmm kernels
+(native/csrc/gemm.cpp, moe.cpp, bmm.cpp).
 
-`native.ops` re-exports `prepack_linear`, `linear`, `prepack_experts` and `fused_moe` from here;
-they keep the signatures and contracts of their twins in `native/reference.py`.
+`native.ops` re-exports `prepack_linear`, `linear`, `prepack_experts`, `fused_moe` and `bmm` from
+here; they keep the signatures and contracts of their twins in `native/reference.py`. bf16 on the
+CPU takes the kernels; fp32 (the whole-model tests against Hugging Face), other devices, or native
+switched off take the reference (a packed weight is unpacked for it, which is slow but correct).
 
 Packed layout (see the NOTE in native/csrc/gemm_kernels.h): a weight [..., N, K] is zero-padded
 to N a multiple of 32 and K even, then stored as [..., N/32, K/2, 32, 2]: per block of 32 output
@@ -116,8 +119,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear) -> torch.Tensor
     y = torch.empty(m, n, dtype=torch.bfloat16)
     if m and n:
         ldx = x2.stride(0) if m > 1 else 2 * weight.k_pairs
-        _C.linear_bf16(x2.data_ptr(), m, ldx, weight.k_pairs, weight.packed.data_ptr(), n,
-                       y.data_ptr(), n)  # fmt: skip
+        _C.linear_bf16(
+            x2.data_ptr(), m, ldx, weight.k_pairs, weight.packed.data_ptr(), n, y.data_ptr(), n
+        )
     return y.reshape(*lead, n)
 
 
@@ -130,7 +134,9 @@ def prepack_experts(w13: torch.Tensor, w2: torch.Tensor):
         return w13, w2
     num_experts, two_inter, hidden = w13.shape
     if two_inter % 2 or tuple(w2.shape) != (num_experts, hidden, two_inter // 2):
-        raise ValueError(f"prepack_experts: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} disagree")
+        raise ValueError(
+            f"prepack_experts: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} disagree"
+        )
     inter = two_inter // 2
     return (
         PackedLinear(w13.detach(), (num_experts, 2, inter, hidden)),
@@ -150,7 +156,9 @@ def fused_moe(
     if not isinstance(w13, PackedLinear):
         return reference.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_offset)
     if not (_native_on() and x.dtype == torch.bfloat16 and x.device.type == "cpu"):
-        return reference.fused_moe(x, w13.unpack(), w2.unpack(), topk_weights, topk_ids, expert_offset)
+        return reference.fused_moe(
+            x, w13.unpack(), w2.unpack(), topk_weights, topk_ids, expert_offset
+        )
     num_experts, _, hidden = w13.shape
     inter = w13.n
     if x.dim() != 2 or x.shape[1] != hidden:
@@ -169,7 +177,51 @@ def fused_moe(
     weights = topk_weights.to(torch.float32).contiguous()
     ids = topk_ids.to(torch.int32).contiguous()
     ldx = x2.stride(0) if num_tokens > 1 else 2 * w13.k_pairs
-    _C.fused_moe_bf16(x2.data_ptr(), num_tokens, ldx, w13.k_pairs, w13.packed.data_ptr(),
-                      w2.packed.data_ptr(), num_experts, inter, hidden, weights.data_ptr(),
-                      ids.data_ptr(), top_k, int(expert_offset), out.data_ptr(), hidden)  # fmt: skip
+    _C.fused_moe_bf16(
+        x2.data_ptr(),
+        num_tokens,
+        ldx,
+        w13.k_pairs,
+        w13.packed.data_ptr(),
+        w2.packed.data_ptr(),
+        num_experts,
+        inter,
+        hidden,
+        weights.data_ptr(),
+        ids.data_ptr(),
+        top_k,
+        int(expert_offset),
+        out.data_ptr(),
+        hidden,
+    )
+    return out
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched matmul.  a: [N, M, K], b: [N, K, P] -> [N, M, P] (fp32 accumulation)."""
+    if not (
+        _native_on()
+        and a.dtype == torch.bfloat16
+        and b.dtype == torch.bfloat16
+        and a.device.type == "cpu"
+        and b.device.type == "cpu"
+        and a.dim() == 3
+        and b.dim() == 3
+    ):
+        return reference.bmm(a, b)
+    batch, m, k = a.shape
+    if b.shape[0] != batch or b.shape[1] != k:
+        raise ValueError(f"bmm: a {tuple(a.shape)} and b {tuple(b.shape)} do not chain")
+    p = b.shape[2]
+    if k % 2:
+        a = F.pad(a, (0, 1))
+    elif a.stride(2) != 1 or a.stride(1) % 2 or a.stride(0) % 2 or a.data_ptr() % 4:
+        a = a.contiguous()
+    if b.stride(2) != 1:
+        b = b.contiguous()
+    out = torch.empty(batch, m, p, dtype=torch.bfloat16)
+    _C.bmm_bf16(
+        a.data_ptr(), batch, m, (k + 1) // 2, a.stride(0), a.stride(1),
+        b.data_ptr(), k, p, b.stride(0), b.stride(1), out.data_ptr(),
+    )  # fmt: skip
     return out

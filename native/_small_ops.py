@@ -24,74 +24,89 @@ _DTYPE_TAG = {torch.float32: 0, torch.bfloat16: 1}
 _GROUP_METHOD = {"greedy": 0, "noaux_tc": 1}
 
 
-def _on(*tensors: torch.Tensor) -> bool:
-    """True when the kernels are enabled and every tensor lives on the CPU."""
-    return ops.native_available() and all(t.device.type == "cpu" for t in tensors)
+def _on(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+    """True when the kernels are enabled and the tensors live on the CPU."""
+    return x.is_cpu and (weight is None or weight.is_cpu) and ops.native_available()
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x as [rows, last] with a unit stride on the last dim (a view when possible)."""
-    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    return x2 if x2.stride(-1) == 1 or x2.shape[-1] <= 1 else x2.contiguous()
+def _row_view(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """2-D x with unit stride on the last dim (copied only if needed), and its row stride.
 
-
-def _row_stride(x2: torch.Tensor) -> int:
-    return x2.stride(0) if x2.shape[0] > 1 else x2.shape[1]
+    The wrappers are on the decode path, where tensor attribute reads cost ~0.2-0.4 us each, so
+    the common contiguous case is answered with the fewest of them."""
+    if x.is_contiguous():
+        return x, x.shape[1]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+        return x, x.shape[1]
+    return x, x.stride(0)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     tag = _DTYPE_TAG.get(x.dtype)
-    dim = x.shape[-1] if x.dim() else 0
-    if (
-        tag is None
-        or weight.dtype != x.dtype
-        or weight.shape != (dim,)
-        or dim == 0
-        or not _on(x, weight)
-    ):
+    if tag is None or weight.dtype is not x.dtype or x.dim() == 0 or not _on(x, weight):
         return reference.rms_norm(x, weight, eps)
-    x2, w = _rows(x), weight.contiguous()
-    out = torch.empty(x2.shape, dtype=x.dtype)
-    _C.rms_norm(
-        x2.data_ptr(), _row_stride(x2), w.data_ptr(), out.data_ptr(), x2.shape[0], dim, eps, tag
-    )
-    return out.view(x.shape)
+    if x.dim() != 2:
+        return rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+    rows, dim = x.shape
+    if dim == 0 or weight.shape != (dim,):
+        return reference.rms_norm(x, weight, eps)
+    x, stride = _row_view(x)
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    out = torch.empty(rows, dim, dtype=x.dtype)
+    _C.rms_norm(x.data_ptr(), stride, w.data_ptr(), out.data_ptr(), rows, dim, eps, tag)
+    return out
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     tag = _DTYPE_TAG.get(x.dtype)
-    dim = x.shape[-1] if x.dim() else 0
     if (
         tag is None
-        or residual.dtype != x.dtype
-        or weight.dtype != x.dtype
-        or residual.shape != x.shape
-        or weight.shape != (dim,)
-        or dim == 0
-        or not _on(x, residual, weight)
+        or weight.dtype is not x.dtype
+        or residual.dtype is not x.dtype
+        or x.dim() == 0
+        or not (residual.is_cpu and _on(x, weight))
     ):
         return reference.fused_add_rms_norm(x, residual, weight, eps)
-    x2, r2, w = _rows(x), _rows(residual), weight.contiguous()
-    out = torch.empty(x2.shape, dtype=x.dtype)
-    summed = torch.empty(x2.shape, dtype=x.dtype)
+    if x.dim() != 2:
+        if residual.shape != x.shape:
+            return reference.fused_add_rms_norm(x, residual, weight, eps)
+        out, summed = fused_add_rms_norm(
+            x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1]), weight, eps
+        )
+        return out.view(x.shape), summed.view(x.shape)
+    rows, dim = x.shape
+    if dim == 0 or weight.shape != (dim,) or residual.shape != x.shape:
+        return reference.fused_add_rms_norm(x, residual, weight, eps)
+    x, x_stride = _row_view(x)
+    residual, res_stride = _row_view(residual)
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    out = torch.empty(rows, dim, dtype=x.dtype)
+    summed = torch.empty(rows, dim, dtype=x.dtype)
     _C.fused_add_rms_norm(
-        x2.data_ptr(), _row_stride(x2), r2.data_ptr(), _row_stride(r2), w.data_ptr(),
-        out.data_ptr(), summed.data_ptr(), x2.shape[0], dim, eps, tag,
+        x.data_ptr(), x_stride, residual.data_ptr(), res_stride, w.data_ptr(), out.data_ptr(),
+        summed.data_ptr(), rows, dim, eps, tag,
     )  # fmt: skip
-    return out.view(x.shape), summed.view(x.shape)
+    return out, summed
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     tag = _DTYPE_TAG.get(x.dtype)
-    if tag is None or x.dim() == 0 or x.shape[-1] % 2 or x.shape[-1] == 0 or not _on(x):
+    if tag is None or x.dim() == 0 or not _on(x):
         return reference.silu_and_mul(x)
-    x2 = _rows(x)
-    half = x2.shape[1] // 2
-    out = torch.empty(x2.shape[0], half, dtype=x.dtype)
-    _C.silu_and_mul(x2.data_ptr(), _row_stride(x2), out.data_ptr(), x2.shape[0], half, tag)
-    return out.view(*x.shape[:-1], half)
+    if x.dim() != 2:
+        out = silu_and_mul(x.reshape(-1, x.shape[-1]))
+        return out.view(*x.shape[:-1], out.shape[-1])
+    rows, width = x.shape
+    if width == 0 or width % 2:
+        return reference.silu_and_mul(x)
+    x, stride = _row_view(x)
+    half = width // 2
+    out = torch.empty(rows, half, dtype=x.dtype)
+    _C.silu_and_mul(x.data_ptr(), stride, out.data_ptr(), rows, half, tag)
+    return out
 
 
 def apply_rope(
@@ -100,29 +115,40 @@ def apply_rope(
     tag = _DTYPE_TAG.get(q_pe.dtype)
     if (
         tag is None
-        or k_pe.dtype != q_pe.dtype
+        or k_pe.dtype is not q_pe.dtype
+        or cos_sin.dtype is not torch.float32
         or q_pe.dim() != 3
         or k_pe.dim() != 2
-        or cos_sin.dtype != torch.float32
         or cos_sin.dim() != 2
-        or cos_sin.shape[1] != q_pe.shape[2]
-        or k_pe.shape != (q_pe.shape[0], q_pe.shape[2])
-        or positions.shape != (q_pe.shape[0],)
-        or q_pe.shape[2] % 2
-        or not _on(q_pe, k_pe, positions, cos_sin)
+        or not (positions.is_cpu and cos_sin.is_cpu and _on(q_pe, k_pe))
     ):
         return reference.apply_rope(q_pe, k_pe, positions, cos_sin)
     num_tokens, num_heads, rope_dim = q_pe.shape
-    q = q_pe if q_pe.stride(2) == 1 else q_pe.contiguous()
-    k = k_pe if k_pe.stride(1) == 1 else k_pe.contiguous()
-    pos = positions.to(torch.int64).contiguous()
-    cs = cos_sin.contiguous()
-    q_out = torch.empty(num_tokens, num_heads, rope_dim, dtype=q.dtype)
-    k_out = torch.empty(num_tokens, rope_dim, dtype=k.dtype)
+    if (
+        rope_dim % 2
+        or k_pe.shape != (num_tokens, rope_dim)
+        or cos_sin.shape[1] != rope_dim
+        or positions.shape != (num_tokens,)
+    ):
+        return reference.apply_rope(q_pe, k_pe, positions, cos_sin)
+    q_strides = q_pe.stride()
+    if q_strides[2] != 1:
+        q_pe = q_pe.contiguous()
+        q_strides = q_pe.stride()
+    k_strides = k_pe.stride()
+    if k_strides[1] != 1:
+        k_pe = k_pe.contiguous()
+        k_strides = k_pe.stride()
+    if positions.dtype is not torch.int64 or not positions.is_contiguous():
+        positions = positions.to(torch.int64).contiguous()
+    if not cos_sin.is_contiguous():
+        cos_sin = cos_sin.contiguous()
+    q_out = torch.empty(num_tokens, num_heads, rope_dim, dtype=q_pe.dtype)
+    k_out = torch.empty(num_tokens, rope_dim, dtype=q_pe.dtype)
     _C.apply_rope(
-        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), pos.data_ptr(),
-        cs.data_ptr(), cs.shape[0], q_out.data_ptr(), k_out.data_ptr(), num_tokens, num_heads,
-        rope_dim, tag,
+        q_pe.data_ptr(), q_strides[0], q_strides[1], k_pe.data_ptr(), k_strides[0],
+        positions.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[0], q_out.data_ptr(),
+        k_out.data_ptr(), num_tokens, num_heads, rope_dim, tag,
     )  # fmt: skip
     return q_out, k_out
 
@@ -138,30 +164,38 @@ def grouped_topk(
     norm_topk_prob: bool,
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    args = (router_logits, correction_bias, top_k, n_group, topk_group, scoring_func)
-    args += (topk_method, norm_topk_prob, routed_scaling_factor)
     tag = _DTYPE_TAG.get(router_logits.dtype)
-    if tag is None or router_logits.dim() != 2:
-        return reference.grouped_topk(*args)
-    num_tokens, num_experts = router_logits.shape
     method = _GROUP_METHOD.get(topk_method, 2) if n_group > 1 else 0
-    grouped = method != 0
-    if (
-        not 1 <= top_k <= num_experts
-        or (grouped and (num_experts % n_group or not 1 <= topk_group <= n_group))
-        or (method == 1 and num_experts // n_group < 2)  # top-2 of a group of one
-        or (correction_bias is not None and correction_bias.shape != (num_experts,))
-        or not _on(router_logits, *(() if correction_bias is None else (correction_bias,)))
-    ):
-        return reference.grouped_topk(*args)
-    logits = _rows(router_logits)
-    bias = None if correction_bias is None else correction_bias.to(torch.float32).contiguous()
+    covered = (
+        tag is not None
+        and router_logits.dim() == 2
+        and _on(router_logits, correction_bias)
+        and 1 <= top_k <= router_logits.shape[1]
+    )
+    if covered:
+        num_tokens, num_experts = router_logits.shape
+        if method != 0:  # groups must tile the experts; top-2 needs two per group
+            covered = num_experts % n_group == 0 and 1 <= topk_group <= n_group
+            covered = covered and (method != 1 or num_experts // n_group >= 2)
+        if correction_bias is not None:
+            covered = covered and correction_bias.shape == (num_experts,)
+    if not covered:
+        return reference.grouped_topk(
+            router_logits, correction_bias, top_k, n_group, topk_group, scoring_func,
+            topk_method, norm_topk_prob, routed_scaling_factor,
+        )  # fmt: skip
+    logits, stride = _row_view(router_logits)
+    bias_ptr = 0
+    if correction_bias is not None:
+        if correction_bias.dtype is not torch.float32 or not correction_bias.is_contiguous():
+            correction_bias = correction_bias.to(torch.float32).contiguous()
+        bias_ptr = correction_bias.data_ptr()
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32)
     _C.grouped_topk(
-        logits.data_ptr(), _row_stride(logits), tag, 0 if bias is None else bias.data_ptr(),
-        weights.data_ptr(), ids.data_ptr(), num_tokens, num_experts, top_k, n_group, topk_group,
-        scoring_func == "softmax", method, bool(norm_topk_prob), float(routed_scaling_factor),
+        logits.data_ptr(), stride, tag, bias_ptr, weights.data_ptr(), ids.data_ptr(), num_tokens,
+        num_experts, top_k, n_group, topk_group, scoring_func == "softmax", method,
+        bool(norm_topk_prob), float(routed_scaling_factor),
     )  # fmt: skip
     return weights, ids
 

@@ -43,7 +43,10 @@ def _build(cluster: ClusterConfig, cfg: PrefillNodeConfig, model_dir: str | None
     ops.set_num_threads(cfg.threads)
     model_dir = model_dir or cluster.model or str(ensure_tiny_model())
     model = DeepseekModel.from_pretrained(model_dir, getattr(torch, cluster.dtype), progress=False)
-    send_timeout = min(30.0, cluster.timeouts.transfer_s)
+    # A full send queue blocks the loop (back-pressure) for at most this long; beyond it the
+    # decode node counts as gone. It stays inside the router's node timeout, so a dead decode
+    # node never makes this healthy prefill node look dead too.
+    send_timeout = min(cluster.timeouts.transfer_s, cluster.timeouts.node_timeout_s / 2)
     return PrefillNode(
         cfg.name,
         model,

@@ -38,6 +38,8 @@ from prefill_node.scheduler import Chunk, PrefillRequest, PrefillScheduler, Pref
 
 log = logging.getLogger(__name__)
 
+MAX_DRAIN = 256  # control messages handled per step at most
+
 
 class PrefillNode:
     def __init__(
@@ -61,7 +63,9 @@ class PrefillNode:
         self.fingerprint = make_fingerprint(
             mcfg.fingerprint(), mcfg.num_hidden_layers, mcfg.kv_row_width, model.dtype
         )
-        self.senders = SenderPool(sender_factory, self.fingerprint, timeouts.reserve_s)
+        # A handshake blocks the loop: keep it well inside the router's node timeout.
+        handshake_s = min(timeouts.reserve_s, timeouts.node_timeout_s / 2)
+        self.senders = SenderPool(sender_factory, self.fingerprint, handshake_s)
         self.stage_times = StageTimes()
         self.kv_bytes_sent = 0
         self.is_stopping = False
@@ -90,10 +94,11 @@ class PrefillNode:
         is_busy = self.scheduler.has_work() and not self._is_stalled
         wait = 0.0 if is_busy else min(0.05, self.timeouts.heartbeat_s)
         # 2. Drain inputs: prefill requests, aborts, shutdown.
-        msg = self.inbox.recv(wait)
-        while msg is not None:
+        msg, num_handled = self.inbox.recv(wait), 0
+        while msg is not None:  # bounded, so a flood of messages cannot starve compute
             self._handle(msg)
-            msg = self.inbox.recv(0.0)
+            num_handled += 1
+            msg = self.inbox.recv(0.0) if num_handled < MAX_DRAIN else None
         # 3. Fail requests that waited too long for their turn.
         now = time.monotonic()
         for request in self.scheduler.expire(now):
@@ -189,13 +194,9 @@ class PrefillNode:
         self.kv_bytes_sent += rows.numel() * rows.element_size()
 
     def _finish(self, request: PrefillRequest, token: int) -> None:
-        """Hands the request to its decode node: kv_done first (so D can start), then the router."""
-        try:
-            sender = self.senders.get(request.kv_endpoint)
-            sender.send_done(_rendezvous(request), request.prompt_len, token)
-        except (KVTransferError, ValueError) as exc:
-            self._on_sender_error(request, exc)
-            return
+        """Hands the request on: FirstToken to the router, then kv_done to D. In this order the
+        router practically always sees the first token before D's next ones (they travel on
+        different connections, so the router must still tolerate the reverse)."""
         now = time.monotonic()
         stage_ms = {
             "queue": (request.start_time - request.arrival) * 1000.0,
@@ -204,6 +205,11 @@ class PrefillNode:
         for stage, ms in stage_ms.items():
             self.stage_times.add(stage, ms / 1000.0)
         self.outbox.send(FirstToken(request.request_id, token, request.prompt_len, stage_ms))
+        try:
+            sender = self.senders.get(request.kv_endpoint)
+            sender.send_done(_rendezvous(request), request.prompt_len, token)
+        except (KVTransferError, ValueError) as exc:
+            self._on_sender_error(request, exc)
 
     # ---- failures --------------------------------------------------------------------------
     def _on_sender_error(self, request: PrefillRequest, exc: Exception) -> None:

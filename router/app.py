@@ -168,7 +168,9 @@ class _Serving:
         try:
             req = await self.router.submit(request_id, prompt_ids, sampling)
         except RouterError as exc:
-            raise ApiError(exc.status, exc.message, code=exc.code, retry_after=exc.retry_after)
+            raise ApiError(
+                exc.status, exc.message, code=exc.code, retry_after=exc.retry_after
+            ) from None
         fmt = _Format(request_id, self.model.name, chat, len(prompt_ids))
         text = TextStream(self.tokenizer, stop)
         if body.stream:

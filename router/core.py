@@ -180,6 +180,7 @@ class Router:
         if req.advance(RequestState.FAILED):
             req.error = ErrorEvent("client", reason)
             self._abort_on_nodes(req, reason)
+            req.events.put_nowait(req.error)  # wakes a handler still waiting on the request
             self._close(req, "aborted")
 
     # ---- admission steps -------------------------------------------------------------------
@@ -302,14 +303,18 @@ class Router:
     def _on_node_ready(self, msg: NodeReady) -> None:
         node = self.nodes.get(msg.node, msg.role)
         if node is None:
-            log.warning("NodeReady from %r (%s), which is not in the cluster config", msg.node, msg.role)
+            log.warning(
+                "NodeReady from %r (%s), which is not in the cluster config", msg.node, msg.role
+            )
             return
         if node.num_active:  # it restarted: whatever it held is gone
             self._fail_node_requests(node, "restarted")
-        theirs = msg.info.get("fingerprint")
-        if self.fingerprint is not None and theirs is not None and theirs != self.fingerprint:
-            self.nodes.mark_dead(node, f"incompatible model: {theirs} != router's {self.fingerprint}")
-            log.error("node %s serves another model; it gets no requests (%s)", node.name, node.error)
+        mismatch = _fingerprint_mismatch(self.fingerprint, msg.info.get("fingerprint"))
+        if mismatch:
+            self.nodes.mark_dead(node, f"incompatible model: {mismatch}")
+            log.error(
+                "node %s serves another model; it gets no requests (%s)", node.name, node.error
+            )
             return
         self.nodes.mark_ready(node, msg.info)
         log.info("node %s (%s) is ready", node.name, node.role)
@@ -372,7 +377,9 @@ class Router:
             total = req.num_output_tokens + len(out)
             if token in req.stop_ids:
                 local_finish = "stop"
-            elif total >= req.sampling.max_new_tokens or req.prompt_len + total >= self.max_positions:
+            elif (
+                total >= req.sampling.max_new_tokens or req.prompt_len + total >= self.max_positions
+            ):
                 local_finish = "length"
             if local_finish:
                 break
@@ -491,3 +498,18 @@ class Router:
                 self._fail(
                     req, "decode", f"decoding took longer than {self.t.decode_s:g} s (stage decode)"
                 )
+
+
+def _fingerprint_mismatch(mine: dict[str, Any] | None, theirs: Any) -> str | None:
+    """One line naming the first model field a node's fingerprint disagrees on, else None.
+
+    A node's fingerprint may add fields (KV layout) and may prefix the model's with "model."
+    (kvtransfer's form); fields it does not report are not checked here (the prefill/decode
+    handshake checks the full layout)."""
+    if not mine or not isinstance(theirs, dict):
+        return None
+    for key, value in mine.items():
+        for name in (key, f"model.{key}"):
+            if name in theirs and theirs[name] != value:
+                return f"'{key}' is {theirs[name]!r} on the node, {value!r} here"
+    return None

@@ -91,7 +91,9 @@ class RouterMetrics:
             self.tpot.observe(tpot)
         self.e2e.observe(latency)
         self.num_finished += 1
-        within = ttft * 1000 <= self.sla.ttft_ms and (tpot is None or tpot * 1000 <= self.sla.tpot_ms)
+        within = ttft * 1000 <= self.sla.ttft_ms and (
+            tpot is None or tpot * 1000 <= self.sla.tpot_ms
+        )
         if within:
             self.num_sla_met += 1
             self.sla_met.inc()
@@ -125,7 +127,9 @@ class NodeCollector:
         pages_total = GaugeMetricFamily(
             "duet_kv_pages_total", "KV pages of a decode node", labels=labels
         )
-        sent = CounterMetricFamily("duet_kv_bytes_sent", "KV bytes sent by a prefill node", labels=labels)
+        sent = CounterMetricFamily(
+            "duet_kv_bytes_sent", "KV bytes sent by a prefill node", labels=labels
+        )
         received = CounterMetricFamily(
             "duet_kv_bytes_received", "KV bytes received by a decode node", labels=labels
         )

@@ -14,6 +14,7 @@ void register_topk(py::module_& m);
 void register_membw(py::module_& m);
 void register_gemm(py::module_& m);  // gemm.cpp (linear_bf16)
 void register_moe(py::module_& m);   // moe.cpp (fused_moe_bf16)
+void register_bmm(py::module_& m);   // bmm.cpp (bmm_bf16)
 void register_extend_attention(py::module_& m);  // extend_attention.cpp
 void register_mla_decode(py::module_& m);        // mla_decode.cpp
 }  // namespace duet
@@ -28,6 +29,7 @@ PYBIND11_MODULE(_C, m) {
   duet::register_membw(m);
   duet::register_gemm(m);
   duet::register_moe(m);
+  duet::register_bmm(m);
   duet::register_extend_attention(m);
   duet::register_mla_decode(m);
 }

@@ -123,7 +123,8 @@ DUET_TARGET_AVX512 void tile_avx512(const bf16_t* const* a_rows, const bf16_t* c
 #pragma GCC unroll 8
       for (int r = 0; r < ROWS; ++r) {
         const uint32_t pair = static_cast<uint32_t>(a[r][kp]);
-        const __m512 x_even = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(pair << 16)));
+        const __m512 x_even =
+            _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(pair << 16)));
         const __m512 x_odd =
             _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(pair & 0xffff0000u)));
         acc[r][v] = _mm512_fmadd_ps(x_odd, w_odd, _mm512_fmadd_ps(x_even, w_even, acc[r][v]));

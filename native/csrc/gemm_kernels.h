@@ -30,10 +30,12 @@ constexpr int kTileMaxRows = 6;
 constexpr int kTileMaxBlocks = 4;
 inline int tile_max_blocks(int rows) { return std::min(kTileMaxBlocks, 12 / std::max(rows, 1)); }
 
-// One register tile:  c[r][32*i + j] (+)= sum_{kp < k_pairs} a_rows[r][2kp + t] * b_blocks[i][kp][j][t]
-// for r < rows <= 6, i < num_blocks <= tile_max_blocks(rows), j < 32, t < 2.
-// a_rows[r] points at 2*k_pairs readable bf16; b_blocks[i] at the first k-pair to use of a packed
-// block; c is fp32 with row stride ldc; `accumulate` adds to c instead of overwriting it.
+// One register tile:
+//   c[r][32*i + j] (+)= sum_{kp < k_pairs, t < 2} a_rows[r][2kp + t] * b_blocks[i][kp][j][t]
+// for r < rows <= 6, i < num_blocks <= tile_max_blocks(rows), j < 32.
+// a_rows[r] points at 2*k_pairs readable bf16, 4-byte aligned (a pair loads as one int32);
+// b_blocks[i] at the first k-pair to use of a packed block; c is fp32 with row stride ldc;
+// `accumulate` adds to c instead of overwriting it.
 // `isa` picks the path: vdpbf16ps (avx512_bf16+), fp32 FMA on widened bf16 (avx512), scalar.
 void tile_gemm(Isa isa, int rows, int num_blocks, const bf16_t* const* a_rows,
                const bf16_t* const* b_blocks, int64_t k_pairs, float* c, int64_t ldc,

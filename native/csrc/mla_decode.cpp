@@ -1,8 +1,577 @@
-// MLA decode (placeholder while the kernel is written).
+// MLA decode (flash decoding) over the paged latent cache, absorbed form: per sequence b and
+// head h, out[b][h] = softmax(scale * q[b][h] . rows^T) rows[:, :L] over the sequence's cached
+// rows (W = L + R wide: c_kv | k_pe). Keys are whole rows, values their first L columns.
+//
+// Work is split into tasks = (sequence, KV split); a task walks its rows in chunks of bn tokens
+// with all heads folded into the GEMM M dimension, so each row is loaded from memory once and
+// used by every head for both products. Splits of one sequence are merged at the end by their
+// log-sum-exp. The new token's row (new_rows) is stored into the cache first, in the same call.
+//
+// Paths, picked by the active ISA and dtype:
+//   Bf16Path     vdpbf16ps; per chunk each row pair is loaded once and written twice: a
+//                contiguous copy (keys, rows of the QK^T GEMM) and VNNI pairs (values);
+//   F32Path<T>   fp32 FMA; rows copied (bf16 converted) once, used as keys and values;
+//   PortablePath scalar C++.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "attention_common.h"
+#include "attention_gemm.h"
+#include "common.h"
+#include "cpu_features.h"
 
 namespace py = pybind11;
 
 namespace duet {
-void register_mla_decode(py::module_& m) { (void)m; }
+namespace {
+
+using namespace attn;  // NOLINT(build/namespaces)
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Tokens per chunk: a multiple of every QK^T row tile (24, 12, 8, 6) and even (value pairs).
+constexpr int64_t kChunk = 120;
+
+struct Problem {
+  int64_t batch, num_heads, width, rank, page_size, num_pages;
+  const char* q;
+  int64_t q_batch_stride, q_head_stride;  // elements; the last dimension is contiguous
+  char* cache;                            // [num_pages * page_size][width]
+  const int32_t* page_table;
+  int64_t page_table_stride;
+  std::vector<int64_t> seq_lens;
+  const char* new_rows;  // [batch][width] or null
+  char* out;             // [batch][num_heads][rank], q's dtype
+  float sm_scale;
+};
+
+struct Dims {
+  int64_t width, rank, heads;
+  int64_t heads_pad;  // heads rounded up to 16 (one zmm of heads)
+};
+
+// ---- portable path ----------------------------------------------------------------------------
+
+template <typename T>
+struct PortablePath {
+  struct Work {
+    float *q, *s, *o, *m, *l;
+  };
+
+  static Work carve(Arena& a, const Dims& d) {
+    Work w;
+    w.q = a.take<float>(d.heads * d.width);
+    w.s = a.take<float>(kChunk * d.heads);
+    w.o = a.take<float>(d.heads * d.rank);
+    w.m = a.take<float>(d.heads);
+    w.l = a.take<float>(d.heads);
+    return w;
+  }
+
+  static void begin(Work& w, const Dims& d, const T* q, int64_t head_stride) {
+    for (int64_t h = 0; h < d.heads; ++h) {
+      for (int64_t i = 0; i < d.width; ++i) w.q[h * d.width + i] = to_float(q[h * head_stride + i]);
+    }
+    std::fill(w.m, w.m + d.heads, kNegInf);
+    std::fill(w.l, w.l + d.heads, 0.0f);
+    std::fill(w.o, w.o + d.heads * d.rank, 0.0f);
+  }
+
+  static void chunk(Work& w, const Dims& d, const T* const* rows, int64_t n_len, float scale) {
+    for (int64_t h = 0; h < d.heads; ++h) {
+      float* s = w.s + h * kChunk;
+      float row_max = kNegInf;
+      for (int64_t j = 0; j < n_len; ++j) {
+        float acc = 0.0f;
+        for (int64_t i = 0; i < d.width; ++i) acc += w.q[h * d.width + i] * to_float(rows[j][i]);
+        s[j] = acc * scale;
+        row_max = std::max(row_max, s[j]);
+      }
+      const float m_new = std::max(w.m[h], row_max);
+      const float alpha = std::exp(w.m[h] - m_new);
+      float* o = w.o + h * d.rank;
+      for (int64_t i = 0; i < d.rank; ++i) o[i] *= alpha;
+      float sum = 0.0f;
+      for (int64_t j = 0; j < n_len; ++j) {
+        const float p = std::exp(s[j] - m_new);
+        sum += p;
+        for (int64_t i = 0; i < d.rank; ++i) o[i] += p * to_float(rows[j][i]);
+      }
+      w.m[h] = m_new;
+      w.l[h] = w.l[h] * alpha + sum;
+    }
+  }
+
+  // o[h] / l[h] as U, and the log-sum-exp m + log l of each head (when lse is given).
+  template <typename U>
+  static void finish(const Work& w, const Dims& d, U* out, float* lse) {
+    for (int64_t h = 0; h < d.heads; ++h) {
+      const float inv = 1.0f / w.l[h];
+      for (int64_t i = 0; i < d.rank; ++i) out[h * d.rank + i] = from_float<U>(w.o[h * d.rank + i] * inv);
+      if (lse) lse[h] = w.m[h] + std::log(w.l[h]);
+    }
+  }
+};
+
+// ---- AVX-512 pieces shared by the vector paths --------------------------------------------------
+
+// Online softmax over one chunk, heads in lanes: s [kChunk][heads_pad] fp32 scores of rows
+// j < n_len. Updates m, l (per head), writes alpha and the probabilities through store_pair
+// (rows 2i and 2i+1 together; a missing odd row is zero).
+template <int ExpDegree, typename StorePair>
+DUET_TARGET_AVX512 inline __attribute__((always_inline)) void softmax_heads(
+    const float* s, int64_t heads_pad, int64_t n_len, float scale, float* m, float* l,
+    float* alpha, StorePair store_pair) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t h = 0; h < heads_pad; h += 16) {
+    __m512 vmax = _mm512_set1_ps(kNegInf);
+    for (int64_t j = 0; j < n_len; ++j) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j * heads_pad + h));
+    const __m512 m_old = _mm512_loadu_ps(m + h);
+    const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(vmax, vscale));
+    const __m512 neg_m = _mm512_sub_ps(_mm512_setzero_ps(), m_new);
+    // alpha = exp(m_old - m_new); m_old = -inf on the first chunk gives 0.
+    const __m512 a = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_old, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ),
+                                         exp_neg<6>(_mm512_add_ps(m_old, neg_m)));
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n_len; j += 2) {
+      const __m512 p0 = exp_neg<ExpDegree>(_mm512_fmadd_ps(_mm512_loadu_ps(s + j * heads_pad + h), vscale, neg_m));
+      const __m512 p1 = j + 1 < n_len ? exp_neg<ExpDegree>(_mm512_fmadd_ps(
+                                            _mm512_loadu_ps(s + (j + 1) * heads_pad + h), vscale, neg_m))
+                                      : _mm512_setzero_ps();
+      vsum = _mm512_add_ps(vsum, _mm512_add_ps(p0, p1));
+      store_pair(j, h, p0, p1);
+    }
+    _mm512_storeu_ps(alpha + h, a);
+    _mm512_storeu_ps(l + h, _mm512_fmadd_ps(_mm512_loadu_ps(l + h), a, vsum));
+    _mm512_storeu_ps(m + h, m_new);
+  }
+}
+
+// out[h] = o[h] / l[h] (U = float or bf16) and lse[h] = m[h] + log l[h] when lse is given.
+template <typename U>
+DUET_TARGET_AVX512 void finish_rows(const float* o, int64_t ld, const float* m, const float* l,
+                                    const Dims& d, U* out, float* lse) {
+  for (int64_t h = 0; h < d.heads; ++h) {
+    const __m512 inv = _mm512_set1_ps(1.0f / l[h]);
+    for (int64_t i = 0; i < d.rank; i += 16) {
+      store_f32(out + h * d.rank + i, _mm512_mul_ps(_mm512_loadu_ps(o + h * ld + i), inv),
+                mask16(d.rank - i));
+    }
+    if (lse) lse[h] = m[h] + std::log(l[h]);
+  }
+}
+
+// Rows of the chunk buffers that must hold data or zeros: the QK^T GEMM runs on whole row tiles.
+constexpr int64_t kMaxRowTile = 24;
+
+// S [rows][heads_pad] = chunk rows . q, for the first n_len rows (rounded up to the row tile,
+// chosen so that 24 accumulators cover the head vectors).
+template <typename Packed>
+void scores_gemm(int64_t n_len, int64_t head_vecs, int64_t k_count, const Packed* rows,
+                 int64_t row_stride, const Packed* q, int64_t q_stride, float* s) {
+  if (head_vecs == 1) {
+    gemm<24>(round_up(n_len, 24), 1, k_count, rows, row_stride, 1, q, q_stride, s, q_stride, nullptr);
+  } else if (head_vecs == 2) {
+    gemm<12>(round_up(n_len, 12), 2, k_count, rows, row_stride, 1, q, q_stride, s, q_stride, nullptr);
+  } else if (head_vecs == 3) {
+    gemm<8>(round_up(n_len, 8), 3, k_count, rows, row_stride, 1, q, q_stride, s, q_stride, nullptr);
+  } else {
+    gemm<6>(round_up(n_len, 6), head_vecs, k_count, rows, row_stride, 1, q, q_stride, s, q_stride,
+            nullptr);
+  }
+}
+
+// PV row tile: rows are heads (8 per tile, heads_pad is a multiple of 16).
+constexpr int kHeadRows = 8;
+
+// ---- fp32 AVX-512 path ----------------------------------------------------------------------------
+
+// NOTE: layouts (fp32). q [width][heads_pad] (transposed: heads in lanes); k [kChunk][width_pad]
+// the chunk's rows (converted), also the values (first rank columns); s and p [kChunk][heads_pad].
+template <typename T>
+struct F32Path {
+  struct Work {
+    float *q, *k, *s, *p, *o, *m, *l, *alpha;
+    int64_t width_pad;
+  };
+
+  static Work carve(Arena& a, const Dims& d) {
+    Work w;
+    w.width_pad = round_up(d.width, 16);
+    w.q = a.take<float>(d.width * d.heads_pad);
+    w.k = a.take<float>(kChunk * w.width_pad);
+    w.s = a.take<float>(kChunk * d.heads_pad);
+    w.p = a.take<float>(kChunk * d.heads_pad);
+    w.o = a.take<float>(d.heads_pad * w.width_pad);
+    w.m = a.take<float>(d.heads_pad);
+    w.l = a.take<float>(d.heads_pad);
+    w.alpha = a.take<float>(d.heads_pad);
+    return w;
+  }
+
+  static void begin(Work& w, const Dims& d, const T* q, int64_t head_stride) {
+    std::fill(w.q, w.q + d.width * d.heads_pad, 0.0f);
+    for (int64_t h = 0; h < d.heads; ++h) {
+      for (int64_t i = 0; i < d.width; ++i) w.q[i * d.heads_pad + h] = to_float(q[h * head_stride + i]);
+    }
+    std::fill(w.m, w.m + d.heads_pad, kNegInf);
+    std::fill(w.l, w.l + d.heads_pad, 0.0f);
+    std::fill(w.o, w.o + d.heads_pad * w.width_pad, 0.0f);
+  }
+
+  struct StorePair {
+    float* p;
+    int64_t heads_pad;
+    DUET_TARGET_AVX512 void operator()(int64_t j, int64_t h, __m512 p0, __m512 p1) const {
+      _mm512_storeu_ps(p + j * heads_pad + h, p0);
+      _mm512_storeu_ps(p + (j + 1) * heads_pad + h, p1);
+    }
+  };
+
+  DUET_TARGET_AVX512 static void softmax(Work& w, const Dims& d, int64_t n_len, float scale) {
+    softmax_heads<6>(w.s, d.heads_pad, n_len, scale, w.m, w.l, w.alpha, StorePair{w.p, d.heads_pad});
+  }
+
+  DUET_TARGET_AVX512 static void gather(Work& w, const Dims& d, const T* const* rows, int64_t n_len) {
+    for (int64_t j = 0; j < round_up(n_len, kMaxRowTile); ++j) {
+      float* dst = w.k + j * w.width_pad;
+      for (int64_t i = 0; i < w.width_pad; i += 16) {
+        _mm512_storeu_ps(dst + i, j < n_len ? load_f32(rows[j] + i, mask16(d.width - i)) : _mm512_setzero_ps());
+      }
+    }
+  }
+
+  static void chunk(Work& w, const Dims& d, const T* const* rows, int64_t n_len, float scale) {
+    gather(w, d, rows, n_len);
+    scores_gemm(n_len, d.heads_pad / 16, d.width, w.k, w.width_pad, w.q, d.heads_pad, w.s);
+    softmax(w, d, n_len, scale);
+    // O[h] = O[h] * alpha[h] + sum_j p[j][h] rows[j][:rank]: A = p transposed (a_rs = 1).
+    gemm<kHeadRows>(d.heads_pad, ceil_div(d.rank, 16), n_len, w.p, 1, d.heads_pad,
+                    w.k, w.width_pad, w.o, w.width_pad, w.alpha);
+  }
+
+  template <typename U>
+  static void finish(const Work& w, const Dims& d, U* out, float* lse) {
+    finish_rows(w.o, w.width_pad, w.m, w.l, d, out, lse);
+  }
+};
+
+// ---- bf16 AVX-512-BF16 path -----------------------------------------------------------------------
+
+// NOTE: layouts (one 32-bit word = one VNNI pair of bf16; wp = ceil(width / 2) pairs).
+//   q [wp][heads_pad]            pair i of head h = (q[h][2i], q[h][2i+1])   (heads in lanes)
+//   k [kChunk][row_words]        the chunk's rows, contiguous, as pairs (A of QK^T)
+//   v [kChunk / 2][rank_pad]     pair i of column c = (row[2i][c], row[2i+1][c])
+//   p [kChunk / 2][heads_pad]    pair i of head h = (p[2i][h], p[2i+1][h])
+struct Bf16Path {
+  struct Work {
+    uint32_t *q, *k, *v, *p;
+    float *s, *o, *m, *l, *alpha;
+    int64_t row_words, rank_pad;
+  };
+
+  static Work carve(Arena& a, const Dims& d) {
+    Work w;
+    w.row_words = round_up(d.width, 32) / 2;
+    w.rank_pad = round_up(d.rank, 16);
+    w.q = a.take<uint32_t>(round_up(ceil_div(d.width, 2), 16) * d.heads_pad);
+    w.k = a.take<uint32_t>(kChunk * w.row_words);
+    w.v = a.take<uint32_t>(kChunk / 2 * round_up(d.rank, 32));
+    w.p = a.take<uint32_t>(kChunk / 2 * d.heads_pad);
+    w.s = a.take<float>(kChunk * d.heads_pad);
+    w.o = a.take<float>(d.heads_pad * w.rank_pad);
+    w.m = a.take<float>(d.heads_pad);
+    w.l = a.take<float>(d.heads_pad);
+    w.alpha = a.take<float>(d.heads_pad);
+    return w;
+  }
+
+  // q pairs transposed to [wp][heads_pad] with 16x16 word transposes (missing heads are zero).
+  DUET_TARGET_AVX512 static void begin(Work& w, const Dims& d, const bf16_t* q, int64_t head_stride) {
+    const int64_t wp = ceil_div(d.width, 2);
+    __m512i t[16];
+    for (int64_t h0 = 0; h0 < d.heads_pad; h0 += 16) {
+      for (int64_t i0 = 0; i0 < wp; i0 += 16) {
+        for (int64_t r = 0; r < 16; ++r) {
+          t[r] = h0 + r < d.heads
+                     ? _mm512_maskz_loadu_epi16(mask32(d.width - 2 * i0), q + (h0 + r) * head_stride + 2 * i0)
+                     : _mm512_setzero_si512();
+        }
+        transpose16x16(t);
+        for (int64_t c = 0; c < 16; ++c) _mm512_storeu_si512(w.q + (i0 + c) * d.heads_pad + h0, t[c]);
+      }
+    }
+    std::fill(w.m, w.m + d.heads_pad, kNegInf);
+    std::fill(w.l, w.l + d.heads_pad, 0.0f);
+    std::fill(w.o, w.o + d.heads_pad * w.rank_pad, 0.0f);
+  }
+
+  // Loads each row pair once: stores it as keys (contiguous rows) and as value pairs.
+  DUET_TARGET_AVX512 static void gather(Work& w, const Dims& d, const bf16_t* const* rows,
+                                        int64_t n_len) {
+    const int64_t row_elems = 2 * w.row_words;
+    for (int64_t j = 0; j < round_up(n_len, kMaxRowTile); j += 2) {
+      const bool has0 = j < n_len, has1 = j + 1 < n_len;
+      bf16_t* k0 = reinterpret_cast<bf16_t*>(w.k + j * w.row_words);
+      bf16_t* k1 = k0 + row_elems;
+      uint32_t* v = w.v + (j / 2) * w.rank_pad;
+      for (int64_t i = 0; i < row_elems; i += 32) {
+        const __mmask32 mk = mask32(d.width - i);
+        const __m512i a = has0 ? _mm512_maskz_loadu_epi16(mk, rows[j] + i) : _mm512_setzero_si512();
+        const __m512i b = has1 ? _mm512_maskz_loadu_epi16(mk, rows[j + 1] + i) : _mm512_setzero_si512();
+        _mm512_storeu_si512(k0 + i, a);
+        _mm512_storeu_si512(k1 + i, b);
+        if (i < w.rank_pad) {
+          const __mmask32 mv = mask32(d.rank - i);
+          __m512i lo, hi;
+          interleave_pairs(_mm512_maskz_mov_epi16(mv, a), _mm512_maskz_mov_epi16(mv, b), &lo, &hi);
+          _mm512_storeu_si512(v + i, lo);
+          if (i + 16 < w.rank_pad) _mm512_storeu_si512(v + i + 16, hi);
+        }
+      }
+    }
+  }
+
+  struct StorePair {
+    uint32_t* p;
+    int64_t heads_pad;
+    DUET_TARGET_AVX512_BF16 void operator()(int64_t j, int64_t h, __m512 p0, __m512 p1) const {
+      alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                                           21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
+                                                           11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // p0 in the low half
+      _mm512_storeu_si512(p + (j / 2) * heads_pad + h,
+                          _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), both));
+    }
+  };
+
+  DUET_TARGET_AVX512_BF16 static void softmax(Work& w, const Dims& d, int64_t n_len, float scale) {
+    softmax_heads<4>(w.s, d.heads_pad, n_len, scale, w.m, w.l, w.alpha, StorePair{w.p, d.heads_pad});
+  }
+
+  static void chunk(Work& w, const Dims& d, const bf16_t* const* rows, int64_t n_len, float scale) {
+    gather(w, d, rows, n_len);
+    scores_gemm(n_len, d.heads_pad / 16, ceil_div(d.width, 2), w.k, w.row_words, w.q, d.heads_pad,
+                w.s);
+    softmax(w, d, n_len, scale);
+    gemm<kHeadRows>(d.heads_pad, w.rank_pad / 16, ceil_div(n_len, 2), w.p, 1, d.heads_pad, w.v,
+                    w.rank_pad, w.o, w.rank_pad, w.alpha);
+  }
+
+  template <typename U>
+  static void finish(const Work& w, const Dims& d, U* out, float* lse) {
+    finish_rows(w.o, w.rank_pad, w.m, w.l, d, out, lse);
+  }
+};
+
+// ---- driver ---------------------------------------------------------------------------------------
+
+struct Task {
+  int64_t seq, split, begin, end;
+};
+
+// Splits: with fewer busy sequences than twice the threads, each sequence is cut into pieces
+// of about total / (2 * threads) tokens so every thread gets about two tasks; otherwise one
+// task per sequence (no merge). Split starts are even, keeping value pairs inside one split.
+std::vector<Task> make_tasks(const Problem& pb, std::vector<int64_t>* num_splits) {
+  int64_t total = 0, busy = 0;
+  for (const int64_t len : pb.seq_lens) {
+    total += len;
+    busy += len > 0;
+  }
+  const int64_t threads = num_threads();
+  const int64_t piece = busy < 2 * threads ? std::max<int64_t>(64, ceil_div(total, 2 * threads))
+                                           : std::numeric_limits<int64_t>::max() / 2;
+  std::vector<Task> tasks;
+  num_splits->assign(pb.batch, 0);
+  for (int64_t b = 0; b < pb.batch; ++b) {
+    const int64_t len = pb.seq_lens[b];
+    const int64_t n = ceil_div(len, piece);
+    (*num_splits)[b] = n;
+    for (int64_t s = 0; s < n; ++s) {
+      const int64_t begin = len * s / n / 2 * 2;
+      const int64_t end = s + 1 == n ? len : len * (s + 1) / n / 2 * 2;
+      tasks.push_back({b, s, begin, end});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) {
+    return x.end - x.begin > y.end - y.begin;
+  });
+  return tasks;
+}
+
+template <typename T>
+T* cache_row(const Problem& pb, int64_t b, int64_t pos) {
+  const int64_t page = pb.page_table[b * pb.page_table_stride + pos / pb.page_size];
+  return reinterpret_cast<T*>(pb.cache) + (page * pb.page_size + pos % pb.page_size) * pb.width;
+}
+
+template <typename Path, typename T, typename Work>
+void run_task(const Problem& pb, const Dims& d, const Task& t, int64_t num_splits, Work& w,
+              const T** rows, float* partial, float* lse) {
+  using Out = T;  // q, cache and out share the dtype
+  const T* q = reinterpret_cast<const T*>(pb.q) + t.seq * pb.q_batch_stride;
+  Path::begin(w, d, q, pb.q_head_stride);
+  for (int64_t n0 = t.begin; n0 < t.end; n0 += kChunk) {
+    const int64_t n_len = std::min(kChunk, t.end - n0);
+    for (int64_t j = 0; j < n_len; ++j) rows[j] = cache_row<T>(pb, t.seq, n0 + j);
+    Path::chunk(w, d, rows, n_len, pb.sm_scale);
+  }
+  if (num_splits == 1) {
+    Path::finish(w, d, reinterpret_cast<Out*>(pb.out) + t.seq * d.heads * d.rank,
+                 static_cast<float*>(nullptr));
+  } else {
+    Path::finish(w, d, partial, lse);
+  }
+}
+
+// out[h] = sum_s exp(lse_s[h] - max) * partial_s[h] / sum_s exp(lse_s[h] - max).
+template <typename T>
+void merge_splits(const Dims& d, int64_t num_splits, const float* partial, const float* lse, T* out) {
+  for (int64_t h = 0; h < d.heads; ++h) {
+    float max_lse = kNegInf;
+    for (int64_t s = 0; s < num_splits; ++s) max_lse = std::max(max_lse, lse[s * d.heads + h]);
+    float total = 0.0f;
+    std::vector<float> acc(d.rank, 0.0f);
+    for (int64_t s = 0; s < num_splits; ++s) {
+      const float weight = std::exp(lse[s * d.heads + h] - max_lse);
+      total += weight;
+      const float* src = partial + (s * d.heads + h) * d.rank;
+      for (int64_t i = 0; i < d.rank; ++i) acc[i] += weight * src[i];
+    }
+    for (int64_t i = 0; i < d.rank; ++i) out[h * d.rank + i] = from_float<T>(acc[i] / total);
+  }
+}
+
+template <typename Path, typename T>
+void run(const Problem& pb) {
+  const Dims d{pb.width, pb.rank, pb.num_heads, round_up(pb.num_heads, 16)};
+  std::vector<int64_t> num_splits;
+  const std::vector<Task> tasks = make_tasks(pb, &num_splits);
+  // Partial outputs and log-sum-exps of split sequences, indexed by (sequence, split).
+  std::vector<int64_t> first_split(pb.batch + 1, 0);
+  for (int64_t b = 0; b < pb.batch; ++b) {
+    first_split[b + 1] = first_split[b] + (num_splits[b] > 1 ? num_splits[b] : 0);
+  }
+  const int64_t num_partials = first_split[pb.batch];
+  char* merge_buf = thread_scratch(
+      1, static_cast<size_t>(arena_bytes<float>(num_partials * d.heads * (d.rank + 1)) + 64));
+  float* partials = reinterpret_cast<float*>(merge_buf);
+  float* lses = partials + num_partials * d.heads * d.rank;
+  Arena layout(nullptr);
+  Path::carve(layout, d);
+  layout.take<const T*>(kChunk);
+  const int64_t work_bytes = layout.used();
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads(), num_tasks)));
+#pragma omp parallel num_threads(threads)
+  {
+    if (pb.new_rows != nullptr) {
+      // The new token's row goes in before any task reads the cache.
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < pb.batch; ++b) {
+        if (pb.seq_lens[b] == 0) continue;
+        std::memcpy(cache_row<T>(pb, b, pb.seq_lens[b] - 1),
+                    reinterpret_cast<const T*>(pb.new_rows) + b * pb.width, pb.width * sizeof(T));
+      }
+    }
+    Arena arena(thread_scratch(0, work_bytes));
+    auto w = Path::carve(arena, d);
+    const T** rows = arena.take<const T*>(kChunk);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_tasks; ++i) {
+      const Task& t = tasks[i];
+      const int64_t slot = first_split[t.seq] + t.split;
+      run_task<Path, T>(pb, d, t, num_splits[t.seq], w, rows, partials + slot * d.heads * d.rank,
+                        lses + slot * d.heads);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < pb.batch; ++b) {
+      T* out = reinterpret_cast<T*>(pb.out) + b * d.heads * d.rank;
+      if (num_splits[b] == 0) {
+        std::fill(out, out + d.heads * d.rank, T(0));
+      } else if (num_splits[b] > 1) {
+        const int64_t slot = first_split[b];
+        merge_splits(d, num_splits[b], partials + slot * d.heads * d.rank, lses + slot * d.heads, out);
+      }
+    }
+  }
+}
+
+void dispatch(const Problem& pb, DType dtype) {
+  const Isa isa = active_isa();
+  const bool avx512 = isa >= Isa::kAvx512;
+  if (dtype == DType::kFloat32) {
+    avx512 ? run<F32Path<float>, float>(pb) : run<PortablePath<float>, float>(pb);
+  } else if (isa >= Isa::kAvx512Bf16) {
+    run<Bf16Path, bf16_t>(pb);
+  } else {
+    avx512 ? run<F32Path<bf16_t>, bf16_t>(pb) : run<PortablePath<bf16_t>, bf16_t>(pb);
+  }
+}
+
+// Binding: raw pointers from native/_attention_ops.py, which checks devices, dtypes and shapes.
+// Checks here what would otherwise read or write out of bounds: lengths and page ids.
+void mla_decode_binding(uintptr_t out, uintptr_t q, int64_t q_batch_stride, int64_t q_head_stride,
+                        uintptr_t kv_cache, int64_t num_pages, int64_t page_size, int64_t width,
+                        uintptr_t page_table, int64_t page_table_stride, int64_t max_pages,
+                        std::vector<int64_t> seq_lens, uintptr_t new_rows, int64_t num_heads,
+                        int64_t kv_lora_rank, int dtype, double sm_scale) {
+  const DType dt = static_cast<DType>(dtype);
+  if (dt != DType::kFloat32 && dt != DType::kBFloat16) {
+    throw std::invalid_argument("mla_decode: dtype must be float32 or bfloat16");
+  }
+  if (num_heads < 1 || page_size < 1 || width < 1 || kv_lora_rank < 1 || kv_lora_rank > width) {
+    throw std::invalid_argument("mla_decode: need heads, page_size >= 1 and 1 <= kv_lora_rank <= W");
+  }
+  const int32_t* table = reinterpret_cast<const int32_t*>(page_table);
+  for (size_t b = 0; b < seq_lens.size(); ++b) {
+    const int64_t len = seq_lens[b];
+    if (len < 0 || len > max_pages * page_size) {
+      throw std::invalid_argument("mla_decode: seq_lens[" + std::to_string(b) + "] = " +
+                                  std::to_string(len) + " is outside [0, max_pages * page_size]");
+    }
+    for (int64_t i = 0; i < ceil_div(len, page_size); ++i) {
+      const int64_t page = table[b * page_table_stride + i];
+      if (page < 0 || page >= num_pages) {
+        throw std::invalid_argument("mla_decode: page_table[" + std::to_string(b) + ", " +
+                                    std::to_string(i) + "] = " + std::to_string(page) +
+                                    " is not a page of the cache");
+      }
+    }
+  }
+  Problem pb;
+  pb.batch = static_cast<int64_t>(seq_lens.size());
+  pb.num_heads = num_heads;
+  pb.width = width;
+  pb.rank = kv_lora_rank;
+  pb.page_size = page_size;
+  pb.num_pages = num_pages;
+  pb.q = reinterpret_cast<const char*>(q);
+  pb.q_batch_stride = q_batch_stride;
+  pb.q_head_stride = q_head_stride;
+  pb.cache = reinterpret_cast<char*>(kv_cache);
+  pb.page_table = table;
+  pb.page_table_stride = page_table_stride;
+  pb.seq_lens = std::move(seq_lens);
+  pb.new_rows = reinterpret_cast<const char*>(new_rows);
+  pb.out = reinterpret_cast<char*>(out);
+  pb.sm_scale = static_cast<float>(sm_scale);
+  dispatch(pb, dt);
+}
+
+}  // namespace
+
+void register_mla_decode(py::module_& m) {
+  m.def("mla_decode", &mla_decode_binding, py::call_guard<py::gil_scoped_release>(),
+        "Absorbed MLA decode over the paged latent cache (see native/_attention_ops.py).");
+}
+
 }  // namespace duet

@@ -101,7 +101,8 @@ void down_task(Isa isa, const MoeArgs& p, const Routing& route, int64_t panel, c
   const int64_t block_elems = h_pairs * 2 * kPackBlockN;
   const int64_t hidden_blocks = pack_num_blocks(p.hidden);
   const int64_t block = panel * kDownPanelBlocks;
-  const int num_blocks = static_cast<int>(std::min<int64_t>(kDownPanelBlocks, hidden_blocks - block));
+  const int num_blocks =
+      static_cast<int>(std::min<int64_t>(kDownPanelBlocks, hidden_blocks - block));
   const int64_t col0 = block * kPackBlockN;
   const int64_t cols = std::min<int64_t>(num_blocks * kPackBlockN, p.hidden - col0);
   std::fill(acc, acc + p.num_tokens * ldt, 0.f);

@@ -20,8 +20,11 @@ using small::from_f32;
 using small::round_to;
 using small::to_f32;
 
-// Rows handed to one thread at least, so decode batches (a few rows) run inline without fork/join.
-int64_t row_grain(int64_t row_len) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_len, 1)); }
+// Rows handed to one thread at least (~64K elements: a fork/join costs a few microseconds, and one
+// core nearly saturates memory bandwidth here), so decode batches run inline.
+int64_t row_grain(int64_t row_len) {
+  return std::max<int64_t>(1, 65536 / std::max<int64_t>(row_len, 1));
+}
 
 // ---- portable --------------------------------------------------------------------------------
 
@@ -55,46 +58,66 @@ void silu_mul_row_portable(const T* gate, const T* up, T* out, int64_t n) {
 
 // ---- AVX-512 ---------------------------------------------------------------------------------
 
-template <typename T, bool kFused>
-DUET_TARGET_AVX512 void rms_row_avx512(const T* x, const T* res, const T* w, T* out, T* sum,
-                                       int64_t d, float eps) {
+// Loads lanes i.. of the row being normalized; the fused form first stores round(x + res).
+template <class Cvt, typename T, bool kFused>
+DUET_TARGET_SMALL inline __m512 rms_load(const T* x, const T* res, T* sum, int64_t i,
+                                         __mmask16 m) {
   using namespace small;
+  if constexpr (!kFused) {
+    return load16(x + i, m);
+  } else {
+    const __m512 s = round16<Cvt, T>(_mm512_add_ps(load16(x + i, m), load16(res + i, m)));
+    store16<Cvt>(sum + i, s, m);
+    return s;
+  }
+}
+
+template <class Cvt, typename T>
+DUET_TARGET_SMALL inline void rms_store(const T* src, const T* w, T* out, __m512 r, __mmask16 m) {
+  using namespace small;
+  const __m512 y = round16<Cvt, T>(_mm512_mul_ps(load16(src, m), r));
+  store16<Cvt>(out, _mm512_mul_ps(load16(w, m), y), m);
+}
+
+template <class Cvt, typename T, bool kFused>
+DUET_TARGET_SMALL void rms_row_avx512(const T* x, const T* res, const T* w, T* out, T* sum,
+                                      int64_t d, float eps) {
+  using namespace small;
+  const __mmask16 all = lane_mask(16);
+  // Two accumulators: the adds are latency-bound otherwise.
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  for (int64_t i = 0; i < d; i += 16) {
-    const __mmask16 m = lane_mask(d - i);
-    __m512 s = load16(x + i, m);
-    if (kFused) {
-      s = round16(_mm512_add_ps(s, load16(res + i, m)), static_cast<T*>(nullptr));
-      store16(sum + i, s, m);
-    }
-    // Two accumulators: the adds are latency-bound otherwise.
-    if ((i & 16) == 0) {
-      acc0 = _mm512_fmadd_ps(s, s, acc0);
-    } else {
-      acc1 = _mm512_fmadd_ps(s, s, acc1);
-    }
+  int64_t i = 0;
+  for (; i + 32 <= d; i += 32) {
+    const __m512 s0 = rms_load<Cvt, T, kFused>(x, res, sum, i, all);
+    const __m512 s1 = rms_load<Cvt, T, kFused>(x, res, sum, i + 16, all);
+    acc0 = _mm512_fmadd_ps(s0, s0, acc0);
+    acc1 = _mm512_fmadd_ps(s1, s1, acc1);
+  }
+  for (; i < d; i += 16) {
+    const __m512 s = rms_load<Cvt, T, kFused>(x, res, sum, i, lane_mask(d - i));
+    acc0 = _mm512_fmadd_ps(s, s, acc0);
   }
   const float total = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
   const __m512 r = _mm512_set1_ps(1.f / std::sqrt(total / static_cast<float>(d) + eps));
   const T* src = kFused ? sum : x;
-  for (int64_t i = 0; i < d; i += 16) {
-    const __mmask16 m = lane_mask(d - i);
-    const __m512 y = round16(_mm512_mul_ps(load16(src + i, m), r), static_cast<T*>(nullptr));
-    store16(out + i, _mm512_mul_ps(load16(w + i, m), y), m);
-  }
+  for (i = 0; i + 16 <= d; i += 16) rms_store<Cvt, T>(src + i, w + i, out + i, r, all);
+  if (i < d) rms_store<Cvt, T>(src + i, w + i, out + i, r, lane_mask(d - i));
 }
 
-template <typename T>
-DUET_TARGET_AVX512 void silu_mul_row_avx512(const T* gate, const T* up, T* out, int64_t n) {
+template <class Cvt, typename T>
+DUET_TARGET_SMALL inline void silu_mul16(const T* gate, const T* up, T* out, __mmask16 m) {
   using namespace small;
-  const __m512 one = _mm512_set1_ps(1.f);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = lane_mask(n - i);
-    const __m512 g = load16(gate + i, m);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, e));
-    store16(out + i, _mm512_mul_ps(silu, load16(up + i, m)), m);
-  }
+  const __m512 g = load16(gate, m);
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  store16<Cvt>(out, _mm512_mul_ps(silu, load16(up, m)), m);
+}
+
+template <class Cvt, typename T>
+DUET_TARGET_SMALL void silu_mul_row_avx512(const T* gate, const T* up, T* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) silu_mul16<Cvt, T>(gate + i, up + i, out + i, small::lane_mask(16));
+  if (i < n) silu_mul16<Cvt, T>(gate + i, up + i, out + i, small::lane_mask(n - i));
 }
 
 // ---- drivers ---------------------------------------------------------------------------------
@@ -102,14 +125,16 @@ DUET_TARGET_AVX512 void silu_mul_row_avx512(const T* gate, const T* up, T* out, 
 template <typename T, bool kFused>
 void rms_norm_impl(const T* x, int64_t x_stride, const T* res, int64_t res_stride, const T* w,
                    T* out, T* sum, int64_t rows, int64_t d, float eps) {
-  const bool simd = active_isa() >= Isa::kAvx512;
+  const Isa isa = active_isa();
   parallel_for(rows, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* xr = x + t * x_stride;
       const T* rr = kFused ? res + t * res_stride : nullptr;
       T* sr = kFused ? sum + t * d : nullptr;
-      if (simd) {
-        rms_row_avx512<T, kFused>(xr, rr, w, out + t * d, sr, d, eps);
+      if (isa >= Isa::kAvx512Bf16) {
+        rms_row_avx512<small::CvtAvx512Bf16, T, kFused>(xr, rr, w, out + t * d, sr, d, eps);
+      } else if (isa >= Isa::kAvx512) {
+        rms_row_avx512<small::CvtAvx512, T, kFused>(xr, rr, w, out + t * d, sr, d, eps);
       } else {
         rms_row_portable<T, kFused>(xr, rr, w, out + t * d, sr, d, eps);
       }
@@ -119,12 +144,14 @@ void rms_norm_impl(const T* x, int64_t x_stride, const T* res, int64_t res_strid
 
 template <typename T>
 void silu_and_mul_impl(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t n) {
-  const bool simd = active_isa() >= Isa::kAvx512;
+  const Isa isa = active_isa();
   parallel_for(rows, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* gate = x + t * x_stride;
-      if (simd) {
-        silu_mul_row_avx512<T>(gate, gate + n, out + t * n, n);
+      if (isa >= Isa::kAvx512Bf16) {
+        silu_mul_row_avx512<small::CvtAvx512Bf16, T>(gate, gate + n, out + t * n, n);
+      } else if (isa >= Isa::kAvx512) {
+        silu_mul_row_avx512<small::CvtAvx512, T>(gate, gate + n, out + t * n, n);
       } else {
         silu_mul_row_portable<T>(gate, gate + n, out + t * n, n);
       }

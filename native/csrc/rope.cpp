@@ -34,27 +34,48 @@ void rope_row_portable(const T* x, T* out, const float* cos, const float* sin, i
   }
 }
 
+// One token: H query rows (strided) and the key row, each [R], into contiguous outputs.
 template <typename T>
-DUET_TARGET_AVX512 void rope_row_avx512(const T* x, T* out, const float* cos, const float* sin,
-                                        int64_t half) {
+void rope_token_portable(const T* q, int64_t q_head_stride, const T* k, T* q_out, T* k_out,
+                         const float* cos, const float* sin, int64_t heads, int64_t half) {
+  for (int64_t h = 0; h < heads; ++h) {
+    rope_row_portable<T>(q + h * q_head_stride, q_out + h * 2 * half, cos, sin, half);
+  }
+  rope_row_portable<T>(k, k_out, cos, sin, half);
+}
+
+// 8 pairs: dst = src * cos_lanes + swap_pairs(src) * signed_sin_lanes.
+template <class Cvt, typename T>
+DUET_TARGET_SMALL inline void rotate16(const T* src, T* dst, __m512 c, __m512 s, __mmask16 m) {
+  const __m512 v = small::load16(src, m);
+  const __m512 swapped = _mm512_permute_ps(v, 0xB1);  // (x1, x0) in every pair
+  small::store16<Cvt>(dst, _mm512_add_ps(_mm512_mul_ps(v, c), _mm512_mul_ps(swapped, s)), m);
+}
+
+template <class Cvt, typename T>
+DUET_TARGET_SMALL void rope_token_avx512(const T* q, int64_t q_head_stride, const T* k, T* q_out,
+                                         T* k_out, const float* cos, const float* sin,
+                                         int64_t heads, int64_t half) {
   using namespace small;
   // Lane 2j and 2j+1 both read pair j; sin is negated on the even lanes.
   const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512 sign = _mm512_set_ps(1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1);
   const int64_t r = 2 * half;
+  // Chunk-major: the cos/sin lanes of a chunk are built once and reused by every head.
   for (int64_t i = 0; i < r; i += 16) {
     const int64_t lanes = std::min<int64_t>(16, r - i);
     const __mmask16 m = lane_mask(lanes);
     const __mmask16 mh = lane_mask(lanes / 2);
     const __m512 c = _mm512_permutexvar_ps(dup, _mm512_maskz_loadu_ps(mh, cos + i / 2));
-    const __m512 s = _mm512_mul_ps(sign, _mm512_permutexvar_ps(dup, _mm512_maskz_loadu_ps(mh, sin + i / 2)));
-    const __m512 v = load16(x + i, m);
-    const __m512 swapped = _mm512_permute_ps(v, 0xB1);  // (x1, x0) in every pair
-    store16(out + i, _mm512_add_ps(_mm512_mul_ps(v, c), _mm512_mul_ps(swapped, s)), m);
+    const __m512 s =
+        _mm512_mul_ps(sign, _mm512_permutexvar_ps(dup, _mm512_maskz_loadu_ps(mh, sin + i / 2)));
+    for (int64_t h = 0; h < heads; ++h) {
+      rotate16<Cvt>(q + h * q_head_stride + i, q_out + h * r + i, c, s, m);
+    }
+    rotate16<Cvt>(k + i, k_out + i, c, s, m);
   }
 }
 
-// Row `j` of token t: j < heads are the query heads, j == heads is the key.
 template <typename T>
 void apply_rope_impl(const T* q, int64_t q_tok_stride, int64_t q_head_stride, const T* k,
                      int64_t k_tok_stride, const int64_t* positions, const float* cos_sin,
@@ -67,21 +88,26 @@ void apply_rope_impl(const T* q, int64_t q_tok_stride, int64_t q_head_stride, co
     }
   }
   const int64_t half = r / 2;
-  const bool simd = active_isa() >= Isa::kAvx512;
-  const int64_t rows = tokens * (heads + 1);
-  parallel_for(rows, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t t = row / (heads + 1), j = row % (heads + 1);
+  const Isa isa = active_isa();
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>((heads + 1) * r, 1));
+  parallel_for(tokens, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
       const float* cos = cos_sin + positions[t] * r;
-      const T* src = j < heads ? q + t * q_tok_stride + j * q_head_stride : k + t * k_tok_stride;
-      T* dst = j < heads ? q_out + (t * heads + j) * r : k_out + t * r;
-      if (simd) {
-        rope_row_avx512<T>(src, dst, cos, cos + half, half);
+      const T* qt = q + t * q_tok_stride;
+      const T* kt = k + t * k_tok_stride;
+      T* qo = q_out + t * heads * r;
+      T* ko = k_out + t * r;
+      if (isa >= Isa::kAvx512Bf16) {
+        rope_token_avx512<small::CvtAvx512Bf16, T>(qt, q_head_stride, kt, qo, ko, cos, cos + half,
+                                                   heads, half);
+      } else if (isa >= Isa::kAvx512) {
+        rope_token_avx512<small::CvtAvx512, T>(qt, q_head_stride, kt, qo, ko, cos, cos + half,
+                                               heads, half);
       } else {
-        rope_row_portable<T>(src, dst, cos, cos + half, half);
+        rope_token_portable<T>(qt, q_head_stride, kt, qo, ko, cos, cos + half, heads, half);
       }
     }
-  }, std::max<int64_t>(1, 16384 / std::max<int64_t>(r, 1)));
+  }, grain);
 }
 
 }  // namespace

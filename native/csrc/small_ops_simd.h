@@ -1,7 +1,6 @@
 // Helpers of the small per-token ops (norm.cpp, rope.cpp, topk.cpp): element access for fp32 and
 // bf16 in scalar code, and 16-lane fp32 vectors loaded from / stored to either type with AVX-512.
-// Every vector helper is compiled for AVX-512 through DUET_TARGET_AVX512, so callers must carry
-// that target (or a superset) too.
+// Callers of the vector helpers carry DUET_TARGET_SMALL too.
 #pragma once
 
 #include <immintrin.h>
@@ -13,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "common.h"
 
@@ -42,47 +42,77 @@ inline float round_to(float v) {
 }
 
 // ---- AVX-512, 16 fp32 lanes ------------------------------------------------------------------
+//
+// NOTE: every vector helper and kernel carries the AVX512_BF16 target so that one template body
+// serves both ISA levels; the `Cvt` policy decides whether vcvtneps2bf16 is used (kBf16Insn) or
+// the integer rounding sequence. Instantiations with CvtAvx512 use no BF16/VNNI intrinsic, and
+// GCC 12 emits those instructions only for the intrinsics, so they run on plain AVX-512 CPUs.
+#define DUET_TARGET_SMALL DUET_TARGET_AVX512_BF16
+
+struct CvtAvx512 {
+  static constexpr bool kBf16Insn = false;
+};
+struct CvtAvx512Bf16 {
+  static constexpr bool kBf16Insn = true;
+};
 
 // Mask of the first n (0..16) lanes.
 inline __mmask16 lane_mask(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
 }
 
-DUET_TARGET_AVX512 inline __m512 load16(const float* p, __mmask16 m) {
+DUET_TARGET_SMALL inline __m512 load16(const float* p, __mmask16 m) {
   return _mm512_maskz_loadu_ps(m, p);
 }
-DUET_TARGET_AVX512 inline __m512 load16(const bf16_t* p, __mmask16 m) {
+DUET_TARGET_SMALL inline __m512 load16(const bf16_t* p, __mmask16 m) {
   const __m256i h = _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// fp32 -> bf16 bits in the low 16 bits of each lane, round to nearest even, NaN kept quiet NaN.
-DUET_TARGET_AVX512 inline __m256i cvt_bf16(__m512 v) {
+// fp32 bits rounded to nearest even at bit 16 (bf16 in the high half); NaN kept a quiet NaN.
+DUET_TARGET_SMALL inline __m512i round_bits(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, lsb), _mm512_set1_epi32(0x7fff));
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+  return _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
 }
 
-DUET_TARGET_AVX512 inline void store16(float* p, __m512 v, __mmask16 m) {
+// fp32 -> 16 bf16, round to nearest even as torch does.
+template <class Cvt>
+DUET_TARGET_SMALL inline __m256i cvt_bf16(__m512 v) {
+  if constexpr (Cvt::kBf16Insn) {
+    return (__m256i)_mm512_cvtneps_pbh(v);
+  } else {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bits(v), 16));
+  }
+}
+
+template <class Cvt>
+DUET_TARGET_SMALL inline void store16(float* p, __m512 v, __mmask16 m) {
   _mm512_mask_storeu_ps(p, m, v);
 }
-DUET_TARGET_AVX512 inline void store16(bf16_t* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, cvt_bf16(v));
+template <class Cvt>
+DUET_TARGET_SMALL inline void store16(bf16_t* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, cvt_bf16<Cvt>(v));
 }
 
-// Rounds each lane through T and back (identity for fp32).
-DUET_TARGET_AVX512 inline __m512 round16(__m512 v, float*) { return v; }
-DUET_TARGET_AVX512 inline __m512 round16(__m512 v, bf16_t*) {
-  const __m512i h = _mm512_cvtepu16_epi32(cvt_bf16(v));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+// Rounds each lane through T and back, as storing an intermediate in the tensor dtype does.
+template <class Cvt, typename T>
+DUET_TARGET_SMALL inline __m512 round16(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (Cvt::kBf16Insn) {
+    const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+  } else {
+    return _mm512_castsi512_ps(_mm512_and_si512(round_bits(v), _mm512_set1_epi32(-65536)));
+  }
 }
 
 // exp(x) within ~2 ulp: 2^n * p(r) with r = x - n ln2 (Cody-Waite split), degree-6 polynomial,
 // scalef for the power of two so large |x| saturates to 0 / inf as expf does.
-DUET_TARGET_AVX512 inline __m512 exp16(__m512 x) {
+DUET_TARGET_SMALL inline __m512 exp16(__m512 x) {
   // Constant first: min/max return their second operand on NaN, so NaN propagates.
   x = _mm512_max_ps(_mm512_set1_ps(-104.0f), _mm512_min_ps(_mm512_set1_ps(88.7228f), x));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),

@@ -69,7 +69,7 @@ void scores_portable(const T* logits, float* scores, int64_t n, bool softmax) {
 }
 
 template <typename T>
-DUET_TARGET_AVX512 void scores_avx512(const T* logits, float* scores, int64_t n, bool softmax) {
+DUET_TARGET_SMALL void scores_avx512(const T* logits, float* scores, int64_t n, bool softmax) {
   using namespace small;
   const __m512 one = _mm512_set1_ps(1.f);
   if (!softmax) {
@@ -129,8 +129,10 @@ void select_token(const float* scores, const float* bias, const TopkParams& p, f
       keep[g] = 0.f;
     }
     for (int64_t i = 0; i < kept; ++i) keep[group_ids[i]] = 1.f;
-    for (int64_t i = 0; i < e; ++i) {
-      if (keep[i / group_size] == 0.f) choice[i] = -std::numeric_limits<float>::infinity();
+    for (int64_t g = 0; g < p.n_group; ++g) {
+      if (keep[g] != 0.f) continue;
+      std::fill(choice + g * group_size, choice + (g + 1) * group_size,
+                -std::numeric_limits<float>::infinity());
     }
   }
 

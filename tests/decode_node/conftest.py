@@ -6,6 +6,17 @@ import torch
 from engine.generate import OfflineGenerator
 from engine.model import DeepseekModel
 from engine.tiny_model import make_tiny_model
+from native import ops
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """Nodes run one kernel thread by default; on a shared 2-core machine more threads only
+    contend (a tiny-model forward gets ~10x slower)."""
+    was = torch.get_num_threads()
+    ops.set_num_threads(1)
+    yield
+    ops.set_num_threads(was)
 
 
 @pytest.fixture(scope="session")

@@ -50,7 +50,10 @@ def test_one_request_matches_offline_greedy(tiny_dir, dtype):
 def test_concurrent_requests_with_continuous_batching(pair, model, offline):
     batches = []
     original = pair.decode._decode
-    pair.decode._decode = lambda batch: (batches.append([r.request_id for r in batch]), original(batch))
+    pair.decode._decode = lambda batch: (
+        batches.append([r.request_id for r in batch]),
+        original(batch),
+    )
     lengths = [6, 3, 8, 5, 4]
     for i in range(3):
         assert pair.submit(f"r{i}", PROMPTS[i], greedy(lengths[i])).ok

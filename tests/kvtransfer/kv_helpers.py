@@ -17,12 +17,11 @@ from engine.kv_pool import KVPool, PageTable
 from kvtransfer import (
     InprocReceiver,
     InprocSender,
-    Rendezvous,
     ZmqReceiver,
     ZmqSender,
     make_fingerprint,
 )
-from kvtransfer.wire import Hello, HelloAck, KVAbort, decode, encode
+from kvtransfer.wire import Hello, HelloAck, decode, encode
 
 NUM_LAYERS = 4
 ROW_WIDTH = 24
@@ -74,32 +73,19 @@ class Link:
             self.sender = ZmqSender("test-prefill", send_timeout=2.0)
         self.sender.connect(self.receiver.endpoint, fingerprint(), TIMEOUT)
         self._raw = None
-        self._sentinels = 0
 
     def raw_send(self, frames: list) -> None:
-        """Deliver `frames` ([header] or [header, payload, ...]) and wait until handled. For
-        zmq a kv_abort for an unknown rendezvous follows it as a sentinel (counted apart)."""
+        """Deliver `frames` ([header] or [header, payload, ...]) and wait until handled. For zmq
+        a hello follows them: its ack comes back only after the frames before it were handled."""
         if self.kind == "inproc":
             self.receiver.receive(list(frames), is_peer_known=True)
             return
         sock = self._raw_socket()
         sock.send_multipart(frames, copy=True)
-        before = self.receiver.stats().dropped.get("unknown_rendezvous", 0)
-        sentinel = KVAbort(Rendezvous("sentinel", self._sentinels), 0, "sync")
-        sock.send(encode(sentinel))
-        self._sentinels += 1
-        wait_until(
-            lambda: self.receiver.stats().dropped.get("unknown_rendezvous", 0) > before,
-            "the receiver to handle the raw frames",
-        )
+        self._handshake(sock)
 
     def dropped(self) -> dict[str, int]:
-        counts = dict(self.receiver.stats().dropped)
-        if self._sentinels:
-            counts["unknown_rendezvous"] -= self._sentinels
-            if not counts["unknown_rendezvous"]:
-                del counts["unknown_rendezvous"]
-        return counts
+        return dict(self.receiver.stats().dropped)
 
     def raw_socket_without_hello(self) -> zmq.Socket:
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -109,13 +95,16 @@ class Link:
 
     def _raw_socket(self) -> zmq.Socket:
         if self._raw is None:
-            sock = self.raw_socket_without_hello()
-            sock.send(encode(Hello("raw-peer", fingerprint())))
-            assert sock.poll(int(TIMEOUT * 1000)), "no hello_ack for the raw peer"
-            ack = decode(sock.recv())
-            assert isinstance(ack, HelloAck) and ack.ok
-            self._raw = sock
+            self._raw = self.raw_socket_without_hello()
+            self._handshake(self._raw)
         return self._raw
+
+    @staticmethod
+    def _handshake(sock: zmq.Socket) -> None:
+        sock.send(encode(Hello("raw-peer", fingerprint())))
+        assert sock.poll(int(TIMEOUT * 1000)), "no hello_ack for the raw peer"
+        ack = decode(sock.recv())
+        assert isinstance(ack, HelloAck) and ack.ok
 
     def close(self) -> None:
         if self._raw is not None:

@@ -18,7 +18,7 @@ from kv_helpers import (
     wait_until,
 )
 
-from kvtransfer import DropReason, Rendezvous
+from kvtransfer import DropReason, InprocReceiver, Rendezvous
 from kvtransfer.wire import Hello, HelloAck, KVDone, build_chunk, decode, encode
 
 A = Rendezvous("victim", 77)
@@ -180,3 +180,15 @@ def test_zmq_peer_without_handshake_is_ignored():
         stranger.close(linger=0)
         refused.close(linger=0)
         link.close()
+
+
+def test_hello_of_another_version_gets_a_refusal():
+    receiver = InprocReceiver(make_pool(page_size=3), fingerprint())
+    try:
+        head = msgpack.unpackb(encode(Hello("future-prefill", fingerprint())))
+        head["v"] = 2
+        ack = receiver.receive([msgpack.packb(head)], is_peer_known=False)
+        assert isinstance(ack, HelloAck) and not ack.ok and "protocol version 2" in ack.error
+        assert receiver.stats().dropped == {DropReason.BAD_VERSION: 1}
+    finally:
+        receiver.close()

@@ -4,7 +4,8 @@ import socket
 import time
 
 import pytest
-from kv_helpers import TIMEOUT, fingerprint, make_pool, random_rows, reserve
+import torch
+from kv_helpers import TIMEOUT, fingerprint, make_pool, random_rows, reserve, wait_until
 
 from kvtransfer import KVTransferError, Rendezvous, ZmqReceiver, ZmqSender
 
@@ -22,6 +23,13 @@ def test_connect_to_nobody_times_out():
     with pytest.raises(KVTransferError, match=f"{endpoint}.*timed out"):
         sender.connect(endpoint, fingerprint(), timeout=0.3)
     assert time.monotonic() - start < 2.0
+    sender.close()
+
+
+def test_bad_endpoint_is_a_clear_error():
+    sender = ZmqSender()
+    with pytest.raises(KVTransferError, match="KV handshake with nowhere failed"):
+        sender.connect("nowhere", fingerprint(), timeout=0.3)
     sender.close()
 
 
@@ -94,4 +102,45 @@ def test_two_senders_one_receiver():
     finally:
         for sender in senders:
             sender.close()
+        receiver.close()
+
+
+def test_wildcard_bind_advertises_a_reachable_host():
+    receiver = ZmqReceiver(
+        make_pool(page_size=3), fingerprint(), "tcp://0.0.0.0:0", advertise_host="127.0.0.1"
+    )
+    sender = ZmqSender()
+    try:
+        assert receiver.endpoint.startswith("tcp://127.0.0.1:")
+        sender.connect(receiver.endpoint, fingerprint(), TIMEOUT)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_no_write_after_cancel_returns():
+    """The guarantee the decode node frees pages on: once cancel returns, the pages stay still."""
+    receiver = ZmqReceiver(make_pool(page_size=3, num_pages=80), fingerprint())
+    sender = ZmqSender()
+    try:
+        sender.connect(receiver.endpoint, fingerprint(), TIMEOUT)
+        rdv, num_tokens = Rendezvous("racy", 1), 200
+        table = reserve(receiver.pool, num_tokens)
+        receiver.expect(rdv, table, num_tokens, time.monotonic() + TIMEOUT)
+        rows = random_rows(num_tokens, seed=3)
+        for t in range(num_tokens):
+            sender.send_chunk(rdv, 0, t, rows[:, t : t + 1])
+        wait_until(lambda: receiver.stats().chunks_written >= 5, "some chunks written")
+        assert receiver.cancel(rdv)
+        snapshot = receiver.pool.read_rows(table, 0, 4, 0, num_tokens)
+        sender.flush(TIMEOUT)
+
+        def all_handled():
+            s = receiver.stats()
+            return s.chunks_written + s.dropped.get("unknown_rendezvous", 0) == num_tokens
+
+        wait_until(all_handled, "every chunk handled")
+        assert torch.equal(receiver.pool.read_rows(table, 0, 4, 0, num_tokens), snapshot)
+    finally:
+        sender.close()
         receiver.close()

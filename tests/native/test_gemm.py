@@ -1,4 +1,5 @@
-"""bf16 linear with prepacked weights (native/csrc/gemm.cpp) against `reference.linear`.
+"""bf16 linear with prepacked weights (native/csrc/gemm.cpp) against `reference.linear`, and the
+bf16 bmm (native/csrc/bmm.cpp) against `reference.bmm`.
 
 Runs on every ISA level (the `isa` fixture), covering the GEMV path (M <= 6) and the blocked GEMM
 path (M > 6) with N, K off the 32-column block and the K-pair, and K past one K chunk (1024)."""
@@ -95,3 +96,30 @@ def test_linear_rejects_wrong_width(isa):
     _, packed = _weights(16, 32)
     with pytest.raises(ValueError, match="features"):
         ops.linear(_x(2, 31), packed)
+
+
+@pytest.mark.parametrize(
+    "batch,m,k,p",
+    [(1, 1, 1, 1), (16, 1, 128, 512), (16, 5, 512, 128), (3, 7, 33, 70), (2, 13, 300, 65)],
+)
+def test_bmm_matches_reference(isa, batch, m, k, p):
+    gen = torch.Generator().manual_seed(2)
+    a = torch.randn(batch, m, k, generator=gen).to(torch.bfloat16)
+    b = (torch.randn(batch, k, p, generator=gen) / k**0.5).to(torch.bfloat16)
+    out = ops.bmm(a, b)
+    assert out.shape == (batch, m, p) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference.bmm(a, b).float(), **BF16_TOL)
+
+
+def test_bmm_strided_and_empty(isa):
+    # Head-major view of a token-major tensor, as in MLA weight absorption.
+    a = torch.randn(5, 16, 128).to(torch.bfloat16).transpose(0, 1)  # [16, 5, 128]
+    b = (torch.randn(16, 512, 128) / 128**0.5).to(torch.bfloat16).transpose(1, 2)  # [16, 128, 512]
+    torch.testing.assert_close(ops.bmm(a, b).float(), reference.bmm(a, b).float(), **BF16_TOL)
+    assert ops.bmm(a[:, :0], b).shape == (16, 0, 512)
+    zero_k = ops.bmm(
+        torch.empty(2, 3, 0, dtype=torch.bfloat16), torch.empty(2, 0, 4, dtype=torch.bfloat16)
+    )
+    assert torch.count_nonzero(zero_k) == 0
+    with pytest.raises(ValueError, match="chain"):
+        ops.bmm(a, b[:, :64])

@@ -40,7 +40,13 @@ def _check(x, w13, w2, weights, ids, expert_offset=0):
 
 @pytest.mark.parametrize(
     "num_tokens,hidden,inter,num_experts,top_k",
-    [(1, 64, 32, 4, 2), (3, 70, 45, 6, 3), (8, 128, 96, 8, 6), (19, 33, 17, 3, 2), (64, 96, 64, 16, 4)],
+    [
+        (1, 64, 32, 4, 2),
+        (3, 70, 45, 6, 3),
+        (8, 128, 96, 8, 6),
+        (19, 33, 17, 3, 2),
+        (64, 96, 64, 16, 4),
+    ],
 )
 def test_fused_moe_matches_reference(isa, num_tokens, hidden, inter, num_experts, top_k):
     w13, w2 = _experts(num_experts, inter, hidden)

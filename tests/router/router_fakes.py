@@ -260,7 +260,14 @@ class RouterServer:
         self.url = f"http://{host}:{port}"
         self.app = app
         self.server = uvicorn.Server(
-            uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+            uvicorn.Config(
+                app,
+                host=host,
+                port=port,
+                log_level="warning",
+                lifespan="on",
+                timeout_graceful_shutdown=2,
+            )
         )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

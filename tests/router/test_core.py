@@ -105,7 +105,7 @@ def test_happy_path_orders_tokens_and_finishes():
         r = make_router()
         req = await submit(r, max_new=4)
         assert req.state == RequestState.PREFILLING
-        (_, pre), = r.transport.of(Prefill)
+        ((_, pre),) = r.transport.of(Prefill)
         assert pre.kv_endpoint == "tcp://d0-kv" and pre.room == req.room
         # D's first tokens arrive before P's FirstToken: they wait and come out in order
         r.handle(Tokens("r1", [11, 12]))
@@ -263,6 +263,8 @@ def test_stage_deadlines():
 def test_incompatible_node_is_refused_at_ready():
     r = Router(fake_config(), [EOS], 128, fingerprint={"num_hidden_layers": 3})
     r.transport = RecordingTransport()
+    r.handle(NodeReady("p0", "prefill", {"fingerprint": {"model.num_hidden_layers": 3, "x": 1}}))
+    assert r.nodes.nodes["p0"].is_ready  # kvtransfer's form, extra fields: compatible
     r.handle(NodeReady("d0", "decode", {"fingerprint": {"num_hidden_layers": 4}}))
     r.handle(Heartbeat("d0", "decode", free_pages=1, total_pages=1))
     assert r.nodes.nodes["d0"].status == "dead" and "incompatible" in r.nodes.nodes["d0"].error

@@ -1,0 +1,120 @@
+"""Per-request records of a serving benchmark and the summary computed from them.
+
+Definitions (those of `vllm bench serve`):
+- TTFT: request sent -> first streamed chunk with text;
+- ITL: gaps between successive text chunks of a request (all requests pooled);
+- TPOT: (latency - TTFT) / (output tokens - 1), per request with more than one output token;
+- E2E: request sent -> stream finished;
+- SLA met: the request succeeded, TTFT <= ttft_ms and (TPOT <= tpot_ms or one output token);
+- goodput: requests that met the SLA per second of benchmark duration;
+- throughputs: successful requests, their prompt tokens and output tokens, per second.
+Percentiles are numpy's (linear interpolation) over successful requests only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclasses.dataclass
+class RequestRecord:
+    """What happened to one request. Times in seconds; `start_s` from the benchmark start."""
+
+    index: int
+    start_s: float
+    prompt_len: int  # prompt tokens: the server's usage.prompt_tokens, else the dataset's
+    expected_output_len: int  # max_tokens asked for
+    ok: bool = False
+    error: str | None = None  # error kind (http_503, stream_error, timeout, ...) when not ok
+    error_message: str = ""
+    output_len: int = 0
+    usage_reported: bool = False  # output_len came from the stream's usage, not the tokenizer
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    tpot_s: float | None = None
+    itl_s: list[float] = dataclasses.field(default_factory=list)
+
+    def met_sla(self, ttft_ms: float, tpot_ms: float) -> bool:
+        if not self.ok or self.ttft_s is None or self.ttft_s * 1e3 > ttft_ms:
+            return False
+        return self.tpot_s is None or self.tpot_s * 1e3 <= tpot_ms
+
+
+def stats_ms(values_s: list[float]) -> dict[str, float | None]:
+    """mean, median, p90, p99 (ms) of values in seconds; None for each when empty."""
+    if not values_s:
+        return {"mean": None, "median": None, "p90": None, "p99": None}
+    arr = np.asarray(values_s, dtype=np.float64) * 1e3
+    p50, p90, p99 = np.percentile(arr, PERCENTILES)
+    return {"mean": float(arr.mean()), "median": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def summarize(
+    records: list[RequestRecord], duration_s: float, ttft_ms: float, tpot_ms: float
+) -> dict[str, Any]:
+    """The benchmark summary; every number is a function of `records` and `duration_s`."""
+    ok = [r for r in records if r.ok]
+    met = sum(r.met_sla(ttft_ms, tpot_ms) for r in records)
+    errors = Counter(r.error for r in records if not r.ok)
+    duration_s = max(duration_s, 1e-9)
+    return {
+        "num_requests": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "errors": dict(sorted(errors.items())),
+        "duration_s": duration_s,
+        "total_input_tokens": sum(r.prompt_len for r in ok),
+        "total_output_tokens": sum(r.output_len for r in ok),
+        "request_throughput": len(ok) / duration_s,
+        "input_throughput": sum(r.prompt_len for r in ok) / duration_s,
+        "output_throughput": sum(r.output_len for r in ok) / duration_s,
+        "ttft_ms": stats_ms([r.ttft_s for r in ok]),
+        "tpot_ms": stats_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "itl_ms": stats_ms([gap for r in ok for gap in r.itl_s]),
+        "e2e_ms": stats_ms([r.latency_s for r in ok]),
+        "sla": {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms},
+        "sla_met": met,
+        "sla_attainment": met / len(records) if records else 0.0,
+        "goodput": met / duration_s,
+    }
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def format_table(summary: dict[str, Any], title: str = "Serving benchmark") -> str:
+    """The summary as a fixed-width text table."""
+    width = 56
+    lines = [f"{' ' + title + ' ':=^{width}}"]
+
+    def row(name: str, value: str) -> None:
+        lines.append(f"{name:<38}{value:>{width - 38}}")
+
+    row("Requests (completed / sent)", f"{summary['completed']} / {summary['num_requests']}")
+    row("Failed requests", str(summary["failed"]))
+    for kind, count in summary["errors"].items():
+        row(f"  {kind}", str(count))
+    row("Duration (s)", _fmt(summary["duration_s"]))
+    row("Total input tokens", str(summary["total_input_tokens"]))
+    row("Total output tokens", str(summary["total_output_tokens"]))
+    row("Request throughput (req/s)", _fmt(summary["request_throughput"], 3))
+    row("Input token throughput (tok/s)", _fmt(summary["input_throughput"]))
+    row("Output token throughput (tok/s)", _fmt(summary["output_throughput"]))
+    sla = summary["sla"]
+    row(f"SLA (TTFT <= {sla['ttft_ms']:g} ms, TPOT <= {sla['tpot_ms']:g} ms) met",
+        f"{summary['sla_met']} ({100 * summary['sla_attainment']:.1f}%)")  # fmt: skip
+    row("Goodput (req/s)", _fmt(summary["goodput"], 3))
+    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"),
+                      ("e2e_ms", "E2E latency")):  # fmt: skip
+        lines.append(f"{' ' + name + ' (ms) ':-^{width}}")
+        for stat in ("mean", "median", "p90", "p99"):
+            row(f"{stat.capitalize()} {name}", _fmt(summary[key][stat]))
+    lines.append("=" * width)
+    return "\n".join(lines)

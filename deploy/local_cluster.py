@@ -1,0 +1,267 @@
+"""`duet up`: run a whole cluster on this machine, every role a child process.
+
+    duet up --config FILE [--model DIR] [--port P] [--dtype D]
+    duet up [--model DIR] [--prefill N] [--decode M] [--port P] [--dtype float32|bfloat16]
+
+The shorthand builds a config with N prefill and M decode nodes on free loopback ports. Either
+way the resolved config (model path filled in: with no model, the built-in tiny model, made once)
+is written to a temporary file, and each role is started through its launch script
+(`deploy/launch_*.sh`), exactly as on separate hosts. The launcher waits until the router's
+/health shows every node ready, prints the URL, and on Ctrl-C / SIGTERM stops every child
+(SIGTERM, then SIGKILL after a grace period). If a child dies, everything is stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from engine.cluster_config import ClusterConfig
+from engine.errors import ConfigError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+HERE = Path(__file__).resolve().parent
+STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL
+POLL_S = 0.2
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="duet up", description=__doc__.split("\n")[0])
+    p.add_argument("--config", help="cluster config (TOML); else the shorthand options below")
+    p.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
+    p.add_argument("--prefill", type=int, help="number of prefill nodes (shorthand; default 1)")
+    p.add_argument("--decode", type=int, help="number of decode nodes (shorthand; default 1)")
+    p.add_argument("--port", type=int, help="the router's HTTP port (default 8000)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default bfloat16")
+    p.add_argument("--threads", type=int, default=1, help="threads per node (shorthand)")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait")
+    return p.parse_args(argv)
+
+
+# ---- the config ----------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shorthand_config(num_prefill: int, num_decode: int, port: int, threads: int) -> dict:
+    """A config dict: N prefill and M decode nodes, their control/KV ports picked free."""
+    if num_prefill < 1 or num_decode < 1:
+        raise ConfigError("--prefill and --decode must be at least 1")
+    return {
+        "router": {"host": "127.0.0.1", "port": port, "control_port": free_port()},
+        "prefill": [
+            {"name": f"prefill-{i}", "control_port": free_port(), "threads": threads}
+            for i in range(num_prefill)
+        ],
+        "decode": [
+            {"name": f"decode-{i}", "control_port": free_port(), "kv_port": free_port(),
+             "threads": threads}
+            for i in range(num_decode)
+        ],
+    }  # fmt: skip
+
+
+def resolve_config(args: argparse.Namespace) -> dict:
+    """The raw config dict to run: the file or the shorthand, with the overrides applied and the
+    model path resolved. Validated with ClusterConfig (ConfigError on anything wrong)."""
+    if args.config:
+        if args.prefill is not None or args.decode is not None:
+            raise ConfigError("--prefill/--decode build a config: not with --config")
+        try:
+            raw = tomllib.loads(Path(args.config).read_text())
+        except OSError as exc:
+            raise ConfigError(f"{args.config}: cannot read ({exc.strerror})") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{args.config}: invalid TOML ({exc})") from None
+        if args.port is not None:
+            raw.setdefault("router", {})["port"] = args.port
+    else:
+        port = 8000 if args.port is None else args.port
+        raw = shorthand_config(args.prefill or 1, args.decode or 1, port, args.threads)
+    if args.dtype:
+        raw["dtype"] = args.dtype
+    if args.model:
+        raw["model"] = str(Path(args.model).resolve())
+    ClusterConfig.from_dict(raw)  # validate before spending time on the model
+    if not raw.get("model"):
+        from engine.tiny_model import ensure_tiny_model
+
+        raw["model"] = str(ensure_tiny_model())
+    elif not Path(raw["model"]).is_dir():
+        raise ConfigError(f"model directory {raw['model']!r} does not exist")
+    return raw
+
+
+def dump_toml(raw: dict[str, Any]) -> str:
+    """TOML text of a config dict (scalars, tables of scalars, arrays of such tables)."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)  # JSON string escapes are valid TOML basic-string escapes
+        raise ConfigError(f"cannot write {v!r} to TOML")
+
+    lines = [f"{k} = {value(v)}" for k, v in raw.items() if not isinstance(v, (dict, list))]
+    for key, table in raw.items():
+        if isinstance(table, dict):
+            lines += ["", f"[{key}]", *(f"{k} = {value(v)}" for k, v in table.items())]
+        elif isinstance(table, list):
+            for entry in table:
+                lines += ["", f"[[{key}]]", *(f"{k} = {value(v)}" for k, v in entry.items())]
+    return "\n".join(lines) + "\n"
+
+
+# ---- the children --------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """In the child before exec: its own session (a terminal's Ctrl-C reaches only the launcher,
+    which stops the children in order) and SIGTERM if the launcher dies without cleaning up."""
+    os.setsid()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the launcher's own cleanup still applies
+
+
+class Cluster:
+    def __init__(self, config_path: Path, cfg: ClusterConfig):
+        self.config_path = config_path
+        self.cfg = cfg
+        self.children: dict[str, subprocess.Popen] = {}
+        self.url = f"http://{cfg.router.host}:{cfg.router.port}"
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
+        roles = [("router", "launch_router.sh", [])]
+        roles += [(p.name, "launch_prefill.sh", [p.name]) for p in self.cfg.prefill]
+        roles += [(d.name, "launch_decode.sh", [d.name]) for d in self.cfg.decode]
+        for name, script, extra in roles:
+            cmd = ["bash", str(HERE / script), str(self.config_path), *extra]
+            self.children[name] = subprocess.Popen(
+                cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
+            )
+            print(f"duet up: started {name} (pid {self.children[name].pid})", flush=True)
+
+    def exited(self) -> list[tuple[str, int]]:
+        return [(n, p.returncode) for n, p in self.children.items() if p.poll() is not None]
+
+    def health(self) -> dict | None:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as exc:  # 503 while starting still carries the body
+            try:
+                return json.loads(exc.read())
+            except ValueError:
+                return None
+        except (OSError, ValueError):
+            return None
+
+    def stop(self) -> None:
+        for proc in self.children.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for name, proc in self.children.items():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"duet up: {name} did not stop in {STOP_GRACE_S:g} s; killing it", flush=True)
+                proc.kill()
+                proc.wait(timeout=5)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _wait_ready(cluster: Cluster, timeout_s: float, stopping: list[int]) -> None:
+    """Until every node is ready; ConfigError if a child exits, a node fails, or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if stopping:
+            raise _Stop
+        if cluster.exited():
+            name, code = cluster.exited()[0]
+            raise ConfigError(f"{name} exited with status {code} while starting")
+        body = cluster.health()
+        nodes = (body or {}).get("nodes", {})
+        failed = {n: s.get("error", "") for n, s in nodes.items() if s.get("status") == "dead"}
+        if failed:
+            name, error = next(iter(failed.items()))
+            raise ConfigError(f"node {name} failed to start: {error}")
+        if nodes and all(s.get("status") == "ready" for s in nodes.values()):
+            return
+        time.sleep(POLL_S)
+    raise ConfigError(f"the cluster was not ready after {timeout_s:g} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    raw = resolve_config(args)
+    cfg = ClusterConfig.from_dict(raw)
+    workdir = Path(tempfile.mkdtemp(prefix="duet-up-"))
+    config_path = workdir / "cluster.toml"
+    config_path.write_text(dump_toml(raw))
+    cluster = Cluster(config_path, cfg)
+    print(f"duet up: {cfg.ratio} cluster, config {config_path}", flush=True)
+
+    stopping: list[int] = []
+    previous = {
+        s: signal.signal(s, lambda n, f: stopping.append(n))
+        for s in (signal.SIGINT, signal.SIGTERM)
+    }
+    status = 0
+    try:
+        cluster.start()
+        _wait_ready(cluster, args.ready_timeout, stopping)
+        print(
+            f"duet up: ready at {cluster.url}/v1 ({cfg.ratio}, {cfg.dtype}, model {cfg.model}); "
+            "Ctrl-C stops it",
+            flush=True,
+        )
+        while not stopping:
+            if cluster.exited():
+                name, code = cluster.exited()[0]
+                print(f"duet up: {name} exited with status {code}; stopping", flush=True)
+                status = 1
+                break
+            time.sleep(POLL_S)
+    except _Stop:
+        pass
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        status = 1
+    finally:
+        print("duet up: stopping", flush=True)
+        cluster.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        config_path.unlink(missing_ok=True)
+        workdir.rmdir()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

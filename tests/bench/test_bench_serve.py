@@ -1,0 +1,171 @@
+"""bench-serve against a fake streaming server whose delays, errors and token counts are known.
+
+Oracles: the fake's own log (bodies received, the most requests in flight), its sleep times
+(lower bounds on TTFT and TPOT), numpy recomputing every statistic from the raw records the
+benchmark writes, and the PNG format itself for the plots.
+"""
+
+import json
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from bench_fakes import WORD, FakeBehavior, ServerThread, make_app
+
+from bench import serve
+from deploy import cli
+from engine.errors import DuetError
+from engine.tiny_model import ensure_tiny_model
+from engine.tokenizer import Tokenizer
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer(ensure_tiny_model())
+
+
+def run_bench(url, out, *extra):
+    argv = ["--url", url, "--out", str(out), "--no-progress", "--seed", "3", *extra]
+    args = serve.resolve(serve.build_parser().parse_args(argv))
+    summary = serve.run(args)
+    records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    return summary, records
+
+
+def check_png(path):
+    """A well-formed PNG: signature, IHDR with a non-empty size, every chunk's CRC, IEND last."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE
+    pos, kinds = 8, []
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, payload = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
+        assert zlib.crc32(kind + payload) == crc, f"bad CRC in {kind} of {path.name}"
+        kinds.append(kind)
+        pos += 12 + length
+    assert kinds[0] == b"IHDR" and kinds[-1] == b"IEND" and b"IDAT" in kinds
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 100 and height > 100
+
+
+def stats(values_s):
+    arr = np.asarray(values_s) * 1e3
+    return {"mean": arr.mean(), "median": np.median(arr), "p90": np.percentile(arr, 90),
+            "p99": np.percentile(arr, 99)}  # fmt: skip
+
+
+def test_all_counted_and_stats_match_records(tmp_path, tok, capsys):
+    behavior = FakeBehavior(ttft_s=0.05, itl_s=0.01)
+    app, state = make_app(behavior)
+    with ServerThread(app) as server:
+        argv = ["bench-serve", "--url", server.url, "--out", str(tmp_path), "--no-progress",
+                "--num-prompts", "24", "--max-concurrency", "8", "--input-len", "19",
+                "--output-len", "6", "--ttft-ms", "10000", "--tpot-ms", "10000"]  # fmt: skip
+        assert cli.main(argv) == 0
+    assert "Requests (completed / sent)" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "result.json").read_text())["summary"]
+    records = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+
+    # Every request sent once, as asked, and counted once.
+    assert len(state.received) == 24 and len(records) == 24
+    assert sorted(r["index"] for r in records) == list(range(24))
+    for body in state.received:
+        assert len(tok.encode(body["prompt"])) == 19
+        assert body["max_tokens"] == 6 and body["ignore_eos"] is True and body["stream"] is True
+        assert body["model"] == "fake-model"
+    assert state.max_in_flight <= 8
+    assert summary["completed"] == 24 and summary["failed"] == 0 and summary["errors"] == {}
+    assert all(r["ok"] and r["output_len"] == 6 and r["usage_reported"] for r in records)
+
+    # Latencies are bounded below by the fake's sleeps.
+    assert min(r["ttft_s"] for r in records) >= behavior.ttft_s
+    assert all(len(r["itl_s"]) == 5 for r in records)
+    assert np.median([r["tpot_s"] for r in records]) >= 0.8 * behavior.itl_s
+
+    # Every statistic is the one numpy computes from the raw records.
+    for key, field in (("ttft_ms", "ttft_s"), ("tpot_ms", "tpot_s"), ("e2e_ms", "latency_s")):
+        expect = stats([r[field] for r in records])
+        assert summary[key] == pytest.approx(expect, rel=1e-9), key
+    expect = stats([g for r in records for g in r["itl_s"]])
+    assert summary["itl_ms"] == pytest.approx(expect, rel=1e-9)
+    duration = summary["duration_s"]
+    assert duration >= max(r["start_s"] + r["latency_s"] for r in records)
+    assert summary["request_throughput"] == pytest.approx(24 / duration)
+    assert summary["output_throughput"] == pytest.approx(24 * 6 / duration)
+    assert summary["input_throughput"] == pytest.approx(24 * 19 / duration)
+    assert summary["sla_met"] == 24 and summary["goodput"] == pytest.approx(24 / duration)
+
+    for name in ("latency_cdf.png", "timeline.png"):
+        check_png(tmp_path / name)
+
+
+def test_errors_counted_by_kind(tmp_path):
+    app, state = make_app(FakeBehavior(ttft_s=0.01, itl_s=0.002, http_error_every=5,
+                                       stream_error_every=7))  # fmt: skip
+    with ServerThread(app) as server:
+        # TTFT SLA of 1 ms: the fake sleeps 10 ms, so no request can meet it.
+        summary, records = run_bench(server.url, tmp_path, "--num-prompts", "20",
+                                     "--input-len", "4", "--output-len", "5", "--ttft-ms", "1")  # fmt: skip
+    # Arrival k fails with 503 if k % 5 == 4 (4 of 20), else mid-stream if k % 7 == 6 (6, 13).
+    assert len(state.received) == 20
+    assert summary["errors"] == {"http_503": 4, "stream_error": 2}
+    assert summary["completed"] == 14 and summary["failed"] == 6
+    failed = [r for r in records if not r["ok"]]
+    assert len(failed) == 6 and all(r["met_sla"] is False for r in failed)
+    assert {r["error_message"] for r in failed if r["error"] == "http_503"} == {"overloaded (busy)"}
+    assert summary["sla_met"] == 0 and summary["goodput"] == 0.0
+    # Statistics cover the completed requests only.
+    ok = [r for r in records if r["ok"]]
+    assert summary["ttft_ms"]["p99"] == pytest.approx(
+        np.percentile([r["ttft_s"] * 1e3 for r in ok], 99)
+    )
+    check_png(tmp_path / "timeline.png")
+
+
+def test_timeouts_and_unreachable_server(tmp_path, capsys):
+    app, _ = make_app(FakeBehavior(ttft_s=2.0))
+    with ServerThread(app) as server:
+        summary, _ = run_bench(server.url, tmp_path, "--num-prompts", "2", "--input-len", "3",
+                               "--output-len", "2", "--timeout", "0.3", "--no-plots")  # fmt: skip
+    assert summary["errors"] == {"timeout": 2} and summary["completed"] == 0
+    assert summary["ttft_ms"]["p99"] is None
+    # A server that is not there: one clear line, exit code 1, no traceback.
+    with pytest.raises(DuetError, match="cannot reach"):
+        serve.main(["--url", server.url, "--out", str(tmp_path / "x"), "--no-progress"])
+    assert cli.main(["bench-serve", "--url", server.url, "--out", str(tmp_path / "x")]) == 1
+    assert capsys.readouterr().err.startswith("error: cannot reach")
+
+
+def test_chat_without_usage_counts_tokens_with_tokenizer(tmp_path, tok):
+    app, state = make_app(FakeBehavior(ttft_s=0.01, itl_s=0.002, usage=False))
+    with ServerThread(app) as server:
+        summary, records = run_bench(server.url, tmp_path, "--dataset", "synthetic-chat",
+                                     "--num-prompts", "12", "--input-len", "16",
+                                     "--output-len", "4", "--no-plots")  # fmt: skip
+    assert summary["completed"] == 12
+    assert len(tok.encode(WORD * 3)) == 3  # the oracle: one token per streamed word
+    by_len = sorted((r["prompt_len"], r["expected_output_len"]) for r in records)
+    sent = sorted((len(tok.encode(b["messages"][0]["content"])), b["max_tokens"])
+                  for b in state.received)  # fmt: skip
+    assert by_len == sent
+    for r in records:
+        assert not r["usage_reported"] and r["output_len"] == r["expected_output_len"]
+    assert len({r["expected_output_len"] for r in records}) > 1  # the chat mix varies lengths
+
+
+def test_poisson_arrivals(tmp_path):
+    gaps = np.diff(serve.arrival_times(20000, 4.0, seed=1))
+    assert gaps.mean() == pytest.approx(0.25, rel=0.03)
+    assert np.std(gaps) == pytest.approx(0.25, rel=0.05)  # exponential: std == mean
+    assert np.all(serve.arrival_times(5, float("inf"), 0) == 0)
+    app, _ = make_app(FakeBehavior(ttft_s=0.005, itl_s=0.001))
+    with ServerThread(app) as server:
+        _, records = run_bench(server.url, tmp_path, "--num-prompts", "8", "--request-rate",
+                               "40", "--input-len", "2", "--output-len", "2", "--no-plots")  # fmt: skip
+    planned = serve.arrival_times(8, 40.0, seed=3)
+    for r in records:  # each request leaves no earlier than its planned arrival
+        assert r["start_s"] >= planned[r["index"]] - 1e-6

@@ -1,0 +1,151 @@
+"""`duet up` as a subprocess on free loopback ports, and helpers to read its /metrics.
+
+One cluster per test module (module-scoped fixtures in the test files): starting one costs a
+few seconds of model loading per role.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+READY_TIMEOUT_S = 240.0  # three to four processes load torch and the model on 2 shared cores
+STOP_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class UpProcess:
+    """`python -m deploy.cli up --port P ARGS...`, output to a log file."""
+
+    def __init__(self, args: list[str], log_path: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        cmd = [sys.executable, "-m", "deploy.cli", "up", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+        self.child_pids: dict[str, int] = {}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            text = self.log()
+            if "duet up: ready at" in text:
+                self.child_pids = {
+                    name: int(pid) for name, pid in re.findall(r"started (\S+) \(pid (\d+)\)", text)
+                }
+                return
+            if self.proc.poll() is not None:
+                pytest.fail(f"duet up exited with {self.proc.returncode}:\n{text[-4000:]}")
+            time.sleep(0.2)
+        self.stop()
+        pytest.fail(f"duet up was not ready in {READY_TIMEOUT_S:g} s:\n{self.log()[-4000:]}")
+
+    def interrupt(self) -> int:
+        """Ctrl-C: SIGINT to the launcher only; returns its exit status."""
+        self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(timeout=STOP_TIMEOUT_S)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.interrupt()
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        for pid in self.child_pids.values():  # never leave a child behind, even on failure
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self._log.close()
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120
+        )
+
+    def metric(self, name: str, **labels: str) -> float:
+        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        key = f"{name}{{{want}}}" if want else name
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            sample, _, value = line.rpartition(" ")
+            if sample == key:
+                return float(value)
+        return 0.0
+
+
+def start_cluster(args: list[str], tmp_path_factory) -> UpProcess:
+    log = tmp_path_factory.mktemp("duet-up") / "up.log"
+    up = UpProcess(args, log)
+    up.wait_ready()
+    return up
+
+
+def alive(pid: int) -> bool:
+    """True if `pid` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state != "Z"
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line contains `text` (the cluster's private config path)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if text in cmdline and alive(int(entry.name)):
+                pids.append(int(entry.name))
+    return pids
+
+
+def generate_reference(
+    dtype: str,
+    max_new: int,
+    prompt: str | None = None,
+    prompt_ids: list[int] | None = None,
+    extra: tuple[str, ...] = (),
+) -> dict:
+    """`duet generate --json` (greedy unless `extra` says otherwise), run in this process through
+    the CLI's own main: {"token_ids": [...], "text": "..."}."""
+    from deploy.cli import main
+
+    args = ["generate", "--json", "--dtype", dtype, "--max-new-tokens", str(max_new), *extra]
+    if prompt is not None:
+        args += ["--prompt", prompt]
+    else:
+        args += ["--prompt-ids", ",".join(map(str, prompt_ids))]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(args) == 0
+    return json.loads(out.getvalue())

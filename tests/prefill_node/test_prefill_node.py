@@ -1,0 +1,237 @@
+"""The prefill node loop against a bare in-process KV receiver (no decode node): the rows it
+streams are the offline cache rows, the first token is the offline one, and every failure path
+(bad request, handshake mismatch, queue timeout, abort, broken sender) tells the router and D
+and frees P's pages."""
+
+import time
+
+import pytest
+import torch
+
+from engine.cluster_config import PrefillNodeConfig, TimeoutConfig
+from engine.generate import OfflineGenerator
+from engine.kv_pool import KVPool
+from engine.messaging import QueueInbox, QueueOutbox
+from engine.protocol import (
+    Abort,
+    FirstToken,
+    Heartbeat,
+    Prefill,
+    RequestError,
+    Shutdown,
+    sampling_to_dict,
+)
+from engine.sampling import SamplingParams
+from kvtransfer import InprocReceiver, InprocSender, Rendezvous, make_fingerprint
+from prefill_node.node import PrefillNode
+
+PROMPT_A = [3, 44, 18, 250, 9, 71, 130, 5, 66, 301, 12, 40, 77, 8]
+PROMPT_B = list(range(20, 31))
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4)
+DEADLINE = 30.0
+
+
+class Rig:
+    """A prefill node, the router's queues and one receiver that stands in for D."""
+
+    def __init__(self, model, receiver_dtype=None, chunk_size=4, max_batch_tokens=8, **timeouts):
+        cfg = model.cfg
+        dtype = receiver_dtype or model.dtype
+        pool = KVPool(cfg.num_hidden_layers, 64, 5, cfg.kv_row_width, dtype)
+        fp = make_fingerprint(cfg.fingerprint(), cfg.num_hidden_layers, cfg.kv_row_width, dtype)
+        self.receiver = InprocReceiver(pool, fp)
+        self.inbox, self.outbox = QueueInbox(), QueueOutbox()
+        node_cfg = PrefillNodeConfig(
+            "p", page_size=3, chunk_size=chunk_size, max_batch_tokens=max_batch_tokens
+        )
+        self.node = PrefillNode(
+            "p",
+            model,
+            node_cfg,
+            TimeoutConfig(heartbeat_s=0.05, **timeouts),
+            self.inbox,
+            self.outbox,
+            InprocSender,
+        )
+        self.tables = {}
+
+    def expect(self, rid, room, num_tokens, deadline_s=DEADLINE):
+        table = self.receiver.pool.new_table()
+        self.receiver.pool.reserve(table, num_tokens)
+        self.receiver.expect(
+            Rendezvous(rid, room), table, num_tokens, time.monotonic() + deadline_s
+        )
+        self.tables[rid] = table
+        return table
+
+    def prefill(self, rid, room, prompt, params=GREEDY, endpoint=None, timeout_s=5.0):
+        endpoint = self.receiver.endpoint if endpoint is None else endpoint
+        self.inbox.put(Prefill(rid, room, prompt, sampling_to_dict(params), endpoint, timeout_s))
+
+    def step_until(self, cond, what):
+        deadline = time.monotonic() + DEADLINE
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            self.node.step()
+
+    def events(self):
+        return {e.rendezvous.request_id: e for e in self.receiver.poll(0.0)}
+
+    def close(self):
+        self.node.close("test over")
+        self.receiver.close()
+
+
+@pytest.fixture
+def rig(model):
+    rig = Rig(model)
+    yield rig
+    rig.close()
+
+
+def test_streamed_rows_and_first_token_match_offline(rig, model):
+    """Two prompts packed into the same forwards; D's pages (another page size) end up holding
+    exactly the rows offline prefill computes, and kv_done carries the offline first token."""
+    for rid, prompt in (("a", PROMPT_A), ("b", PROMPT_B)):
+        rig.expect(rid, 7, len(prompt))
+        rig.prefill(rid, 7, prompt)
+    rig.node.step()
+    rig.step_until(lambda: not rig.node.scheduler.has_work(), "both prefills")
+    events = rig.events()
+    offline = OfflineGenerator(model, page_size=16, chunk_size=4)
+    num_layers = model.cfg.num_hidden_layers
+    for rid, prompt in (("a", PROMPT_A), ("b", PROMPT_B)):
+        event = events[rid]
+        assert event.is_ready, event.reason
+        table = offline.pool.new_table()
+        logits = offline.prefill(table, prompt)
+        expected_rows = offline.pool.read_rows(table, 0, num_layers, 0, len(prompt))
+        offline.pool.release(table)
+        got_rows = rig.receiver.pool.read_rows(rig.tables[rid], 0, num_layers, 0, len(prompt))
+        torch.testing.assert_close(got_rows, expected_rows, rtol=0, atol=0)
+        assert event.first_token == int(logits.argmax())
+    assert rig.node.pool.allocator.num_used == 0
+
+
+def test_first_token_goes_to_the_router_with_stage_timings(rig, model):
+    rig.expect("a", 1, len(PROMPT_A))
+    rig.prefill("a", 1, PROMPT_A)
+    rig.step_until(lambda: any(isinstance(m, FirstToken) for m in rig.outbox.messages), "token")
+    (msg,) = rig.outbox.take(FirstToken)
+    expected = OfflineGenerator(model).generate(PROMPT_A, GREEDY).token_ids[0]
+    assert msg.token == expected and msg.prompt_len == len(PROMPT_A)
+    assert set(msg.stage_ms) == {"queue", "prefill"} and min(msg.stage_ms.values()) >= 0
+    assert rig.events()["a"].first_token == expected
+
+
+@pytest.mark.parametrize(
+    "prompt, sampling, match",
+    [
+        ([], sampling_to_dict(GREEDY), "empty"),
+        ([1, 10**6], sampling_to_dict(GREEDY), "outside the vocabulary"),
+        ([1] * 600, sampling_to_dict(GREEDY), "context"),
+        ([1, 2], {"temperature": "hot"}, "bad request"),
+        ([1, 2], {"nucleus": 0.5}, "unknown sampling fields"),
+    ],
+)
+def test_bad_requests_are_refused_with_one_line(rig, prompt, sampling, match):
+    rig.inbox.put(Prefill("bad", 1, prompt, sampling, rig.receiver.endpoint, 5.0))
+    rig.node.step()
+    (error,) = rig.outbox.take(RequestError)
+    assert error.request_id == "bad" and error.stage == "prefill" and match in error.message
+    assert "\n" not in error.message and not rig.node.scheduler.has_work()
+
+
+def test_handshake_mismatch_fails_loudly_before_computing(model):
+    rig = Rig(model, receiver_dtype=torch.float32)  # the model runs bf16: layouts differ
+    rig.prefill("a", 1, PROMPT_A)
+    rig.node.step()
+    (error,) = rig.outbox.take(RequestError)
+    assert error.stage == "transfer" and "dtype" in error.message
+    assert not rig.node.scheduler.has_work() and rig.node.pool.allocator.num_used == 0
+    rig.close()
+
+
+def test_unknown_decode_endpoint_fails_the_request(rig):
+    rig.prefill("a", 1, PROMPT_A, endpoint="inproc://nobody-here")
+    rig.node.step()
+    (error,) = rig.outbox.take(RequestError)
+    assert error.stage == "transfer" and "nobody-here" in error.message
+
+
+def test_queue_timeout_names_its_stage_and_releases_d(model):
+    # A one-chunk budget and a long first prompt keep the second one waiting past its deadline.
+    rig = Rig(model, chunk_size=4, max_batch_tokens=4)
+    pool = rig.node.pool
+    pool.allocator.allocate(pool.num_pages - 5)  # room for PROMPT_A (5 pages of 3) only
+    rig.expect("first", 1, len(PROMPT_A))
+    rig.prefill("first", 1, PROMPT_A)
+    rig.expect("late", 2, 5)
+    rig.prefill("late", 2, [1, 2, 3, 4, 5], timeout_s=0.001)
+    rig.step_until(lambda: any(isinstance(m, RequestError) for m in rig.outbox.messages), "it")
+    (error,) = rig.outbox.take(RequestError)
+    assert error.request_id == "late" and error.stage == "prefill_queue"
+    assert "timed out" in error.message
+    events = rig.events()
+    assert not events["late"].is_ready and "prefill queue" in events["late"].reason
+    rig.step_until(lambda: not rig.node.scheduler.has_work(), "the first prompt")
+    assert rig.events()["first"].is_ready
+    rig.close()
+
+
+def test_abort_mid_prefill_frees_pages_and_tells_d(rig):
+    rig.expect("a", 1, len(PROMPT_A))
+    rig.prefill("a", 1, PROMPT_A)
+    rig.node.step()  # one forward: the first chunks went out
+    assert rig.receiver.stats().chunks_written > 0 and rig.node.pool.allocator.num_used > 0
+    rig.inbox.put(Abort("a", "client gone"))
+    rig.node.step()
+    assert rig.node.pool.allocator.num_used == 0 and not rig.node.scheduler.has_work()
+    event = rig.events()["a"]
+    assert not event.is_ready and "client gone" in event.reason
+    assert rig.outbox.take(RequestError) == [] and rig.outbox.take(FirstToken) == []
+
+
+def test_a_broken_sender_fails_its_transfers_and_reconnects_later(rig, model):
+    rig.expect("a", 1, len(PROMPT_A))
+    rig.expect("b", 1, len(PROMPT_B))
+    rig.prefill("a", 1, PROMPT_A)
+    rig.prefill("b", 1, PROMPT_B)
+    rig.node.step()
+    endpoint = rig.receiver.endpoint
+    rig.receiver.close()  # D went away mid-transfer
+    rig.step_until(lambda: not rig.node.scheduler.has_work(), "the failures")
+    errors = rig.outbox.take(RequestError)
+    assert sorted(e.request_id for e in errors) == ["a", "b"]
+    assert all(e.stage == "transfer" for e in errors)
+    assert rig.node.pool.allocator.num_used == 0
+    # D comes back at the same endpoint: the next request connects a new sender.
+    cfg = model.cfg
+    fp = make_fingerprint(cfg.fingerprint(), cfg.num_hidden_layers, cfg.kv_row_width, model.dtype)
+    rig.receiver = InprocReceiver(model.new_kv_pool(64, 5), fp, endpoint=endpoint)
+    rig.expect("c", 2, len(PROMPT_B))
+    rig.prefill("c", 2, PROMPT_B)
+    rig.step_until(lambda: rig.outbox.take(FirstToken) or False, "the first token of c")
+    assert rig.events()["c"].is_ready
+
+
+def test_heartbeat_reports_queued_tokens(model):
+    rig = Rig(model, chunk_size=4, max_batch_tokens=4)
+    rig.expect("a", 1, len(PROMPT_A))
+    rig.prefill("a", 1, PROMPT_A)
+    rig.node.step()
+    (hb,) = rig.outbox.take(Heartbeat)
+    assert hb.role == "prefill" and hb.queued_tokens == len(PROMPT_A) - 4
+    assert hb.num_running == 1 and hb.kv_bytes_sent > 0
+    rig.close()
+
+
+def test_shutdown_fails_queued_requests(rig):
+    rig.expect("a", 1, len(PROMPT_A))
+    rig.prefill("a", 1, PROMPT_A)
+    rig.inbox.put(Shutdown("test"))
+    rig.node.run()  # handles both messages, then stops
+    (error,) = rig.outbox.take(RequestError)
+    assert error.request_id == "a" and "shutting down" in error.message
+    assert rig.node.pool.allocator.num_used == 0
+    assert not rig.events()["a"].is_ready
