@@ -58,8 +58,10 @@ def time_call(fn: Callable[[], object], repeats: int, budget_s: float) -> float:
 
 def measure_case(case: Case, roof: roofline.Roofline, repeats: int) -> dict:
     """One output row: the kernel's time and its ratios to the roofline and the baselines."""
+    # Baselines get fewer samples (they can be slow), but three when asked for three or more.
+    baseline_repeats = min(repeats, max(3, repeats // 3))
     kernel_s = time_call(case.run, repeats, KERNEL_BUDGET_S)
-    ref_s = time_call(case.reference, max(1, repeats // 3), BASELINE_BUDGET_S)
+    ref_s = time_call(case.reference, baseline_repeats, BASELINE_BUDGET_S)
     row = {
         "kernel": case.kernel,
         "shape": case.shape,

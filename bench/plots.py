@@ -99,19 +99,25 @@ def plot_sweep(runs: dict[str, list[dict[str, Any]]], path: str | Path, xlabel: 
         (axes[1], "p99 TTFT (ms)", lambda s: s["ttft_ms"]["p99"]),
         (axes[2], "p99 TPOT (ms)", lambda s: s["tpot_ms"]["p99"]),
     )
-    sla = None
+    sla, top = None, [0.0, 0.0, 0.0]
     for label, points in runs.items():
         points = sorted((p for p in points if np.isfinite(p["x"])), key=lambda p: p["x"])
         xs = [p["x"] for p in points]
-        for ax, _, value in panels:
-            ys = [value(p["summary"]) for p in points]
-            ax.plot(xs, [np.nan if y is None else y for y in ys], marker="o", label=label)
+        for i, (ax, _, value) in enumerate(panels):
+            ys = np.array([np.nan if value(p["summary"]) is None else value(p["summary"])
+                           for p in points], dtype=float)  # fmt: skip
+            ax.plot(xs, ys, marker="o", label=label)
+            if np.isfinite(ys).any():
+                top[i] = max(top[i], float(np.nanmax(ys)))
         if points:
             sla = points[0]["summary"]["sla"]
-    if sla is not None:
-        axes[1].axhline(sla["ttft_ms"], color="red", linestyle="--", label="SLA")
-        axes[2].axhline(sla["tpot_ms"], color="red", linestyle="--", label="SLA")
-    for ax, title, _ in panels:
+    for i, (ax, title, _) in enumerate(panels):
+        limit = None if sla is None or i == 0 else sla["ttft_ms" if i == 1 else "tpot_ms"]
+        if limit is not None:
+            title = f"{title}, SLA {limit:g} ms"
+            ax.axhline(limit, color="red", linestyle="--", label="SLA")
+            if limit > 2 * top[i] > 0:  # a far-away SLA line would flatten the data
+                ax.set_ylim(0, 1.3 * top[i])
         ax.set_xlabel(xlabel)
         ax.set_title(title)
         ax.grid(alpha=0.3)

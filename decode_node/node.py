@@ -164,10 +164,10 @@ class DecodeNode:
         ):
             log.warning("decode node ignores a stale transfer event for %s", event.rendezvous)
             return
-        if not event.is_ready or event.first_token is None:
-            # Incomplete, aborted or expired KV: the pages hold garbage and are never decoded.
-            self.scheduler.kv_failed(request.request_id, event.reason)
-            self._error(request.request_id, "transfer", event.reason or "KV transfer failed")
+        problem = self._transfer_problem(event)
+        if problem:  # the pages hold garbage (or the token is bad): never decoded
+            self.scheduler.kv_failed(request.request_id, problem)
+            self._error(request.request_id, "transfer", problem)
             return
         now = time.monotonic()
         self.stage_times.add("reserve_to_ready", now - request.arrival)
@@ -176,6 +176,15 @@ class DecodeNode:
         )
         if output is not None:  # the first token already ended it
             self._emit([output])
+
+    def _transfer_problem(self, event: TransferEvent) -> str | None:
+        """Why this request must not be decoded (incomplete, aborted or expired KV, a bad
+        first token), or None."""
+        if not event.is_ready or event.first_token is None:
+            return event.reason or "KV transfer failed"
+        if not 0 <= event.first_token < self.model.cfg.vocab_size:
+            return f"kv_done carried token {event.first_token}, outside the vocabulary"
+        return None
 
     def _abort(self, request_id: str, reason: str) -> None:
         request = self.scheduler.get(request_id)

@@ -94,7 +94,9 @@ def resolve_config(args: argparse.Namespace) -> dict:
             raw.setdefault("router", {})["port"] = args.port
     else:
         port = 8000 if args.port is None else args.port
-        raw = shorthand_config(args.prefill or 1, args.decode or 1, port, args.threads)
+        num_prefill = 1 if args.prefill is None else args.prefill
+        num_decode = 1 if args.decode is None else args.decode
+        raw = shorthand_config(num_prefill, num_decode, port, args.threads)
     if args.dtype:
         raw["dtype"] = args.dtype
     if args.model:

@@ -9,11 +9,13 @@ correction bias, 8 groups top-4) and a vocabulary of 32000. Four layers (the def
 
 The tokenizer is the tiny model's byte-level BPE trained on its built-in corpus with a target of
 32000 ids; that corpus yields only ~1.5 k ids, so `vocab_size` in config.json is padded to 32000
-(as real checkpoints pad their embeddings). The head rows of the padding ids are scaled down so
-greedy decoding never picks them: they would decode to no text at all.
+(as real checkpoints pad their embeddings). Head rows of ids that decode to no text or to part
+of a character (padding, special tokens, single UTF-8 bytes) are scaled down, so greedy decoding
+picks whole-character tokens only and every token streams as text.
 
 Memory stays bounded: tensors are drawn one at a time (seeded, in checkpoint order) and each shard
-of at most `max_shard_bytes` is written and freed before the next one is drawn.
+of at most `max_shard_bytes` (512 MiB) is written and freed before the next one is drawn; the
+4-layer model is written with about 1.1 GB of resident memory.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from engine.weights import INDEX_FILE, keeps_fp32
 
 BENCH_VOCAB = 32000
 VERSION_FILE = "duet_bench_model.json"
-DEFAULT_SHARD_BYTES = 1 << 30
+DEFAULT_SHARD_BYTES = 512 << 20
 
 
 def bench_config(num_layers: int, vocab_size: int, bos_id: int, eos_id: int) -> dict[str, Any]:
@@ -92,7 +94,7 @@ def bench_config(num_layers: int, vocab_size: int, bos_id: int, eos_id: int) -> 
 
 
 def _draw(
-    name: str, shape: tuple[int, ...], gen: torch.Generator, num_text_ids: int
+    name: str, shape: tuple[int, ...], gen: torch.Generator, clean_ids: torch.Tensor
 ) -> torch.Tensor:
     """One float32 tensor. Matrices get std 1/sqrt(fan_in), so activations keep unit scale
     through every layer and a bf16 forward pass neither overflows nor collapses."""
@@ -107,10 +109,21 @@ def _draw(
     if name == "lm_head.weight":
         # Rows of log-normal norms give clear greedy winners (as in the tiny model).
         noise.mul_(torch.exp(0.4 * torch.randn(shape[0], 1, generator=gen)))
-        # Padding ids (past the tokenizer's) get logits near 0, far below the best real id's,
-        # so greedy output is text the tokenizer can decode and every streamed chunk is non-empty.
-        noise[num_text_ids:].mul_(1e-3)
+        # Other ids (padding, special, partial UTF-8 bytes) get logits near 0, far below the
+        # best clean id's: greedy output is then whole characters, so every token streams as
+        # a non-empty text chunk at once (a byte token would be held back until its character
+        # is complete, bunching chunks and skewing inter-token latencies).
+        noise[~clean_ids] *= 1e-3  # (a masked index is a copy: mul_ on it would be lost)
     return noise
+
+
+def clean_token_mask(tok, vocab_size: int) -> torch.Tensor:
+    """[vocab_size] bool: ids that decode alone to non-empty text of whole characters."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    for i in range(tok.get_vocab_size(with_added_tokens=True)):
+        text = tok.decode([i], skip_special_tokens=True)
+        mask[i] = bool(text) and "\ufffd" not in text
+    return mask
 
 
 def _plan_shards(
@@ -144,7 +157,8 @@ def make_bench_model(
         layers: decoder layers; layer 0 is dense, the others MoE. Must be >= 1.
         seed: the weights are a function of (seed, layers); the tokenizer is always the same.
         dtype: dtype of the stored tensors (the router gate and bias stay float32).
-        max_shard_bytes: the largest shard; peak host memory is about one shard.
+        max_shard_bytes: the largest shard. Peak host memory is about twice that (safetensors
+            serializes a shard in memory before writing it) plus torch itself.
         progress: a tqdm bar (bytes written) on stderr.
     """
     if layers < 1:
@@ -152,8 +166,8 @@ def make_bench_model(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(BENCH_VOCAB)
-    num_text_ids = tok.get_vocab_size(with_added_tokens=True)
-    vocab = max(BENCH_VOCAB, num_text_ids)
+    vocab = max(BENCH_VOCAB, tok.get_vocab_size(with_added_tokens=True))
+    clean_ids = clean_token_mask(tok, vocab)
     raw = bench_config(layers, vocab, tok.token_to_id(BOS), tok.token_to_id(EOS))
     raw["torch_dtype"] = str(dtype).removeprefix("torch.")
     shapes = checkpoint_shapes(ModelConfig.from_dict(raw))
@@ -169,7 +183,7 @@ def make_bench_model(
             file_name = f"model-{i:05d}-of-{len(plan):05d}.safetensors"
             shard: dict[str, torch.Tensor] = {}
             for name in names:
-                t = _draw(name, shapes[name], gen, num_text_ids)
+                t = _draw(name, shapes[name], gen, clean_ids)
                 shard[name] = t if keeps_fp32(name) else t.to(dtype)
                 bar.update(shard[name].numel() * shard[name].element_size())
             save_file(shard, str(out / file_name), metadata={"format": "pt"})

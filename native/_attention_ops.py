@@ -103,3 +103,76 @@ def _check_extend_shapes(q, k, v, k_prefix, v_prefix, new_lens, prefix_lens) -> 
         )
     if new_lens.dim() != 1 or new_lens.shape != prefix_lens.shape:
         raise ValueError("extend_attention: new_lens and prefix_lens must be [B] of the same length")
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    kv_lora_rank: int,
+    new_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Absorbed MLA decode over the paged latent cache of one layer (flash decoding).
+
+    q: [B, H, W]; kv_cache: [num_pages, page_size, W] (mutated when new_rows is given);
+    page_table: [B, max_pages] int; seq_lens: [B] int (context length including the new token);
+    new_rows: [B, W] or None, row b stored at position seq_lens[b] - 1 first.
+    Returns [B, H, kv_lora_rank] in q.dtype. See `native.reference.mla_decode`.
+    """
+    c = _kernels()
+    inputs = (q, kv_cache, page_table, seq_lens) + (() if new_rows is None else (new_rows,))
+    if (
+        c is None
+        or not _covered(q, kv_cache)
+        or any(t.device.type != "cpu" for t in inputs)
+        or not kv_cache.is_contiguous()  # written in place: a copy would lose the new rows
+    ):
+        return reference.mla_decode(q, kv_cache, page_table, seq_lens, sm_scale, kv_lora_rank, new_rows)
+    _check_decode_shapes(q, kv_cache, page_table, seq_lens, kv_lora_rank, new_rows)
+    batch, num_heads, width = q.shape
+    num_pages, page_size, _ = kv_cache.shape
+    q = _rows_contiguous(q)
+    table = page_table.to(torch.int32)
+    table = table if table.stride(-1) == 1 else table.contiguous()
+    rows = None if new_rows is None else new_rows.to(kv_cache.dtype).contiguous()
+    out = torch.empty(batch, num_heads, kv_lora_rank, dtype=q.dtype)
+    c.mla_decode(
+        out.data_ptr(),
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        kv_cache.data_ptr(),
+        num_pages,
+        page_size,
+        width,
+        table.data_ptr(),
+        table.stride(0),
+        table.shape[1],
+        seq_lens.tolist(),
+        0 if rows is None else rows.data_ptr(),
+        num_heads,
+        int(kv_lora_rank),
+        _DTYPE_TAGS[q.dtype],
+        float(sm_scale),
+    )
+    return out
+
+
+def _check_decode_shapes(q, kv_cache, page_table, seq_lens, kv_lora_rank, new_rows) -> None:
+    if q.dim() != 3 or kv_cache.dim() != 3 or q.shape[2] != kv_cache.shape[2]:
+        raise ValueError(
+            f"mla_decode: q {tuple(q.shape)} must be [B, H, W] and kv_cache "
+            f"{tuple(kv_cache.shape)} [num_pages, page_size, W]"
+        )
+    batch, _, width = q.shape
+    if page_table.dim() != 2 or page_table.shape[0] != batch or seq_lens.shape != (batch,):
+        raise ValueError(
+            f"mla_decode: page_table {tuple(page_table.shape)} must be [B, max_pages] and "
+            f"seq_lens {tuple(seq_lens.shape)} [B] with B = {batch}"
+        )
+    if not 1 <= kv_lora_rank <= width:
+        raise ValueError(f"mla_decode: kv_lora_rank {kv_lora_rank} must be in [1, {width}]")
+    if new_rows is not None and new_rows.shape != (batch, width):
+        raise ValueError(f"mla_decode: new_rows {tuple(new_rows.shape)} must be [{batch}, {width}]")

@@ -8,6 +8,7 @@ SIGINT/SIGTERM.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 from pathlib import Path
@@ -65,10 +66,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     import uvicorn
 
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # End every request with an error event first, so open streams close and the
+            # graceful shutdown does not wait on them. Scheduled on the loop, not run inside
+            # the signal handler, so it never interleaves with a half-done router step.
+            if self.started and not self.should_exit:
+                asyncio.get_event_loop().call_soon_threadsafe(app.state.router.fail_all)
+            super().handle_exit(sig, frame)
+
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2
+        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
     )
-    uvicorn.Server(config).run()
+    Server(config).run()
     return 0
 
 

@@ -108,11 +108,17 @@ class Router:
             asyncio.create_task(self._watchdog_loop(), name="router-watchdog"),
         ]
 
-    async def stop(self) -> None:
-        """Fails every unfinished request (aborting it on its nodes) and closes the sockets."""
+    def fail_all(self, message: str = "the router is shutting down") -> None:
+        """Refuses new requests and fails every unfinished one (each stream gets its error
+        event, each node an Abort). Called when a stop signal arrives, before connections
+        are drained."""
         self._closing = True
         for req in list(self.requests.values()):
-            self._fail(req, "router", "the router is shutting down")
+            self._fail(req, "router", message)
+
+    async def stop(self) -> None:
+        """Fails every unfinished request (aborting it on its nodes) and closes the sockets."""
+        self.fail_all()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -150,7 +156,11 @@ class Router:
         req = RouterRequest(request_id, secrets.randbits(63), prompt_ids, sampling, stop_ids)
         self.requests[request_id] = req
         req.advance(RequestState.RESERVING)
-        await self._reserve_somewhere(req)
+        try:
+            await self._reserve_somewhere(req)
+        except asyncio.CancelledError:  # the HTTP task went away mid-reservation
+            self.abort(req, "cancelled during reservation")
+            raise
         self._dispatch_prefill(req)
         return req
 
@@ -160,7 +170,7 @@ class Router:
         while True:
             try:
                 event = await asyncio.wait_for(req.events.get(), backstop)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin before Python 3.11
                 # Never expected (the watchdog fails requests earlier); keeps the wait bounded.
                 self._fail(req, _STAGE_OF_STATE.get(req.state, "decode"), "no progress")
                 event = req.error or ErrorEvent("decode", "no progress")
@@ -213,9 +223,7 @@ class Router:
         """Reserve on one decode node: the reply, None for a refusal to send; a silent node
         fails the request (stage reserve) rather than trying another, so a late reply can never
         be mistaken for the next node's."""
-        req.decode_node = node.name
-        req.reserved_pages = node.pages_for(num_tokens)
-        self._hold_decode(req, node)
+        self.nodes.hold_decode(req, node, node.pages_for(num_tokens))
         msg = Reserve(
             req.request_id, req.room, req.prompt_len, sampling_to_dict(req.sampling),
             timeout_s=self.t.transfer_s,
@@ -224,10 +232,10 @@ class Router:
         self._reserve_waiters[req.request_id] = waiter
         try:
             if not self.transport.send(node.name, msg):
-                self._release_decode(req)
+                self.nodes.release_decode(req)
                 return None
             reply = await asyncio.wait_for(waiter, self.t.reserve_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not the builtin before Python 3.11
             self.metrics.failures.labels("reserve").inc()
             self._abort_on_nodes(req, "reserve timed out")
             message = (
@@ -238,7 +246,7 @@ class Router:
         finally:
             self._reserve_waiters.pop(req.request_id, None)
         if reply is None or not reply.ok:
-            self._release_decode(req)
+            self.nodes.release_decode(req)
         return reply
 
     def _dispatch_prefill(self, req: RouterRequest) -> None:
@@ -247,11 +255,7 @@ class Router:
             self._abort_on_nodes(req, "no prefill node")
             self.metrics.rejections.labels("no_node").inc()
             self._reject(req, "no prefill node is ready", "no_node_ready")
-        req.prefill_node = node.name
-        req.holds_prefill = True
-        node.queued_tokens += req.prompt_len
-        node.num_active += 1
-        node.num_served += 1
+        self.nodes.hold_prefill(req, node)
         msg = Prefill(
             req.request_id, req.room, req.prompt_ids, sampling_to_dict(req.sampling),
             kv_endpoint=req.kv_endpoint, timeout_s=self.t.prefill_queue_s,
@@ -344,7 +348,7 @@ class Router:
             return
         now = time.monotonic()
         req.timings.first_token = req.timings.last_token = now
-        self._release_prefill(req)
+        self.nodes.release_prefill(req)
         for stage, ms in msg.stage_ms.items():
             self.metrics.stage.labels(stage).observe(ms / 1000)
         tokens, finish = [msg.token, *req.pending_tokens], req.pending_finish
@@ -368,24 +372,11 @@ class Router:
 
     # ---- output ----------------------------------------------------------------------------
     def _emit(self, req: RouterRequest, tokens: list[int], finish: str | None, now: float) -> None:
-        """Queues tokens for the client. The router also checks stop tokens, max_new_tokens and
-        the context end itself, so a request ends on time even if a node's finish is late."""
-        out: list[int] = []
-        local_finish = None
-        for token in tokens:
-            out.append(token)
-            total = req.num_output_tokens + len(out)
-            if token in req.stop_ids:
-                local_finish = "stop"
-            elif (
-                total >= req.sampling.max_new_tokens or req.prompt_len + total >= self.max_positions
-            ):
-                local_finish = "length"
-            if local_finish:
-                break
+        """Queues tokens for the client; ends the request at a finish (the node's or its own)."""
+        out, local_finish = req.accept_tokens(tokens, self.max_positions)
         if out:
-            gap = (now - req.timings.last_token) / len(out)
             if req.num_output_tokens > 0:
+                gap = (now - req.timings.last_token) / len(out)
                 for _ in out:
                     self.metrics.itl.observe(gap)
             req.timings.last_token = now
@@ -434,29 +425,10 @@ class Router:
             if name is not None:
                 self.transport.send(name, Abort(req.request_id, reason))
 
-    # ---- bookkeeping -----------------------------------------------------------------------
-    def _hold_decode(self, req: RouterRequest, node: NodeState) -> None:
-        req.holds_decode = True
-        node.reserved_pages += req.reserved_pages
-        node.num_active += 1
-
-    def _release_decode(self, req: RouterRequest) -> None:
-        node = self.nodes.nodes.get(req.decode_node or "")
-        if req.holds_decode and node is not None:
-            node.reserved_pages -= req.reserved_pages
-            node.num_active -= 1
-        req.holds_decode = False
-
-    def _release_prefill(self, req: RouterRequest) -> None:
-        node = self.nodes.nodes.get(req.prefill_node or "")
-        if req.holds_prefill and node is not None:
-            node.queued_tokens -= req.prompt_len
-            node.num_active -= 1
-        req.holds_prefill = False
-
+    # ---- bookkeeping ---------------------------------------------------------------------
     def _forget(self, req: RouterRequest) -> None:
-        self._release_prefill(req)
-        self._release_decode(req)
+        self.nodes.release_prefill(req)
+        self.nodes.release_decode(req)
         self.requests.pop(req.request_id, None)
 
     def _close(self, req: RouterRequest, outcome: str) -> None:
@@ -488,16 +460,9 @@ class Router:
             self._fail_node_requests(node, f"stopped answering (no heartbeat for {silent:.1f} s)")
         prefill_limit = self.t.prefill_queue_s + self.t.transfer_s
         for req in list(self.requests.values()):
-            t = req.timings
-            if req.state == RequestState.PREFILLING and now - t.dispatched > prefill_limit:
-                self._fail(
-                    req, "prefill_queue",
-                    f"no first token within {prefill_limit:g} s (stage prefill_queue)",
-                )  # fmt: skip
-            elif req.state == RequestState.DECODING and now - t.first_token > self.t.decode_s:
-                self._fail(
-                    req, "decode", f"decoding took longer than {self.t.decode_s:g} s (stage decode)"
-                )
+            error = req.overdue(now, prefill_limit, self.t.decode_s)
+            if error is not None:
+                self._fail(req, error.stage, error.message)
 
 
 def _fingerprint_mismatch(mine: dict[str, Any] | None, theirs: Any) -> str | None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.cluster_config import ClusterConfig
 from engine.protocol import Heartbeat
+from router.state import RouterRequest
 
 
 class NodeStatus:
@@ -112,6 +113,33 @@ class NodeRegistry:
         """Ready nodes silent for longer than `timeout_s`."""
         now = time.monotonic() if now is None else now
         return [n for n in self.nodes.values() if n.is_ready and now - n.last_seen > timeout_s]
+
+    # ---- the router's load accounting (each hold is released exactly once) -----------------
+    def hold_decode(self, req: RouterRequest, node: NodeState, pages: int) -> None:
+        req.decode_node, req.reserved_pages, req.holds_decode = node.name, pages, True
+        node.reserved_pages += pages
+        node.num_active += 1
+
+    def hold_prefill(self, req: RouterRequest, node: NodeState) -> None:
+        req.prefill_node, req.holds_prefill = node.name, True
+        node.queued_tokens += req.prompt_len
+        node.num_active += 1
+        node.num_served += 1
+
+    def release_decode(self, req: RouterRequest) -> None:
+        node = self.nodes.get(req.decode_node or "")
+        if req.holds_decode and node is not None:
+            node.reserved_pages -= req.reserved_pages
+            node.num_active -= 1
+        req.holds_decode = False
+
+    def release_prefill(self, req: RouterRequest) -> None:
+        """At P's first token (P is done with it) or when the request ends."""
+        node = self.nodes.get(req.prefill_node or "")
+        if req.holds_prefill and node is not None:
+            node.queued_tokens -= req.prompt_len
+            node.num_active -= 1
+        req.holds_prefill = False
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """For /health: each node's role, status, error and load."""

@@ -102,6 +102,35 @@ class RouterRequest:
     def is_done(self) -> bool:
         return self.state.is_terminal
 
+    def accept_tokens(self, tokens: list[int], max_positions: int) -> tuple[list[int], str | None]:
+        """The router's own stop check over newly arrived tokens: the prefix up to and including
+        the first stop token ("stop") or the token reaching max_new_tokens or the context end
+        ("length"), so a request ends on time even if a node's finish comes late or never."""
+        for i, token in enumerate(tokens):
+            total = self.num_output_tokens + i + 1
+            if token in self.stop_ids:
+                return tokens[: i + 1], "stop"
+            if total >= self.sampling.max_new_tokens or self.prompt_len + total >= max_positions:
+                return tokens[: i + 1], "length"
+        return list(tokens), None
+
+    def overdue(
+        self, now: float, prefill_limit_s: float, decode_limit_s: float
+    ) -> ErrorEvent | None:
+        """The error for a request past its stage deadline: no first token `prefill_limit_s`
+        after dispatch, or still decoding `decode_limit_s` after the first token."""
+        t = self.timings
+        if self.state == RequestState.PREFILLING and now - t.dispatched > prefill_limit_s:
+            return ErrorEvent(
+                "prefill_queue",
+                f"no first token within {prefill_limit_s:g} s (stage prefill_queue)",
+            )
+        if self.state == RequestState.DECODING and now - t.first_token > decode_limit_s:
+            return ErrorEvent(
+                "decode", f"decoding took longer than {decode_limit_s:g} s (stage decode)"
+            )
+        return None
+
     def advance(self, new: RequestState) -> bool:
         """Moves to `new` if it is later than the current state; False (and no change) if not.
 

@@ -9,6 +9,10 @@
 // With row_scale null, C = A*B; otherwise C = C*row_scale[r] + A*B (the online-softmax rescale
 // of the output accumulator, fused into the load of the tile). M must be a multiple of R; the
 // tile is R x C vectors with R*C = 24 accumulators, so R in {4, 6, 8, 12, 24}.
+//
+// An optional LinePrefetch hands the tiles a list of cache lines to prefetch, one per k step:
+// a kernel streaming scattered rows (mla_decode) pulls the next rows in while it computes,
+// paced by the arithmetic instead of in one burst that would stall the core.
 #pragma once
 
 #include <immintrin.h>
@@ -21,11 +25,20 @@
 namespace duet {
 namespace attn {
 
+struct LinePrefetch {
+  const char* const* next = nullptr;
+  const char* const* end = nullptr;
+};
+
+inline __attribute__((always_inline)) void prefetch_one(LinePrefetch* pf) {
+  if (pf != nullptr && pf->next != pf->end) __builtin_prefetch(*pf->next++, 0, 2);
+}
+
 // One R x C tile of fp32 FMAs.
 template <int R, int C>
 DUET_TARGET_AVX512 inline __attribute__((always_inline)) void tile_f32(
     const float* a, int64_t a_rs, int64_t a_ks, const float* b, int64_t b_ks, int64_t k_count,
-    float* c, int64_t ldc, const float* row_scale) {
+    float* c, int64_t ldc, const float* row_scale, LinePrefetch* pf) {
   __m512 acc[R][C];
 #pragma GCC unroll 24
   for (int r = 0; r < R; ++r) {
@@ -37,6 +50,7 @@ DUET_TARGET_AVX512 inline __attribute__((always_inline)) void tile_f32(
     }
   }
   for (int64_t k = 0; k < k_count; ++k) {
+    prefetch_one(pf);
     __m512 bv[C];
 #pragma GCC unroll 8
     for (int j = 0; j < C; ++j) bv[j] = _mm512_loadu_ps(b + k * b_ks + 16 * j);
@@ -58,7 +72,7 @@ DUET_TARGET_AVX512 inline __attribute__((always_inline)) void tile_f32(
 template <int R, int C>
 DUET_TARGET_AVX512_BF16 inline __attribute__((always_inline)) void tile_bf16(
     const uint32_t* a, int64_t a_rs, int64_t a_ks, const uint32_t* b, int64_t b_ks,
-    int64_t k_count, float* c, int64_t ldc, const float* row_scale) {
+    int64_t k_count, float* c, int64_t ldc, const float* row_scale, LinePrefetch* pf) {
   __m512 acc[R][C];
 #pragma GCC unroll 24
   for (int r = 0; r < R; ++r) {
@@ -70,6 +84,7 @@ DUET_TARGET_AVX512_BF16 inline __attribute__((always_inline)) void tile_bf16(
     }
   }
   for (int64_t k = 0; k < k_count; ++k) {
+    prefetch_one(pf);
     __m512bh bv[C];
 #pragma GCC unroll 8
     for (int j = 0; j < C; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + k * b_ks + 16 * j);
@@ -91,34 +106,40 @@ DUET_TARGET_AVX512_BF16 inline __attribute__((always_inline)) void tile_bf16(
 template <int R, int C>
 DUET_TARGET_AVX512 void tile_any(int64_t cols, const float* a, int64_t a_rs, int64_t a_ks,
                                  const float* b, int64_t b_ks, int64_t k_count, float* c,
-                                 int64_t ldc, const float* row_scale) {
+                                 int64_t ldc, const float* row_scale, LinePrefetch* pf = nullptr) {
   if constexpr (C > 1) {
-    if (cols < C) return tile_any<R, C - 1>(cols, a, a_rs, a_ks, b, b_ks, k_count, c, ldc, row_scale);
+    if (cols < C) {
+      return tile_any<R, C - 1>(cols, a, a_rs, a_ks, b, b_ks, k_count, c, ldc, row_scale, pf);
+    }
   }
-  tile_f32<R, C>(a, a_rs, a_ks, b, b_ks, k_count, c, ldc, row_scale);
+  tile_f32<R, C>(a, a_rs, a_ks, b, b_ks, k_count, c, ldc, row_scale, pf);
 }
 
 template <int R, int C>
 DUET_TARGET_AVX512_BF16 void tile_any(int64_t cols, const uint32_t* a, int64_t a_rs, int64_t a_ks,
                                       const uint32_t* b, int64_t b_ks, int64_t k_count, float* c,
-                                      int64_t ldc, const float* row_scale) {
+                                      int64_t ldc, const float* row_scale,
+                                      LinePrefetch* pf = nullptr) {
   if constexpr (C > 1) {
-    if (cols < C) return tile_any<R, C - 1>(cols, a, a_rs, a_ks, b, b_ks, k_count, c, ldc, row_scale);
+    if (cols < C) {
+      return tile_any<R, C - 1>(cols, a, a_rs, a_ks, b, b_ks, k_count, c, ldc, row_scale, pf);
+    }
   }
-  tile_bf16<R, C>(a, a_rs, a_ks, b, b_ks, k_count, c, ldc, row_scale);
+  tile_bf16<R, C>(a, a_rs, a_ks, b, b_ks, k_count, c, ldc, row_scale, pf);
 }
 
 // C[m, 16*n_vec] (+)= A * B; A and B are float (FMA) or uint32_t VNNI pairs (vdpbf16ps).
 // Column panels of 24/R vectors outside (the B panel stays in L1), R-row tiles inside.
 template <int R, typename T>
 void gemm(int64_t m, int64_t n_vec, int64_t k_count, const T* a, int64_t a_rs, int64_t a_ks,
-          const T* b, int64_t b_ks, float* c, int64_t ldc, const float* row_scale) {
+          const T* b, int64_t b_ks, float* c, int64_t ldc, const float* row_scale,
+          LinePrefetch* pf = nullptr) {
   constexpr int kC = 24 / R;
   for (int64_t j0 = 0; j0 < n_vec; j0 += kC) {
     const int64_t cols = std::min<int64_t>(kC, n_vec - j0);
     for (int64_t r0 = 0; r0 < m; r0 += R) {
       tile_any<R, kC>(cols, a + r0 * a_rs, a_rs, a_ks, b + 16 * j0, b_ks, k_count,
-                      c + r0 * ldc + 16 * j0, ldc, row_scale ? row_scale + r0 : nullptr);
+                      c + r0 * ldc + 16 * j0, ldc, row_scale ? row_scale + r0 : nullptr, pf);
     }
   }
 }

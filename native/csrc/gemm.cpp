@@ -1,10 +1,10 @@
 // bf16 linear with prepacked weights: y [M, N] = x [M, K] @ W[N, K]^T, fp32 accumulation.
 // Holds the register-tile kernels of gemm_kernels.h (also used by moe.cpp) and the two drivers:
-// - M <= 6 (decode GEMV): one tile row covers all of M, so every weight is read once; threads
-//   split the packed blocks (= output columns) into contiguous ranges and stream them.
-// - M > 6 (prefill GEMM): tasks = (M chunk, 64-column panel) split over threads; inside a task,
-//   K is cut in chunks so the panel's K slice stays in L2 while every 6-row tile of the chunk
-//   runs over it, accumulating in an fp32 tile buffer.
+// - M <= 6 (decode GEMV): one tile row covers all of M, so every weight is read once; tasks are
+//   panels of 1-4 packed blocks (= output columns), each a contiguous stream of weights.
+// - M > 6 (prefill GEMM): tasks = (M chunk, 64-column panel); inside a task, K is cut in chunks
+//   so the panel's K slice stays in L2 while every 6-row tile of the chunk runs over it,
+//   accumulating in an fp32 buffer.
 #include <immintrin.h>
 #include <pybind11/pybind11.h>
 
@@ -332,12 +332,13 @@ void gemv_panel(Isa isa, const LinearArgs& p, int64_t block, int num_blocks) {
   for (int r = 0; r < rows; ++r) store_row_bf16(isa, tile + r * ldt, p.y + r * p.ldy + col0, cols);
 }
 
-// M <= 6: every weight is read once; tasks are panels of 1-4 blocks, narrower when N is small so
-// that each thread still gets ~16 tasks to balance.
+// M <= 6: every weight is read once; tasks are panels of the widest tile. Reading 4 blocks at once
+// keeps 4 weight streams in flight per thread, which measured faster than narrower panels even
+// when that leaves the threads unevenly loaded (the one that finishes first frees bandwidth).
 void linear_small_m(Isa isa, const LinearArgs& p) {
   const int64_t num_blocks = pack_num_blocks(p.n);
   int panel = tile_max_blocks(static_cast<int>(p.m));
-  while (panel > 1 && num_blocks < 16 * num_threads() * panel) --panel;
+  while (panel > 1 && num_blocks < 2 * num_threads() * panel) --panel;
   const int64_t num_panels = (num_blocks + panel - 1) / panel;
   const bool parallel = num_blocks * p.k_pairs * 4 * kPackBlockN >= kGemvMinParallelBytes;
   parallel_tasks(num_panels, parallel, [&](int64_t i) {

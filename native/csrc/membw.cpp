@@ -68,9 +68,9 @@ double stream_read_bandwidth(int64_t bytes, int repeats) {
       const uint64_t* p = buf + omp_get_thread_num() * slice_words;
       total ^= simd ? read_avx512(p, slice_words) : read_portable(p, slice_words);
     }
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const std::chrono::duration<double> secs = std::chrono::steady_clock::now() - start;
     sink = sink ^ total;
-    best = std::max(best, static_cast<double>(words) * 8.0 / secs / 1e9);
+    best = std::max(best, static_cast<double>(words) * 8.0 / secs.count() / 1e9);
   }
   std::free(buf);
   return best;

@@ -20,6 +20,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attention_common.h"
@@ -36,8 +37,12 @@ using namespace attn;  // NOLINT(build/namespaces)
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Tokens per chunk: a multiple of every QK^T row tile (24, 12, 8, 6) and even (value pairs).
-constexpr int64_t kChunk = 120;
+// Tokens per chunk: a multiple of 16, so chunks (and splits) start on 16-token boundaries and,
+// when 16 divides the page size, every 16-row group of a chunk is contiguous in one page.
+constexpr int64_t kChunk = 128;
+// Rows of the chunk buffers: the QK^T GEMM on copied rows runs on whole tiles of up to 24 rows.
+constexpr int64_t kMaxRowTile = 24;
+constexpr int64_t kChunkRows = (kChunk + kMaxRowTile - 1) / kMaxRowTile * kMaxRowTile;
 
 struct Problem {
   int64_t batch, num_heads, width, rank, page_size, num_pages;
@@ -54,7 +59,8 @@ struct Problem {
 
 struct Dims {
   int64_t width, rank, heads;
-  int64_t heads_pad;  // heads rounded up to 16 (one zmm of heads)
+  int64_t heads_pad;    // heads rounded up to 16 (one zmm of heads)
+  bool keys_in_place;   // bf16 path: QK^T reads the cache rows directly (see Bf16Path)
 };
 
 // ---- portable path ----------------------------------------------------------------------------
@@ -84,7 +90,8 @@ struct PortablePath {
     std::fill(w.o, w.o + d.heads * d.rank, 0.0f);
   }
 
-  static void chunk(Work& w, const Dims& d, const T* const* rows, int64_t n_len, float scale) {
+  static void chunk(Work& w, const Dims& d, const T* const* rows, int64_t n_len, float scale,
+                    LinePrefetch*) {
     for (int64_t h = 0; h < d.heads; ++h) {
       float* s = w.s + h * kChunk;
       float row_max = kNegInf;
@@ -168,23 +175,24 @@ DUET_TARGET_AVX512 void finish_rows(const float* o, int64_t ld, const float* m, 
   }
 }
 
-// Rows of the chunk buffers that must hold data or zeros: the QK^T GEMM runs on whole row tiles.
-constexpr int64_t kMaxRowTile = 24;
-
 // S [rows][heads_pad] = chunk rows . q, for the first n_len rows (rounded up to the row tile,
 // chosen so that 24 accumulators cover the head vectors).
 template <typename Packed>
 void scores_gemm(int64_t n_len, int64_t head_vecs, int64_t k_count, const Packed* rows,
-                 int64_t row_stride, const Packed* q, int64_t q_stride, float* s) {
-  if (head_vecs == 1) {
-    gemm<24>(round_up(n_len, 24), 1, k_count, rows, row_stride, 1, q, q_stride, s, q_stride, nullptr);
-  } else if (head_vecs == 2) {
-    gemm<12>(round_up(n_len, 12), 2, k_count, rows, row_stride, 1, q, q_stride, s, q_stride, nullptr);
-  } else if (head_vecs == 3) {
-    gemm<8>(round_up(n_len, 8), 3, k_count, rows, row_stride, 1, q, q_stride, s, q_stride, nullptr);
-  } else {
-    gemm<6>(round_up(n_len, 6), head_vecs, k_count, rows, row_stride, 1, q, q_stride, s, q_stride,
-            nullptr);
+                 int64_t row_stride, const Packed* q, int64_t q_stride, float* s, LinePrefetch* pf) {
+  switch (head_vecs) {
+    case 1:
+      return gemm<24>(round_up(n_len, 24), 1, k_count, rows, row_stride, 1, q, q_stride, s, q_stride,
+                      nullptr, pf);
+    case 2:
+      return gemm<12>(round_up(n_len, 12), 2, k_count, rows, row_stride, 1, q, q_stride, s, q_stride,
+                      nullptr, pf);
+    case 3:
+      return gemm<8>(round_up(n_len, 8), 3, k_count, rows, row_stride, 1, q, q_stride, s, q_stride,
+                     nullptr, pf);
+    default:
+      return gemm<6>(round_up(n_len, 6), head_vecs, k_count, rows, row_stride, 1, q, q_stride, s,
+                     q_stride, nullptr, pf);
   }
 }
 
@@ -193,8 +201,8 @@ constexpr int kHeadRows = 8;
 
 // ---- fp32 AVX-512 path ----------------------------------------------------------------------------
 
-// NOTE: layouts (fp32). q [width][heads_pad] (transposed: heads in lanes); k [kChunk][width_pad]
-// the chunk's rows (converted), also the values (first rank columns); s and p [kChunk][heads_pad].
+// NOTE: layouts (fp32). q [width][heads_pad] (transposed: heads in lanes); k [rows][width_pad]
+// the chunk's rows (converted), also the values (first rank columns); s and p [rows][heads_pad].
 template <typename T>
 struct F32Path {
   struct Work {
@@ -206,9 +214,9 @@ struct F32Path {
     Work w;
     w.width_pad = round_up(d.width, 16);
     w.q = a.take<float>(d.width * d.heads_pad);
-    w.k = a.take<float>(kChunk * w.width_pad);
-    w.s = a.take<float>(kChunk * d.heads_pad);
-    w.p = a.take<float>(kChunk * d.heads_pad);
+    w.k = a.take<float>(kChunkRows * w.width_pad);
+    w.s = a.take<float>(kChunkRows * d.heads_pad);
+    w.p = a.take<float>(kChunkRows * d.heads_pad);
     w.o = a.take<float>(d.heads_pad * w.width_pad);
     w.m = a.take<float>(d.heads_pad);
     w.l = a.take<float>(d.heads_pad);
@@ -248,13 +256,14 @@ struct F32Path {
     }
   }
 
-  static void chunk(Work& w, const Dims& d, const T* const* rows, int64_t n_len, float scale) {
+  static void chunk(Work& w, const Dims& d, const T* const* rows, int64_t n_len, float scale,
+                    LinePrefetch* pf) {
     gather(w, d, rows, n_len);
-    scores_gemm(n_len, d.heads_pad / 16, d.width, w.k, w.width_pad, w.q, d.heads_pad, w.s);
+    scores_gemm(n_len, d.heads_pad / 16, d.width, w.k, w.width_pad, w.q, d.heads_pad, w.s, pf);
     softmax(w, d, n_len, scale);
     // O[h] = O[h] * alpha[h] + sum_j p[j][h] rows[j][:rank]: A = p transposed (a_rs = 1).
-    gemm<kHeadRows>(d.heads_pad, ceil_div(d.rank, 16), n_len, w.p, 1, d.heads_pad,
-                    w.k, w.width_pad, w.o, w.width_pad, w.alpha);
+    gemm<kHeadRows>(d.heads_pad, ceil_div(d.rank, 16), n_len, w.p, 1, d.heads_pad, w.k, w.width_pad,
+                    w.o, w.width_pad, w.alpha, pf);
   }
 
   template <typename U>
@@ -267,7 +276,8 @@ struct F32Path {
 
 // NOTE: layouts (one 32-bit word = one VNNI pair of bf16; wp = ceil(width / 2) pairs).
 //   q [wp][heads_pad]            pair i of head h = (q[h][2i], q[h][2i+1])   (heads in lanes)
-//   k [kChunk][row_words]        the chunk's rows, contiguous, as pairs (A of QK^T)
+//   k [rows][row_words]          the chunk's rows copied, as pairs (A of QK^T), unless the rows
+//                                are read in place (Dims::keys_in_place)
 //   v [kChunk / 2][rank_pad]     pair i of column c = (row[2i][c], row[2i+1][c])
 //   p [kChunk / 2][heads_pad]    pair i of head h = (p[2i][h], p[2i+1][h])
 struct Bf16Path {
@@ -282,10 +292,10 @@ struct Bf16Path {
     w.row_words = round_up(d.width, 32) / 2;
     w.rank_pad = round_up(d.rank, 16);
     w.q = a.take<uint32_t>(round_up(ceil_div(d.width, 2), 16) * d.heads_pad);
-    w.k = a.take<uint32_t>(kChunk * w.row_words);
+    w.k = a.take<uint32_t>(kChunkRows * w.row_words);
     w.v = a.take<uint32_t>(kChunk / 2 * round_up(d.rank, 32));
     w.p = a.take<uint32_t>(kChunk / 2 * d.heads_pad);
-    w.s = a.take<float>(kChunk * d.heads_pad);
+    w.s = a.take<float>(kChunkRows * d.heads_pad);
     w.o = a.take<float>(d.heads_pad * w.rank_pad);
     w.m = a.take<float>(d.heads_pad);
     w.l = a.take<float>(d.heads_pad);
@@ -313,27 +323,56 @@ struct Bf16Path {
     std::fill(w.o, w.o + d.heads_pad * w.rank_pad, 0.0f);
   }
 
-  // Loads each row pair once: stores it as keys (contiguous rows) and as value pairs.
+  // Loads each row pair once: stores it as value pairs and, unless the keys are read in place,
+  // as keys (contiguous rows, zero rows up to the row tile).
   DUET_TARGET_AVX512 static void gather(Work& w, const Dims& d, const bf16_t* const* rows,
                                         int64_t n_len) {
-    const int64_t row_elems = 2 * w.row_words;
-    for (int64_t j = 0; j < round_up(n_len, kMaxRowTile); j += 2) {
+    const int64_t row_elems = d.keys_in_place ? w.rank_pad : 2 * w.row_words;
+    const int64_t num_rows = d.keys_in_place ? n_len : round_up(n_len, kMaxRowTile);
+    const int64_t width = d.width, rank = d.rank, rank_pad = w.rank_pad, row_words = w.row_words;
+    const bool copy_keys = !d.keys_in_place;
+    for (int64_t j = 0; j < num_rows; j += 2) {
       const bool has0 = j < n_len, has1 = j + 1 < n_len;
-      bf16_t* k0 = reinterpret_cast<bf16_t*>(w.k + j * w.row_words);
-      bf16_t* k1 = k0 + row_elems;
-      uint32_t* v = w.v + (j / 2) * w.rank_pad;
+      bf16_t* k0 = reinterpret_cast<bf16_t*>(w.k + j * row_words);
+      bf16_t* k1 = k0 + 2 * row_words;
+      uint32_t* v = w.v + (j / 2) * rank_pad;
       for (int64_t i = 0; i < row_elems; i += 32) {
-        const __mmask32 mk = mask32(d.width - i);
+        const __mmask32 mk = mask32(width - i);
         const __m512i a = has0 ? _mm512_maskz_loadu_epi16(mk, rows[j] + i) : _mm512_setzero_si512();
         const __m512i b = has1 ? _mm512_maskz_loadu_epi16(mk, rows[j + 1] + i) : _mm512_setzero_si512();
-        _mm512_storeu_si512(k0 + i, a);
-        _mm512_storeu_si512(k1 + i, b);
-        if (i < w.rank_pad) {
-          const __mmask32 mv = mask32(d.rank - i);
+        if (copy_keys) {
+          _mm512_storeu_si512(k0 + i, a);
+          _mm512_storeu_si512(k1 + i, b);
+        }
+        if (i < rank_pad) {
+          const __mmask32 mv = mask32(rank - i);
           __m512i lo, hi;
           interleave_pairs(_mm512_maskz_mov_epi16(mv, a), _mm512_maskz_mov_epi16(mv, b), &lo, &hi);
           _mm512_storeu_si512(v + i, lo);
-          if (i + 16 < w.rank_pad) _mm512_storeu_si512(v + i + 16, hi);
+          if (i + 16 < rank_pad) _mm512_storeu_si512(v + i + 16, hi);
+        }
+      }
+    }
+  }
+
+  // QK^T on the cache rows in place: every 16-row group of the chunk is contiguous in one page
+  // (kChunk), so a row tile is one pointer plus a fixed row stride. Rows of the last tile past
+  // n_len are other rows of the same page: finite or not, their scores are never read.
+  static void scores_in_place(Work& w, const Dims& d, const bf16_t* const* rows, int64_t n_len,
+                              LinePrefetch* pf) {
+    const int64_t head_vecs = d.heads_pad / 16, k_count = d.width / 2, row_words = d.width / 2;
+    for (int64_t r0 = 0; r0 < n_len; r0 += 16) {
+      const uint32_t* a = reinterpret_cast<const uint32_t*>(rows[r0]);
+      float* s = w.s + r0 * d.heads_pad;
+      if (head_vecs == 1) {
+        tile_any<16, 1>(1, a, row_words, 1, w.q, d.heads_pad, k_count, s, d.heads_pad, nullptr, pf);
+        continue;
+      }
+      for (int64_t j0 = 0; j0 < head_vecs; j0 += 3) {  // 2 x (8 rows x 3 head vectors)
+        for (int64_t h = 0; h < 16; h += 8) {
+          tile_any<8, 3>(std::min<int64_t>(3, head_vecs - j0), a + h * row_words, row_words, 1,
+                         w.q + 16 * j0, d.heads_pad, k_count, s + h * d.heads_pad + 16 * j0,
+                         d.heads_pad, nullptr, pf);
         }
       }
     }
@@ -356,13 +395,18 @@ struct Bf16Path {
     softmax_heads<4>(w.s, d.heads_pad, n_len, scale, w.m, w.l, w.alpha, StorePair{w.p, d.heads_pad});
   }
 
-  static void chunk(Work& w, const Dims& d, const bf16_t* const* rows, int64_t n_len, float scale) {
+  static void chunk(Work& w, const Dims& d, const bf16_t* const* rows, int64_t n_len, float scale,
+                    LinePrefetch* pf) {
     gather(w, d, rows, n_len);
-    scores_gemm(n_len, d.heads_pad / 16, ceil_div(d.width, 2), w.k, w.row_words, w.q, d.heads_pad,
-                w.s);
+    if (d.keys_in_place) {
+      scores_in_place(w, d, rows, n_len, pf);
+    } else {
+      scores_gemm(n_len, d.heads_pad / 16, ceil_div(d.width, 2), w.k, w.row_words, w.q,
+                  d.heads_pad, w.s, pf);
+    }
     softmax(w, d, n_len, scale);
     gemm<kHeadRows>(d.heads_pad, w.rank_pad / 16, ceil_div(n_len, 2), w.p, 1, d.heads_pad, w.v,
-                    w.rank_pad, w.o, w.rank_pad, w.alpha);
+                    w.rank_pad, w.o, w.rank_pad, w.alpha, pf);
   }
 
   template <typename U>
@@ -379,7 +423,7 @@ struct Task {
 
 // Splits: with fewer busy sequences than twice the threads, each sequence is cut into pieces
 // of about total / (2 * threads) tokens so every thread gets about two tasks; otherwise one
-// task per sequence (no merge). Split starts are even, keeping value pairs inside one split.
+// task per sequence (no merge). Splits start on multiples of 16 (see kChunk).
 std::vector<Task> make_tasks(const Problem& pb, std::vector<int64_t>* num_splits) {
   int64_t total = 0, busy = 0;
   for (const int64_t len : pb.seq_lens) {
@@ -396,8 +440,8 @@ std::vector<Task> make_tasks(const Problem& pb, std::vector<int64_t>* num_splits
     const int64_t n = ceil_div(len, piece);
     (*num_splits)[b] = n;
     for (int64_t s = 0; s < n; ++s) {
-      const int64_t begin = len * s / n / 2 * 2;
-      const int64_t end = s + 1 == n ? len : len * (s + 1) / n / 2 * 2;
+      const int64_t begin = len * s / n / 16 * 16;
+      const int64_t end = s + 1 == n ? len : len * (s + 1) / n / 16 * 16;
       tasks.push_back({b, s, begin, end});
     }
   }
@@ -415,14 +459,31 @@ T* cache_row(const Problem& pb, int64_t b, int64_t pos) {
 
 template <typename Path, typename T, typename Work>
 void run_task(const Problem& pb, const Dims& d, const Task& t, int64_t num_splits, Work& w,
-              const T** rows, float* partial, float* lse) {
+              const T** rows, const char** lines, float* partial, float* lse) {
   using Out = T;  // q, cache and out share the dtype
   const T* q = reinterpret_cast<const T*>(pb.q) + t.seq * pb.q_batch_stride;
   Path::begin(w, d, q, pb.q_head_stride);
+  // The next chunk's rows are prefetched while the current one computes, one cache line per
+  // k step of its GEMM tiles (pages are scattered, so the hardware prefetchers lose the stream
+  // at every page boundary); the first chunk's in one burst, there is nothing to overlap.
+  const int64_t row_bytes = d.width * static_cast<int64_t>(sizeof(T));
+  auto fill = [&](int64_t n0) {
+    const int64_t n_len = std::min(kChunk, t.end - n0);
+    const char** line = lines;
+    for (int64_t j = 0; j < n_len; ++j) {
+      const char* row = reinterpret_cast<const char*>(cache_row<T>(pb, t.seq, n0 + j));
+      for (int64_t i = 0; i < row_bytes; i += 64) *line++ = row + i;
+    }
+    return LinePrefetch{lines, line};
+  };
+  LinePrefetch first = fill(t.begin);
+  while (first.next != first.end) prefetch_one(&first);
   for (int64_t n0 = t.begin; n0 < t.end; n0 += kChunk) {
     const int64_t n_len = std::min(kChunk, t.end - n0);
     for (int64_t j = 0; j < n_len; ++j) rows[j] = cache_row<T>(pb, t.seq, n0 + j);
-    Path::chunk(w, d, rows, n_len, pb.sm_scale);
+    LinePrefetch next = n0 + kChunk < t.end ? fill(n0 + kChunk) : LinePrefetch{};
+    Path::chunk(w, d, rows, n_len, pb.sm_scale, &next);
+    while (next.next != next.end) prefetch_one(&next);
   }
   if (num_splits == 1) {
     Path::finish(w, d, reinterpret_cast<Out*>(pb.out) + t.seq * d.heads * d.rank,
@@ -452,7 +513,9 @@ void merge_splits(const Dims& d, int64_t num_splits, const float* partial, const
 
 template <typename Path, typename T>
 void run(const Problem& pb) {
-  const Dims d{pb.width, pb.rank, pb.num_heads, round_up(pb.num_heads, 16)};
+  // Rows read in place need whole VNNI pairs (even width) and 16-row groups inside one page.
+  const bool in_place = std::is_same_v<Path, Bf16Path> && pb.width % 2 == 0 && pb.page_size % 16 == 0;
+  const Dims d{pb.width, pb.rank, pb.num_heads, round_up(pb.num_heads, 16), in_place};
   std::vector<int64_t> num_splits;
   const std::vector<Task> tasks = make_tasks(pb, &num_splits);
   // Partial outputs and log-sum-exps of split sequences, indexed by (sequence, split).
@@ -468,6 +531,7 @@ void run(const Problem& pb) {
   Arena layout(nullptr);
   Path::carve(layout, d);
   layout.take<const T*>(kChunk);
+  layout.take<const char*>(kChunk * ceil_div(pb.width * static_cast<int64_t>(sizeof(T)), 64));
   const int64_t work_bytes = layout.used();
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads(), num_tasks)));
@@ -485,12 +549,13 @@ void run(const Problem& pb) {
     Arena arena(thread_scratch(0, work_bytes));
     auto w = Path::carve(arena, d);
     const T** rows = arena.take<const T*>(kChunk);
+    const char** lines = arena.take<const char*>(kChunk * ceil_div(pb.width * static_cast<int64_t>(sizeof(T)), 64));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_tasks; ++i) {
       const Task& t = tasks[i];
       const int64_t slot = first_split[t.seq] + t.split;
-      run_task<Path, T>(pb, d, t, num_splits[t.seq], w, rows, partials + slot * d.heads * d.rank,
-                        lses + slot * d.heads);
+      run_task<Path, T>(pb, d, t, num_splits[t.seq], w, rows, lines,
+                        partials + slot * d.heads * d.rank, lses + slot * d.heads);
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < pb.batch; ++b) {

@@ -5,11 +5,11 @@
 // 1. Sort: a counting sort groups the (token, k) pairs by local expert (token order inside an
 //    expert, so results are deterministic). Tiles address activations through row pointers, so
 //    no gathered copy of x and no padding to a block size is needed.
-// 2. Gate/up: tasks (expert, 32-column block of I) run in parallel across all experts; each
-//    computes a 6-row x (gate block | up block) register tile and writes silu(gate) * up as bf16
-//    into h [rows, I_pad], rows in sorted order (compact).
-// 3. Down: tasks are 64-column panels of the output; a task walks every expert's rows and adds
-//    w[t,k] * (h W2^T) into an fp32 [T, 64] buffer, so the sum over k needs no atomics and is
+// 2. Gate/up: tasks (expert, 64 columns of I) run in parallel across all experts; each computes
+//    register tiles of (gate blocks | up blocks) for 6 rows (or all 4 blocks at once for <= 3
+//    rows) and writes silu(gate) * up as bf16 into h [rows, I_pad], rows in sorted order.
+// 3. Down: tasks are 128-column panels of the output; a task walks every expert's rows and adds
+//    w[t,k] * (h W2^T) into an fp32 [T, 128] buffer, so the sum over k needs no atomics and is
 //    done in a fixed order, then writes its columns of out as bf16.
 // Decode (1-64 tokens) is the same code: each task streams its weight blocks once.
 #include <pybind11/pybind11.h>
@@ -27,7 +27,9 @@ namespace py = pybind11;
 namespace duet {
 namespace {
 
-constexpr int kDownPanelBlocks = 2;
+// Blocks of 32 columns per task: of I in stage 2 (each with its gate and up half), of D in stage 3.
+constexpr int kGateUpBlocks = 2;
+constexpr int kDownBlocks = 4;
 
 struct MoeArgs {
   const bf16_t* x;  // [T, 2 * d_pairs], row stride ldx
@@ -71,43 +73,60 @@ Routing sort_by_expert(const MoeArgs& p) {
   return route;
 }
 
-// Stage 2: h[row, 32*nb + j] = silu(gate) * up for every row of one expert and one block of I.
-void gate_up_task(Isa isa, const MoeArgs& p, const Routing& route, int64_t e, int64_t nb,
-                  bf16_t* h, int64_t ldh) {
-  alignas(64) float tile[kTileMaxRows * 2 * kPackBlockN];
-  constexpr int64_t ldt = 2 * kPackBlockN;
+// c [rows, 32 * num_blocks] (row stride ldc) = rows x num_blocks (<= 4) packed blocks, cut into
+// the widest register tiles `rows` allows. Decode rows (<= 3) read 4 blocks at once: 4 weight
+// streams in flight per thread pull more bandwidth than 2.
+void tile_wide(Isa isa, int rows, int num_blocks, const bf16_t* const* a_rows,
+               const bf16_t* const* b_blocks, int64_t k_pairs, float* c, int64_t ldc) {
+  const int step = tile_max_blocks(rows);
+  for (int i = 0; i < num_blocks; i += step) {
+    tile_gemm(isa, rows, std::min(step, num_blocks - i), a_rows, b_blocks + i, k_pairs,
+              c + i * kPackBlockN, ldc, false);
+  }
+}
+
+// Stage 2: h[row, 32*nb + j] = silu(gate) * up for every row of one expert and blocks
+// [nb0, nb0 + num_blocks) of I (num_blocks <= 2).
+void gate_up_task(Isa isa, const MoeArgs& p, const Routing& route, int64_t e, int64_t nb0,
+                  int num_blocks, bf16_t* h, int64_t ldh) {
+  alignas(64) float tile[kTileMaxRows * 2 * kGateUpBlocks * kPackBlockN];
+  const int64_t ldt = 2 * num_blocks * kPackBlockN;
   const int64_t block_elems = p.d_pairs * 2 * kPackBlockN;
   const int64_t inter_blocks = pack_num_blocks(p.inter);
-  const bf16_t* gate = p.w13 + (e * 2 * inter_blocks + nb) * block_elems;
-  const bf16_t* b_blocks[2] = {gate, gate + inter_blocks * block_elems};
+  const bf16_t* gate = p.w13 + (e * 2 * inter_blocks + nb0) * block_elems;
+  const bf16_t* b_blocks[2 * kGateUpBlocks];  // gate blocks, then the same blocks of up
+  for (int i = 0; i < num_blocks; ++i) {
+    b_blocks[i] = gate + i * block_elems;
+    b_blocks[num_blocks + i] = gate + (inter_blocks + i) * block_elems;
+  }
+  const int64_t cols = num_blocks * kPackBlockN;
   for (int64_t r0 = route.offsets[e]; r0 < route.offsets[e + 1]; r0 += kTileMaxRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kTileMaxRows, route.offsets[e + 1] - r0));
     const bf16_t* a_rows[kTileMaxRows];
     for (int r = 0; r < rows; ++r) a_rows[r] = p.x + route.tokens[r0 + r] * p.ldx;
-    tile_gemm(isa, rows, 2, a_rows, b_blocks, p.d_pairs, tile, ldt, false);
+    tile_wide(isa, rows, 2 * num_blocks, a_rows, b_blocks, p.d_pairs, tile, ldt);
     for (int r = 0; r < rows; ++r) {
-      silu_mul_row_bf16(isa, tile + r * ldt, tile + r * ldt + kPackBlockN,
-                        h + (r0 + r) * ldh + nb * kPackBlockN, kPackBlockN);
+      silu_mul_row_bf16(isa, tile + r * ldt, tile + r * ldt + cols,
+                        h + (r0 + r) * ldh + nb0 * kPackBlockN, cols);
     }
   }
 }
 
-// Stage 3: columns [64*panel, 64*panel + 64) of out for every token.
+// Stage 3: columns [128*panel, 128*panel + 128) of out for every token.
 void down_task(Isa isa, const MoeArgs& p, const Routing& route, int64_t panel, const bf16_t* h,
                int64_t ldh, float* acc) {
-  alignas(64) float tile[kTileMaxRows * kDownPanelBlocks * kPackBlockN];
-  constexpr int64_t ldt = kDownPanelBlocks * kPackBlockN;
+  alignas(64) float tile[kTileMaxRows * kDownBlocks * kPackBlockN];
+  constexpr int64_t ldt = kDownBlocks * kPackBlockN;
   const int64_t h_pairs = pack_k_pairs(p.inter);
   const int64_t block_elems = h_pairs * 2 * kPackBlockN;
   const int64_t hidden_blocks = pack_num_blocks(p.hidden);
-  const int64_t block = panel * kDownPanelBlocks;
-  const int num_blocks =
-      static_cast<int>(std::min<int64_t>(kDownPanelBlocks, hidden_blocks - block));
+  const int64_t block = panel * kDownBlocks;
+  const int num_blocks = static_cast<int>(std::min<int64_t>(kDownBlocks, hidden_blocks - block));
   const int64_t col0 = block * kPackBlockN;
   const int64_t cols = std::min<int64_t>(num_blocks * kPackBlockN, p.hidden - col0);
   std::fill(acc, acc + p.num_tokens * ldt, 0.f);
   for (int64_t e = 0; e < p.num_experts; ++e) {
-    const bf16_t* b_blocks[kDownPanelBlocks];
+    const bf16_t* b_blocks[kDownBlocks];
     for (int i = 0; i < num_blocks; ++i) {
       b_blocks[i] = p.w2 + (e * hidden_blocks + block + i) * block_elems;
     }
@@ -115,7 +134,7 @@ void down_task(Isa isa, const MoeArgs& p, const Routing& route, int64_t panel, c
       const int rows = static_cast<int>(std::min<int64_t>(kTileMaxRows, route.offsets[e + 1] - r0));
       const bf16_t* a_rows[kTileMaxRows];
       for (int r = 0; r < rows; ++r) a_rows[r] = h + (r0 + r) * ldh;
-      tile_gemm(isa, rows, num_blocks, a_rows, b_blocks, h_pairs, tile, ldt, false);
+      tile_wide(isa, rows, num_blocks, a_rows, b_blocks, h_pairs, tile, ldt);
       for (int r = 0; r < rows; ++r) {
         axpy_row_f32(isa, route.weights[r0 + r], tile + r * ldt, acc + route.tokens[r0 + r] * ldt,
                      cols);
@@ -136,21 +155,25 @@ void fused_moe_bf16(const MoeArgs& p) {
   const int64_t ldh = inter_blocks * kPackBlockN;
   std::unique_ptr<bf16_t[]> h(new bf16_t[std::max<int64_t>(num_rows * ldh, 1)]);
 
-  std::vector<int64_t> tasks;  // e * inter_blocks + nb, experts with rows only
+  std::vector<int64_t> tasks;  // (e, first block of I) as e * inter_blocks + nb0
   for (int64_t e = 0; e < p.num_experts; ++e) {
     if (route.offsets[e + 1] == route.offsets[e]) continue;
-    for (int64_t nb = 0; nb < inter_blocks; ++nb) tasks.push_back(e * inter_blocks + nb);
+    for (int64_t nb = 0; nb < inter_blocks; nb += kGateUpBlocks) {
+      tasks.push_back(e * inter_blocks + nb);
+    }
   }
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-  const int64_t num_panels = (pack_num_blocks(p.hidden) + kDownPanelBlocks - 1) / kDownPanelBlocks;
-  // Dynamic scheduling: experts hold different numbers of rows.
+  const int64_t num_panels = (pack_num_blocks(p.hidden) + kDownBlocks - 1) / kDownBlocks;
+  // Dynamic scheduling: experts hold different numbers of rows, and the cores are shared.
 #pragma omp parallel
   {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_tasks; ++i) {
-      gate_up_task(isa, p, route, tasks[i] / inter_blocks, tasks[i] % inter_blocks, h.get(), ldh);
+      const int64_t e = tasks[i] / inter_blocks, nb0 = tasks[i] % inter_blocks;
+      const int num_blocks = static_cast<int>(std::min<int64_t>(kGateUpBlocks, inter_blocks - nb0));
+      gate_up_task(isa, p, route, e, nb0, num_blocks, h.get(), ldh);
     }
-    float* acc = thread_scratch_f32(p.num_tokens * kDownPanelBlocks * kPackBlockN);
+    float* acc = thread_scratch_f32(p.num_tokens * kDownBlocks * kPackBlockN);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t panel = 0; panel < num_panels; ++panel) {
       down_task(isa, p, route, panel, h.get(), ldh, acc);

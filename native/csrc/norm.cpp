@@ -66,9 +66,7 @@ DUET_TARGET_SMALL inline __m512 rms_load(const T* x, const T* res, T* sum, int64
   if constexpr (!kFused) {
     return load16(x + i, m);
   } else {
-    const __m512 s = round16<Cvt, T>(_mm512_add_ps(load16(x + i, m), load16(res + i, m)));
-    store16<Cvt>(sum + i, s, m);
-    return s;
+    return store_round16<Cvt>(sum + i, _mm512_add_ps(load16(x + i, m), load16(res + i, m)), m);
   }
 }
 

@@ -97,6 +97,19 @@ DUET_TARGET_SMALL inline void store16(bf16_t* p, __m512 v, __mmask16 m) {
   _mm256_mask_storeu_epi16(p, m, cvt_bf16<Cvt>(v));
 }
 
+// Stores v in T and returns the stored values as fp32 (one conversion for both).
+template <class Cvt, typename T>
+DUET_TARGET_SMALL inline __m512 store_round16(T* p, __m512 v, __mmask16 m) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_mask_storeu_ps(p, m, v);
+    return v;
+  } else {
+    const __m256i h = cvt_bf16<Cvt>(v);
+    _mm256_mask_storeu_epi16(p, m, h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
 // Rounds each lane through T and back, as storing an intermediate in the tensor dtype does.
 template <class Cvt, typename T>
 DUET_TARGET_SMALL inline __m512 round16(__m512 v) {

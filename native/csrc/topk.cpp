@@ -4,8 +4,10 @@
 // ranked by the sum of their two best choice scores (noaux_tc) or their best one
 // (group_limited_greedy) and only the best `topk_group` groups compete; the top_k experts by
 // choice are returned best first with their unbiased scores as weights, renormalized and scaled.
-// Only the scoring is vectorized (exp over E lanes); the selections are small insertion sorts
-// (K, topk_group <= a few dozen) that scan in index order, so the lower index wins a tie.
+// The AVX-512 path vectorizes the scoring (exp over E lanes), the group scores (lane-wise top
+// two) and the expert choice (top_k rounds of arg-max); the portable path scans with small
+// insertion sorts. Both take the lower index on a tie; groups (a few dozen) are always chosen
+// with the insertion sort.
 #include <pybind11/pybind11.h>
 
 #include <cmath>
@@ -100,22 +102,49 @@ DUET_TARGET_SMALL void scores_avx512(const T* logits, float* scores, int64_t n, 
   }
 }
 
-// Selection for one token given its scores; `work` holds E + 2 * n_group + top_k floats and
-// `group_ids` topk_group ints.
-void select_token(const float* scores, const float* bias, const TopkParams& p, float* work,
-                  int32_t* group_ids, float* weights_out, int32_t* ids_out) {
+// Work buffer of one thread: E choice values, then 3 * n_group floats, then top_k floats.
+int64_t work_floats(const TopkParams& p) { return p.num_experts + 3 * p.n_group + p.top_k; }
+
+bool is_grouped(const TopkParams& p) { return p.method != GroupMethod::kGreedy && p.n_group > 1; }
+
+// keep[g] = 1 for the topk_group best groups by group_scores, else 0 (ties: lower index).
+inline void choose_groups(const float* group_scores, const TopkParams& p, float* group_best,
+                          int32_t* group_ids, float* keep) {
+  int64_t kept = 0;
+  for (int64_t g = 0; g < p.n_group; ++g) {
+    insert_top(group_best, group_ids, &kept, p.topk_group, group_scores[g],
+               static_cast<int32_t>(g));
+    keep[g] = 0.f;
+  }
+  for (int64_t i = 0; i < kept; ++i) keep[group_ids[i]] = 1.f;
+}
+
+// Weights of the chosen experts: unbiased scores, renormalized, scaled (as the reference).
+inline void finish_weights(const float* scores, const TopkParams& p, const int32_t* ids,
+                           float* weights) {
+  float total = 0.f;
+  for (int64_t k = 0; k < p.top_k; ++k) {
+    weights[k] = scores[ids[k]];
+    total += weights[k];
+  }
+  const bool renorm = p.norm && p.top_k > 1;
+  for (int64_t k = 0; k < p.top_k; ++k) {
+    weights[k] = (renorm ? weights[k] / (total + 1e-20f) : weights[k]) * p.scale;
+  }
+}
+
+void select_token_portable(const float* scores, const float* bias, const TopkParams& p,
+                           float* work, int32_t* group_ids, float* weights_out, int32_t* ids_out) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
   const int64_t e = p.num_experts;
   float* choice = work;
+  float* group_scores = work + e;
   for (int64_t i = 0; i < e; ++i) choice[i] = bias ? scores[i] + bias[i] : scores[i];
-
-  if (p.method != GroupMethod::kGreedy && p.n_group > 1) {
+  if (is_grouped(p)) {
     const int64_t group_size = e / p.n_group;
-    float* group_best = work + e;  // descending group scores, then the kept-group flags
-    float* keep = group_best + p.n_group;
-    int64_t kept = 0;
     for (int64_t g = 0; g < p.n_group; ++g) {
       const float* c = choice + g * group_size;
-      float best = -std::numeric_limits<float>::infinity(), second = best;
+      float best = -kInf, second = -kInf;
       for (int64_t i = 0; i < group_size; ++i) {
         if (c[i] > best) {
           second = best;
@@ -124,36 +153,94 @@ void select_token(const float* scores, const float* bias, const TopkParams& p, f
           second = c[i];
         }
       }
-      const float gs = p.method == GroupMethod::kTop2Sum ? best + second : best;
-      insert_top(group_best, group_ids, &kept, p.topk_group, gs, static_cast<int32_t>(g));
-      keep[g] = 0.f;
+      group_scores[g] = p.method == GroupMethod::kTop2Sum ? best + second : best;
     }
-    for (int64_t i = 0; i < kept; ++i) keep[group_ids[i]] = 1.f;
+    float* keep = group_scores + 2 * p.n_group;
+    choose_groups(group_scores, p, group_scores + p.n_group, group_ids, keep);
     for (int64_t g = 0; g < p.n_group; ++g) {
-      if (keep[g] != 0.f) continue;
-      std::fill(choice + g * group_size, choice + (g + 1) * group_size,
-                -std::numeric_limits<float>::infinity());
+      if (keep[g] == 0.f) std::fill(choice + g * group_size, choice + (g + 1) * group_size, -kInf);
     }
   }
-
   // Masked experts sit at -inf: they enter the list only while it is not full, so they fill the
   // slots left when fewer than top_k experts compete and are displaced by any real score.
-  float* top_vals = work + e + 2 * p.n_group;
+  float* top_vals = work + e + 3 * p.n_group;
   int64_t len = 0;
   for (int64_t i = 0; i < e; ++i) {
     insert_top(top_vals, ids_out, &len, p.top_k, choice[i], static_cast<int32_t>(i));
   }
+  finish_weights(scores, p, ids_out, weights_out);
+}
 
-  float total = 0.f;
-  for (int64_t k = 0; k < p.top_k; ++k) {
-    weights_out[k] = scores[ids_out[k]];
-    total += weights_out[k];
+// Best (or best + second best, a duplicate counting twice) of c[0, n).
+DUET_TARGET_SMALL float group_score_avx512(const float* c, int64_t n, bool top2) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 best = ninf, second = ninf;  // lane-wise top two
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = _mm512_mask_loadu_ps(ninf, small::lane_mask(n - i), c + i);
+    second = _mm512_max_ps(second, _mm512_min_ps(best, v));
+    best = _mm512_max_ps(best, v);
   }
-  const bool renorm = p.norm && p.top_k > 1;
-  for (int64_t k = 0; k < p.top_k; ++k) {
-    const float w = renorm ? weights_out[k] / (total + 1e-20f) : weights_out[k];
-    weights_out[k] = w * p.scale;
+  const float b1 = _mm512_reduce_max_ps(best);
+  if (!top2) return b1;
+  // The runner-up: every lane's second, and every lane's best but one occurrence of b1.
+  const __mmask16 at_max = _mm512_cmp_ps_mask(best, _mm512_set1_ps(b1), _CMP_EQ_OQ);
+  const __mmask16 first = static_cast<__mmask16>(at_max & (~at_max + 1));
+  const __m512 others = _mm512_mask_mov_ps(best, first, ninf);
+  return b1 + _mm512_reduce_max_ps(_mm512_max_ps(others, second));
+}
+
+DUET_TARGET_SMALL void select_token_avx512(const float* scores, const float* bias,
+                                           const TopkParams& p, float* work, int32_t* group_ids,
+                                           float* weights_out, int32_t* ids_out) {
+  using small::lane_mask;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const int64_t e = p.num_experts;
+  float* choice = work;
+  float* group_scores = work + e;
+  for (int64_t i = 0; i < e; i += 16) {
+    const __mmask16 m = lane_mask(e - i);
+    __m512 c = _mm512_maskz_loadu_ps(m, scores + i);
+    if (bias) c = _mm512_add_ps(c, _mm512_maskz_loadu_ps(m, bias + i));
+    _mm512_mask_storeu_ps(choice + i, m, c);
   }
+  if (is_grouped(p)) {
+    const int64_t group_size = e / p.n_group;
+    for (int64_t g = 0; g < p.n_group; ++g) {
+      group_scores[g] = group_score_avx512(choice + g * group_size, group_size,
+                                           p.method == GroupMethod::kTop2Sum);
+    }
+    float* keep = group_scores + 2 * p.n_group;
+    choose_groups(group_scores, p, group_scores + p.n_group, group_ids, keep);
+    // Masked experts get the lowest finite value: below every real choice, above the -inf that
+    // marks experts already taken, so they only fill slots when fewer than top_k compete.
+    for (int64_t g = 0; g < p.n_group; ++g) {
+      if (keep[g] == 0.f) {
+        std::fill(choice + g * group_size, choice + (g + 1) * group_size,
+                  -std::numeric_limits<float>::max());
+      }
+    }
+  }
+  // top_k rounds of arg-max (first index on ties), each taking its winner out.
+  const __m512 ninf = _mm512_set1_ps(-kInf);
+  for (int64_t k = 0; k < p.top_k; ++k) {
+    __m512 mx = ninf;
+    for (int64_t i = 0; i < e; i += 16) {
+      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(ninf, lane_mask(e - i), choice + i));
+    }
+    const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    int64_t winner = 0;
+    for (int64_t i = 0; i < e; i += 16) {
+      const __mmask16 hit =
+          _mm512_mask_cmp_ps_mask(lane_mask(e - i), _mm512_loadu_ps(choice + i), best, _CMP_EQ_OQ);
+      if (hit) {
+        winner = i + __builtin_ctz(hit);
+        break;
+      }
+    }
+    ids_out[k] = static_cast<int32_t>(winner);
+    choice[winner] = -kInf;
+  }
+  finish_weights(scores, p, ids_out, weights_out);
 }
 
 template <typename T>
@@ -162,16 +249,20 @@ void grouped_topk_impl(const T* logits, int64_t stride, const float* bias, float
   const bool simd = active_isa() >= Isa::kAvx512;
   const int64_t e = p.num_experts;
   parallel_for(tokens, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(static_cast<size_t>(2 * e + 2 * p.n_group + p.top_k));
+    // Padded by 16 floats: the vector loops read whole 16-lane vectors (masked, but in bounds).
+    std::vector<float> buf(static_cast<size_t>(e + work_floats(p) + 16));
     std::vector<int32_t> group_ids(static_cast<size_t>(std::max<int64_t>(p.topk_group, 1)));
     float* scores = buf.data();
     for (int64_t t = begin; t < end; ++t) {
+      float* w = weights + t * p.top_k;
+      int32_t* id = ids + t * p.top_k;
       if (simd) {
         scores_avx512<T>(logits + t * stride, scores, e, p.softmax);
+        select_token_avx512(scores, bias, p, scores + e, group_ids.data(), w, id);
       } else {
         scores_portable<T>(logits + t * stride, scores, e, p.softmax);
+        select_token_portable(scores, bias, p, scores + e, group_ids.data(), w, id);
       }
-      select_token(scores, bias, p, scores + e, group_ids.data(), weights + t * p.top_k, ids + t * p.top_k);
     }
   }, std::max<int64_t>(1, 8192 / std::max<int64_t>(e, 1)));
 }

@@ -5,6 +5,7 @@ server's usage matching the prompts sent, the cluster gone afterwards."""
 import json
 import re
 import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -53,11 +54,13 @@ kv_port = {ports[4]}
         records = [
             json.loads(line) for line in (folder / "requests.jsonl").read_text().splitlines()
         ]
-        assert len(records) == 8 and point["summary"]["completed"] == 8
+        failed = [(r["error"], r["error_message"]) for r in records if not r["ok"]]
+        assert len(records) == 8 and not failed, failed
+        assert point["summary"]["completed"] == 8
         for r in records:
-            assert r["ok"] and r["usage_reported"]
-            assert r["output_len"] == 8  # ignore_eos: exactly max_tokens
-            assert r["prompt_len"] == 16 + 1  # the server tokenized our 16 tokens, plus bos
+            assert r["usage_reported"]
+            assert r["output_len"] == 8, r  # ignore_eos: exactly max_tokens
+            assert r["prompt_len"] == 16 + 1, r  # the server tokenized our 16 tokens, plus bos
         p99 = np.percentile([r["ttft_s"] * 1e3 for r in records], 99)
         assert point["summary"]["ttft_ms"]["p99"] == pytest.approx(p99)
         check_png(folder / "latency_cdf.png")
@@ -66,8 +69,14 @@ kv_port = {ports[4]}
     log = (out / "1p1d" / "cluster.log").read_text()
     pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", log)]
     assert len(pids) == 3  # router, prefill, decode
-    for pid in pids:
-        assert (
-            not Path(f"/proc/{pid}").exists()
-            or "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
-        )
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if _alive(pid)], log[-2000:]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False

@@ -2,11 +2,14 @@
 served output equals OfflineGenerator token for token, continuous batching, abort at every stage
 frees every page, incomplete KV is never decoded, every wait is bounded."""
 
+import time
+
 import pytest
 import torch
 from pd_harness import Pair
 
 from decode_node.scheduler import DecodeState
+from engine.cluster_config import TimeoutConfig
 from engine.generate import OfflineGenerator
 from engine.model import DeepseekModel
 from engine.protocol import Reserve, ReserveReply, Shutdown, sampling_to_dict
@@ -178,6 +181,22 @@ def test_incomplete_kv_is_never_decoded(pair):
     assert pair.decode_pages_used == 0
 
 
+class BadTokenSender(InprocSender):
+    """Sends a complete KV but a first token outside the vocabulary."""
+
+    def send_done(self, rendezvous, num_tokens, first_token):
+        super().send_done(rendezvous, num_tokens, 10**6)
+
+
+def test_a_first_token_outside_the_vocabulary_is_never_decoded(pair):
+    pair.prefill.senders._factory = BadTokenSender
+    assert pair.submit("a", PROMPTS[2], greedy(5)).ok
+    pair.run_all()
+    (error,) = pair.seen["a"].errors
+    assert error.stage == "transfer" and "outside the vocabulary" in error.message
+    assert pair.seen["a"].token_ids == [] and pair.decode_pages_used == 0
+
+
 def test_a_transfer_that_never_comes_times_out_and_frees_pages(pair):
     reply, _room = pair.reserve("a", 10, greedy(5), timeout_s=0.05)
     assert reply.ok and pair.decode_pages_used > 0
@@ -203,7 +222,7 @@ def test_reservation_refused_without_room_says_why(model):
 
 
 def test_decode_timeout_names_its_stage(model):
-    pair = Pair(model, timeouts=pair_timeouts(decode_s=0.0))
+    pair = Pair(model, timeouts=TimeoutConfig(heartbeat_s=0.05, decode_s=0.0))
     assert pair.submit("a", PROMPTS[2], greedy(20)).ok
     pair.run_all()
     (error,) = pair.seen["a"].errors
@@ -211,19 +230,10 @@ def test_decode_timeout_names_its_stage(model):
     pair.close()
 
 
-def pair_timeouts(**kw):
-    from engine.cluster_config import TimeoutConfig
-
-    return TimeoutConfig(heartbeat_s=0.05, **kw)
-
-
 def test_heartbeats_carry_load_figures(pair):
     assert pair.submit("a", PROMPTS[0], greedy(3)).ok
     pair.run_all()
-    pair.settle(1)
-    import time
-
-    time.sleep(0.06)
+    time.sleep(0.06)  # one heartbeat interval: the next step of each node sends one
     pair.settle(1)
     last = {hb.role: hb for hb in pair.heartbeats}
     d, p = last["decode"], last["prefill"]

@@ -47,6 +47,19 @@ def test_fused_add_rms_norm(isa, dtype, tokens, dim):
     _close(out, ref_out)
 
 
+def test_leading_dims_are_flattened(isa):
+    x, res = torch.randn(2, 3, 40).bfloat16(), torch.randn(2, 3, 40).bfloat16()
+    w = torch.rand(40).bfloat16()
+    _close(ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+    for got, want in zip(
+        ops.fused_add_rms_norm(x, res, w, 1e-6),
+        reference.fused_add_rms_norm(x, res, w, 1e-6),
+        strict=True,
+    ):
+        _close(got, want)
+    _close(ops.silu_and_mul(x), reference.silu_and_mul(x))
+
+
 def test_rms_norm_falls_back_on_mixed_dtypes(isa):
     x, w = torch.randn(4, 33).bfloat16(), torch.rand(33)  # fp32 weight promotes the output
     expected = reference.rms_norm(x, w, 1e-6)

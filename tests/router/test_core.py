@@ -268,3 +268,17 @@ def test_incompatible_node_is_refused_at_ready():
     r.handle(NodeReady("d0", "decode", {"fingerprint": {"num_hidden_layers": 4}}))
     r.handle(Heartbeat("d0", "decode", free_pages=1, total_pages=1))
     assert r.nodes.nodes["d0"].status == "dead" and "incompatible" in r.nodes.nodes["d0"].error
+
+
+def test_cancelled_submit_leaves_nothing_behind():
+    async def main():
+        r = make_router()
+        task = asyncio.create_task(r.submit("r1", [2, 3], SamplingParams(max_new_tokens=2)))
+        await sent_reserves(r, 1, task)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not r.requests and r.nodes.nodes["d0"].reserved_pages == 0
+        assert ("d0", Abort("r1", "cancelled during reservation")) in r.transport.sent
+
+    asyncio.run(main())
