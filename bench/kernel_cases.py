@@ -223,41 +223,42 @@ def extend_attention_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
 
 
 def small_op_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
-    for tokens in (*d.decode_tokens, d.prefill_tokens):
-        x, res, w = _act(tokens, d.hidden), _act(tokens, d.hidden), _weight(d.hidden) + 1
-        if wanted("rmsnorm"):
-            yield Case(
-                "rmsnorm", f"T={tokens} D={d.hidden}", (2 * x.numel() + w.numel()) * ELEM,
-                4 * x.numel(), lambda x=x, w=w: ops.rms_norm(x, w, 1e-6),
-                lambda x=x, w=w: reference.rms_norm(x, w, 1e-6),
-            )  # fmt: skip
-        if wanted("rmsnorm_fused_add"):
-            yield Case(
-                "rmsnorm_fused_add", f"T={tokens} D={d.hidden}", (4 * x.numel() + w.numel()) * ELEM,
-                5 * x.numel(), lambda x=x, r=res, w=w: ops.fused_add_rms_norm(x, r, w, 1e-6),
-                lambda x=x, r=res, w=w: reference.fused_add_rms_norm(x, r, w, 1e-6),
-            )  # fmt: skip
-        if wanted("rope"):
-            # q_pe / k_pe are slices of q [T, H, nope + rope] and kv_a [T, L + rope], as in the model.
-            q = _act(tokens, d.heads, d.qk_head_dim)[..., d.qk_nope_dim :]
-            k = _act(tokens, d.latent_dim)[:, d.kv_lora_rank :]
-            positions = torch.randint(0, 4096, (tokens,))
-            cos_sin = torch.randn(4096, d.rope_dim)
-            values = tokens * (d.heads + 1) * d.rope_dim
-            yield Case(
-                "rope", f"T={tokens} H={d.heads} R={d.rope_dim}",
-                2 * values * ELEM + tokens * (d.rope_dim * 4 + 8), 3 * values,
-                lambda a=(q, k, positions, cos_sin): ops.apply_rope(*a),
-                lambda a=(q, k, positions, cos_sin): reference.apply_rope(*a),
-            )  # fmt: skip
-        if wanted("topk"):
-            logits = _act(tokens, d.num_experts)
-            args = (logits, None, d.top_k, 1, 1, "softmax", "greedy", False, 1.0)
-            yield Case(
-                "topk", f"T={tokens} E={d.num_experts} K={d.top_k}",
-                logits.numel() * ELEM + tokens * d.top_k * 8, 8 * logits.numel(),
-                lambda a=args: ops.grouped_topk(*a), lambda a=args: reference.grouped_topk(*a),
-            )  # fmt: skip
+    token_counts = (*d.decode_tokens, d.prefill_tokens)
+    w = _weight(d.hidden) + 1
+    for tokens in token_counts if wanted("rmsnorm") else ():
+        x = _act(tokens, d.hidden)
+        yield Case(
+            "rmsnorm", f"T={tokens} D={d.hidden}", (2 * x.numel() + w.numel()) * ELEM,
+            4 * x.numel(), lambda x=x: ops.rms_norm(x, w, 1e-6),
+            lambda x=x: reference.rms_norm(x, w, 1e-6),
+        )  # fmt: skip
+    for tokens in token_counts if wanted("rmsnorm_fused_add") else ():
+        x, res = _act(tokens, d.hidden), _act(tokens, d.hidden)
+        yield Case(
+            "rmsnorm_fused_add", f"T={tokens} D={d.hidden}", (4 * x.numel() + w.numel()) * ELEM,
+            5 * x.numel(), lambda x=x, r=res: ops.fused_add_rms_norm(x, r, w, 1e-6),
+            lambda x=x, r=res: reference.fused_add_rms_norm(x, r, w, 1e-6),
+        )  # fmt: skip
+    cos_sin = torch.randn(4096, d.rope_dim)
+    for tokens in token_counts if wanted("rope") else ():
+        # q_pe / k_pe are slices of q [T, H, nope + rope] and kv_a [T, L + rope], as in the model.
+        q = _act(tokens, d.heads, d.qk_head_dim)[..., d.qk_nope_dim :]
+        k = _act(tokens, d.latent_dim)[:, d.kv_lora_rank :]
+        args = (q, k, torch.randint(0, 4096, (tokens,)), cos_sin)
+        values = tokens * (d.heads + 1) * d.rope_dim
+        yield Case(
+            "rope", f"T={tokens} H={d.heads} R={d.rope_dim}",
+            2 * values * ELEM + tokens * (d.rope_dim * 4 + 8), 3 * values,
+            lambda a=args: ops.apply_rope(*a), lambda a=args: reference.apply_rope(*a),
+        )  # fmt: skip
+    for tokens in token_counts if wanted("topk") else ():
+        logits = _act(tokens, d.num_experts)
+        args = (logits, None, d.top_k, 1, 1, "softmax", "greedy", False, 1.0)
+        yield Case(
+            "topk", f"T={tokens} E={d.num_experts} K={d.top_k}",
+            logits.numel() * ELEM + tokens * d.top_k * 8, 8 * logits.numel(),
+            lambda a=args: ops.grouped_topk(*a), lambda a=args: reference.grouped_topk(*a),
+        )  # fmt: skip
 
 
 FAMILIES = (moe_cases, linear_cases, mla_decode_cases, extend_attention_cases, small_op_cases)

@@ -35,10 +35,15 @@ MIN_SAMPLE_S = 2e-3
 
 
 def time_call(fn: Callable[[], object], repeats: int, budget_s: float) -> float:
-    """Median seconds per call of `fn` over up to `repeats` samples (after one warm-up call)."""
+    """Median seconds per call of `fn` over up to `repeats` samples (after one warm-up call).
+
+    A sample of a fast op loops `inner` calls; the sample count shrinks so the samples take about
+    `budget_s` at most, but never below one."""
     start = time.perf_counter()
     fn()
     first = time.perf_counter() - start
+    if first >= budget_s:  # one call fills the budget (seconds-long baselines): it is the sample
+        return first
     inner = max(1, min(10_000, int(MIN_SAMPLE_S / max(first, 1e-9))))
     samples = max(1, min(repeats, int(budget_s / max(first * inner, 1e-9))))
     gc_was_enabled = gc.isenabled()

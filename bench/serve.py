@@ -104,6 +104,7 @@ async def _stream(client: httpx.AsyncClient, target: Target, req: BenchRequest, 
                 continue  # blank separators, comments, event names
             data = line[5:].strip()
             if data == "[DONE]":
+                rec.latency_s = time.perf_counter() - t_send
                 done = True
                 break
             try:
@@ -112,7 +113,7 @@ async def _stream(client: httpx.AsyncClient, target: Target, req: BenchRequest, 
                 raise _Failed(
                     "bad_response", f"a stream chunk is not JSON: {data[:80]!r}"
                 ) from None
-            if "error" in obj:
+            if obj.get("error"):
                 raise _Failed("stream_error", _error_message(json.dumps(obj)))
             usage = obj.get("usage") or usage
             text = _chunk_text(obj, target.chat)
@@ -127,7 +128,6 @@ async def _stream(client: httpx.AsyncClient, target: Target, req: BenchRequest, 
             parts.append(text)
         if not done:
             raise _Failed("incomplete_stream", "the stream ended without [DONE]")
-    rec.latency_s = time.perf_counter() - t_send
     if last is None:
         raise _Failed("no_output", "the stream carried no text")
     rec.usage_reported = usage is not None and "completion_tokens" in usage

@@ -144,8 +144,13 @@ def _floats(text: str) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="duet bench-sweep", description=__doc__.splitlines()[0],
-                                allow_abbrev=False)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="duet bench-sweep",
+        description=" ".join(__doc__.split("\n\n")[0].split()),
+        epilog="Other options (--num-prompts, --input-len, --output-len, --dataset, --ttft-ms, "
+        "...) are passed to every bench-serve run; see `duet bench-serve --help`.",
+        allow_abbrev=False,
+    )
     p.add_argument("--config", action="append", required=True, help="cluster config (repeat)")
     p.add_argument("--label", action="append", help="a name per config (default: file stem)")
     axis = p.add_mutually_exclusive_group(required=True)
@@ -215,6 +220,8 @@ def main(argv: list[str] | None = None, up_command: Sequence[str] = DUET_UP) -> 
     clash = [a for a in serve_argv if a.split("=")[0] in RESERVED]
     if clash:
         raise ConfigError(f"bench-sweep sets {', '.join(clash)} itself; use its own options")
+    if args.concurrencies and any(c != int(c) for c in args.concurrencies):
+        raise ConfigError("--concurrencies must be whole numbers")
     serve.resolve(serve.build_parser().parse_args(["--url", "http://x", *serve_argv]))  # validate
     results = run_sweep(args, serve_argv, up_command)
     out = Path(args.out)

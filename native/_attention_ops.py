@@ -24,7 +24,9 @@ def _kernels():
 
 def _covered(*tensors: torch.Tensor) -> bool:
     dtype = tensors[0].dtype
-    return dtype in _DTYPE_TAGS and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+    return dtype in _DTYPE_TAGS and all(
+        t.device.type == "cpu" and t.dtype == dtype for t in tensors
+    )
 
 
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -50,12 +52,16 @@ def extend_attention(
     """
     c = _kernels()
     if c is None or not _covered(q, k, v, k_prefix, v_prefix):
-        return reference.extend_attention(q, k, v, k_prefix, v_prefix, new_lens, prefix_lens, sm_scale)
+        return reference.extend_attention(
+            q, k, v, k_prefix, v_prefix, new_lens, prefix_lens, sm_scale
+        )
     _check_extend_shapes(q, k, v, k_prefix, v_prefix, new_lens, prefix_lens)
     num_tokens, num_heads, head_dim_qk = q.shape
     head_dim_v = v.shape[2]
     if max(head_dim_qk, head_dim_v) > _MAX_HEAD_DIM:
-        return reference.extend_attention(q, k, v, k_prefix, v_prefix, new_lens, prefix_lens, sm_scale)
+        return reference.extend_attention(
+            q, k, v, k_prefix, v_prefix, new_lens, prefix_lens, sm_scale
+        )
     q, k, v, k_prefix, v_prefix = map(_rows_contiguous, (q, k, v, k_prefix, v_prefix))
     new_list, prefix_list = new_lens.tolist(), prefix_lens.tolist()
     covered = sum(new_list)
@@ -87,11 +93,15 @@ def extend_attention(
 
 def _check_extend_shapes(q, k, v, k_prefix, v_prefix, new_lens, prefix_lens) -> None:
     if any(t.dim() != 3 for t in (q, k, v, k_prefix, v_prefix)):
-        raise ValueError("extend_attention: q, k, v, k_prefix, v_prefix must be [tokens, heads, dim]")
+        raise ValueError(
+            "extend_attention: q, k, v, k_prefix, v_prefix must be [tokens, heads, dim]"
+        )
     num_tokens, num_heads, head_dim_qk = q.shape
     head_dim_v = v.shape[2]
     if k.shape != q.shape or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"extend_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"extend_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     if k_prefix.shape[1:] != (num_heads, head_dim_qk) or v_prefix.shape != (
         k_prefix.shape[0],
         num_heads,
@@ -102,7 +112,9 @@ def _check_extend_shapes(q, k, v, k_prefix, v_prefix, new_lens, prefix_lens) -> 
             f"do not match q {tuple(q.shape)}, v {tuple(v.shape)}"
         )
     if new_lens.dim() != 1 or new_lens.shape != prefix_lens.shape:
-        raise ValueError("extend_attention: new_lens and prefix_lens must be [B] of the same length")
+        raise ValueError(
+            "extend_attention: new_lens and prefix_lens must be [B] of the same length"
+        )
 
 
 def mla_decode(
@@ -129,7 +141,9 @@ def mla_decode(
         or any(t.device.type != "cpu" for t in inputs)
         or not kv_cache.is_contiguous()  # written in place: a copy would lose the new rows
     ):
-        return reference.mla_decode(q, kv_cache, page_table, seq_lens, sm_scale, kv_lora_rank, new_rows)
+        return reference.mla_decode(
+            q, kv_cache, page_table, seq_lens, sm_scale, kv_lora_rank, new_rows
+        )
     _check_decode_shapes(q, kv_cache, page_table, seq_lens, kv_lora_rank, new_rows)
     batch, num_heads, width = q.shape
     num_pages, page_size, _ = kv_cache.shape

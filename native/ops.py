@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from native import _gemm_ops, _small_ops, reference
+from native import _attention_ops, _gemm_ops, _small_ops, reference
 
 try:
     from native import _C
@@ -50,8 +50,8 @@ bmm = _gemm_ops.bmm
 grouped_topk = _small_ops.grouped_topk
 prepack_experts = _gemm_ops.prepack_experts
 fused_moe = _gemm_ops.fused_moe
-extend_attention = reference.extend_attention
-mla_decode = reference.mla_decode
+extend_attention = _attention_ops.extend_attention
+mla_decode = _attention_ops.mla_decode
 store_kv_rows = reference.store_kv_rows
 gather_kv_rows = reference.gather_kv_rows
 page_slots = reference.page_slots

@@ -67,6 +67,7 @@ struct Dims {
 
 template <typename T>
 struct PortablePath {
+  static constexpr bool kAvx512 = false;
   struct Work {
     float *q, *s, *o, *m, *l;
   };
@@ -205,6 +206,7 @@ constexpr int kHeadRows = 8;
 // the chunk's rows (converted), also the values (first rank columns); s and p [rows][heads_pad].
 template <typename T>
 struct F32Path {
+  static constexpr bool kAvx512 = true;
   struct Work {
     float *q, *k, *s, *p, *o, *m, *l, *alpha;
     int64_t width_pad;
@@ -281,6 +283,7 @@ struct F32Path {
 //   v [kChunk / 2][rank_pad]     pair i of column c = (row[2i][c], row[2i+1][c])
 //   p [kChunk / 2][heads_pad]    pair i of head h = (p[2i][h], p[2i+1][h])
 struct Bf16Path {
+  static constexpr bool kAvx512 = true;
   struct Work {
     uint32_t *q, *k, *v, *p;
     float *s, *o, *m, *l, *alpha;
@@ -493,26 +496,46 @@ void run_task(const Problem& pb, const Dims& d, const Task& t, int64_t num_split
   }
 }
 
-// out[h] = sum_s exp(lse_s[h] - max) * partial_s[h] / sum_s exp(lse_s[h] - max).
+// Merge of the splits of one (sequence, head): out = sum_s w_s partial_s / sum_s w_s with
+// w_s = exp(lse_s - max lse). partial/lse point at split 0 of the head, split s is s * stride
+// elements (s * heads) further.
+inline void split_weights(int64_t num_splits, const float* lse, int64_t heads, float* weights) {
+  float max_lse = kNegInf;
+  for (int64_t s = 0; s < num_splits; ++s) max_lse = std::max(max_lse, lse[s * heads]);
+  float total = 0.0f;
+  for (int64_t s = 0; s < num_splits; ++s) total += weights[s] = std::exp(lse[s * heads] - max_lse);
+  for (int64_t s = 0; s < num_splits; ++s) weights[s] /= total;
+}
+
 template <typename T>
-void merge_splits(const Dims& d, int64_t num_splits, const float* partial, const float* lse, T* out) {
-  for (int64_t h = 0; h < d.heads; ++h) {
-    float max_lse = kNegInf;
-    for (int64_t s = 0; s < num_splits; ++s) max_lse = std::max(max_lse, lse[s * d.heads + h]);
-    float total = 0.0f;
-    std::vector<float> acc(d.rank, 0.0f);
+void merge_head_scalar(const Dims& d, int64_t num_splits, const float* partial, const float* lse,
+                       float* weights, T* out) {
+  split_weights(num_splits, lse, d.heads, weights);
+  for (int64_t i = 0; i < d.rank; ++i) {
+    float acc = 0.0f;
+    for (int64_t s = 0; s < num_splits; ++s) acc += weights[s] * partial[s * d.heads * d.rank + i];
+    out[i] = from_float<T>(acc);
+  }
+}
+
+template <typename T>
+DUET_TARGET_AVX512 void merge_head_avx512(const Dims& d, int64_t num_splits, const float* partial,
+                                          const float* lse, float* weights, T* out) {
+  split_weights(num_splits, lse, d.heads, weights);
+  for (int64_t i = 0; i < d.rank; i += 16) {
+    const __mmask16 mk = mask16(d.rank - i);
+    __m512 acc = _mm512_setzero_ps();
     for (int64_t s = 0; s < num_splits; ++s) {
-      const float weight = std::exp(lse[s * d.heads + h] - max_lse);
-      total += weight;
-      const float* src = partial + (s * d.heads + h) * d.rank;
-      for (int64_t i = 0; i < d.rank; ++i) acc[i] += weight * src[i];
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(weights[s]),
+                            _mm512_maskz_loadu_ps(mk, partial + s * d.heads * d.rank + i), acc);
     }
-    for (int64_t i = 0; i < d.rank; ++i) out[h * d.rank + i] = from_float<T>(acc[i] / total);
+    store_f32(out + i, acc, mk);
   }
 }
 
 template <typename Path, typename T>
 void run(const Problem& pb) {
+  if (pb.batch == 0) return;
   // Rows read in place need whole VNNI pairs (even width) and 16-row groups inside one page.
   const bool in_place = std::is_same_v<Path, Bf16Path> && pb.width % 2 == 0 && pb.page_size % 16 == 0;
   const Dims d{pb.width, pb.rank, pb.num_heads, round_up(pb.num_heads, 16), in_place};
@@ -532,6 +555,8 @@ void run(const Problem& pb) {
   Path::carve(layout, d);
   layout.take<const T*>(kChunk);
   layout.take<const char*>(kChunk * ceil_div(pb.width * static_cast<int64_t>(sizeof(T)), 64));
+  const int64_t max_splits = std::max<int64_t>(1, *std::max_element(num_splits.begin(), num_splits.end()));
+  layout.take<float>(max_splits);
   const int64_t work_bytes = layout.used();
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads(), num_tasks)));
@@ -557,14 +582,23 @@ void run(const Problem& pb) {
       run_task<Path, T>(pb, d, t, num_splits[t.seq], w, rows, lines,
                         partials + slot * d.heads * d.rank, lses + slot * d.heads);
     }
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t b = 0; b < pb.batch; ++b) {
-      T* out = reinterpret_cast<T*>(pb.out) + b * d.heads * d.rank;
+    // Outputs of split sequences (merged) and of empty ones (zeros), one (sequence, head) each.
+    float* weights = arena.take<float>(max_splits);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < pb.batch * d.heads; ++i) {
+      const int64_t b = i / d.heads, h = i % d.heads;
+      T* out = reinterpret_cast<T*>(pb.out) + i * d.rank;
       if (num_splits[b] == 0) {
-        std::fill(out, out + d.heads * d.rank, T(0));
+        std::fill(out, out + d.rank, T(0));
       } else if (num_splits[b] > 1) {
         const int64_t slot = first_split[b];
-        merge_splits(d, num_splits[b], partials + slot * d.heads * d.rank, lses + slot * d.heads, out);
+        const float* partial = partials + (slot * d.heads + h) * d.rank;
+        const float* lse = lses + slot * d.heads + h;
+        if constexpr (Path::kAvx512) {
+          merge_head_avx512(d, num_splits[b], partial, lse, weights, out);
+        } else {
+          merge_head_scalar(d, num_splits[b], partial, lse, weights, out);
+        }
       }
     }
   }

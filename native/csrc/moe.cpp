@@ -30,6 +30,7 @@ namespace {
 // Blocks of 32 columns per task: of I in stage 2 (each with its gate and up half), of D in stage 3.
 constexpr int kGateUpBlocks = 2;
 constexpr int kDownBlocks = 4;
+constexpr int64_t kMinParallelBytes = 256 << 10;
 
 struct MoeArgs {
   const bf16_t* x;  // [T, 2 * d_pairs], row stride ldx
@@ -156,16 +157,20 @@ void fused_moe_bf16(const MoeArgs& p) {
   std::unique_ptr<bf16_t[]> h(new bf16_t[std::max<int64_t>(num_rows * ldh, 1)]);
 
   std::vector<int64_t> tasks;  // (e, first block of I) as e * inter_blocks + nb0
+  int64_t num_hit = 0;
   for (int64_t e = 0; e < p.num_experts; ++e) {
     if (route.offsets[e + 1] == route.offsets[e]) continue;
+    ++num_hit;
     for (int64_t nb = 0; nb < inter_blocks; nb += kGateUpBlocks) {
       tasks.push_back(e * inter_blocks + nb);
     }
   }
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const int64_t num_panels = (pack_num_blocks(p.hidden) + kDownBlocks - 1) / kDownBlocks;
+  // Weights of the experts hit; below kMinParallelBytes a fork/join costs more than it saves.
+  const int64_t weight_bytes = num_hit * 3 * p.inter * p.hidden * 2;
   // Dynamic scheduling: experts hold different numbers of rows, and the cores are shared.
-#pragma omp parallel
+#pragma omp parallel if (weight_bytes >= kMinParallelBytes)
   {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_tasks; ++i) {

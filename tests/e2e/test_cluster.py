@@ -6,20 +6,32 @@ process of the cluster is left."""
 
 import asyncio
 import re
+import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from conftest import alive, generate_reference, processes_mentioning, start_cluster
+from conftest import (
+    alive,
+    free_port,
+    free_port_pair,
+    generate_reference,
+    processes_mentioning,
+    start_cluster,
+)
 
+from deploy.local_cluster import dump_toml
 from engine.tiny_model import ensure_tiny_model
 from engine.tokenizer import Tokenizer
 
-CLUSTERS = {
-    "1p1d": (["--prefill", "1", "--decode", "1", "--dtype", "bfloat16"], "bfloat16"),
-    "2p1d": (["--prefill", "2", "--decode", "1", "--dtype", "float32"], "float32"),
-}
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+CLUSTERS = ["1p1d", "2p1d"]  # 1P1D: the shorthand, bfloat16; 2P1D: a config file, float32
 LONG_PROMPT = " ".join(
     ["The prefill node is compute bound; the decode node is memory bound."] * 11
 )  # 309 tokens: more than one prefill chunk (256)
@@ -28,12 +40,27 @@ CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to five."}],
 ]
-MAX_NEW = 20
+MAX_NEW = 16
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
-@pytest.fixture(scope="module", params=list(CLUSTERS))
+def _2p1d_config(path):
+    """deploy/configs/2p1d.toml (prefill `replicas = 2`) moved to free loopback ports."""
+    raw = tomllib.loads((DEPLOY / "configs" / "2p1d.toml").read_text())
+    raw["router"]["control_port"] = free_port()
+    raw["prefill"][0]["control_port"] = free_port_pair()
+    raw["decode"][0].update(name="decode-0", control_port=free_port(), kv_port=free_port())
+    path.write_text(dump_toml(raw))
+    return path
+
+
+@pytest.fixture(scope="module", params=CLUSTERS)
 def cluster(request, tmp_path_factory):
-    args, dtype = CLUSTERS[request.param]
+    if request.param == "1p1d":
+        dtype, args = "bfloat16", ["--prefill", "1", "--decode", "1", "--dtype", "bfloat16"]
+    else:
+        config = _2p1d_config(tmp_path_factory.mktemp("cfg") / "2p1d.toml")
+        dtype, args = "float32", ["--config", str(config), "--dtype", "float32"]
     up = start_cluster(args, tmp_path_factory)
     up.dtype = dtype
     up.name = request.param
@@ -155,20 +182,41 @@ def _wait(cond, timeout_s: float) -> bool:
 
 
 def test_disconnect_mid_stream_returns_decode_pages(cluster):
+    """8 long streams (8 x 480 tokens take seconds to decode) are dropped after their first
+    event: the decode node's used pages must be back at their earlier count well before the
+    requests could have finished on their own."""
     used = lambda: cluster.metric("duet_kv_pages_used", node="decode-0", role="decode")  # noqa: E731
     assert _wait(lambda: used() == 0, 10), "pages still in use before the test"
+    baseline = used()
     aborted_before = cluster.metric("duet_requests_total", outcome="aborted")
     body = {"model": "tiny-model", "prompt": "Hi", "max_tokens": 480, "temperature": 0,
             "stream": True, "ignore_eos": True}  # fmt: skip
-    with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        next(lines)
-        assert _wait(lambda: used() > 0, 5), "the request never showed up in the decode pages"
-        for _ in range(3):
-            next(lines)
-    # the connection is closed mid-stream: the router aborts on both nodes
-    assert _wait(lambda: used() == 0, 10)
-    assert cluster.metric("duet_requests_total", outcome="aborted") == aborted_before + 1
+    num_streams = 8
+    started, close = threading.Barrier(num_streams + 1, timeout=60), threading.Event()
+
+    def stream_then_drop():
+        with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=60) as r:
+            next(r.iter_lines())
+            started.wait()
+            close.wait(timeout=60)
+        # leaving the block closes the connection mid-stream
+
+    threads = [threading.Thread(target=stream_then_drop) for _ in range(num_streams)]
+    for t in threads:
+        t.start()
+    started.wait()
+    seen = []
+    ok = _wait(lambda: seen.append((round(time.monotonic(), 2), used())) or seen[-1][1] > baseline, 5)
+    assert ok, f"the streams never showed up in decode pages: {seen} {httpx.get(cluster.url + '/metrics').text}"
+    close.set()
+    closed_at = time.monotonic()
+    for t in threads:
+        t.join(timeout=10)
+    assert _wait(lambda: used() == baseline, 10)
+    freed_after = time.monotonic() - closed_at
+    assert cluster.metric("duet_requests_total", outcome="aborted") == aborted_before + num_streams
+    # finishing on their own would take several more seconds: the pages came back by the abort
+    assert freed_after < 3.0, f"pages came back only {freed_after:.1f} s after the disconnect"
 
 
 def test_bad_requests(cluster):

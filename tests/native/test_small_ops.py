@@ -140,6 +140,29 @@ def _distinct_logits(tokens: int, experts: int, dtype: torch.dtype) -> torch.Ten
     return (torch.stack(rows) if rows else torch.empty(0, experts)).to(dtype)
 
 
+def _decisive_tokens(logits, bias, top_k, n_group, topk_group, scoring, method, compared, tol=1e-6):
+    """Tokens whose routing has no (near-)tie at a decision: the group cut and the order of the
+    first `compared` experts. Exact ties are common in fp32 (score + bias rounds two experts to
+    one value), and there the kernel and torch may both be right with different ids."""
+    scores = logits.float().softmax(-1) if scoring == "softmax" else logits.float().sigmoid()
+    choice = scores if bias is None else scores + bias
+    decisive = torch.ones(logits.shape[0], dtype=torch.bool)
+    if method != "greedy" and n_group > 1:
+        grouped = choice.view(logits.shape[0], n_group, -1)
+        if method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        else:
+            group_scores = grouped.max(-1).values
+        ranked = group_scores.sort(-1, descending=True).values
+        decisive &= ranked[:, topk_group - 1] - ranked[:, topk_group] > tol
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[2], 1), float("-inf"))
+    ranked = choice.sort(-1, descending=True).values[:, : compared + 1]
+    gaps = ranked[:, :-1] - ranked[:, 1:]
+    return decisive & (gaps > tol).all(-1)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 33, 64])
 @pytest.mark.parametrize("config", ROUTING.keys())
@@ -151,11 +174,15 @@ def test_grouped_topk(isa, dtype, tokens, config):
     weights, ids = ops.grouped_topk(*args)
     ref_weights, ref_ids = reference.grouped_topk(*args)
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32
-    if config == "fill_masked":  # the filler experts tie at -inf: compare the real winners only
-        ids, ref_ids = ids[:, :4], ref_ids[:, :4]
-        weights, ref_weights = weights[:, :4], ref_weights[:, :4]
-    assert torch.equal(ids, ref_ids)
-    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
+    assert ids.shape == weights.shape == (tokens, top_k)
+    # fill_masked: only 4 experts compete, the other slots are fillers tied at -inf.
+    compared = 4 if config == "fill_masked" else top_k
+    rows = _decisive_tokens(logits, bias, top_k, n_group, topk_group, scoring, method, compared)
+    assert rows.sum() >= tokens // 2, "test data too tie-prone to check anything"
+    assert torch.equal(ids[rows, :compared], ref_ids[rows, :compared])
+    torch.testing.assert_close(
+        weights[rows, :compared], ref_weights[rows, :compared], rtol=1e-5, atol=1e-6
+    )
 
 
 def test_grouped_topk_strided_logits_and_empty(isa):
