@@ -148,9 +148,12 @@ def mla_decode(
     batch, num_heads, width = q.shape
     num_pages, page_size, _ = kv_cache.shape
     q = _rows_contiguous(q)
-    table = page_table.to(torch.int32)
+    table = page_table if page_table.dtype == torch.int32 else page_table.to(torch.int32)
     table = table if table.stride(-1) == 1 else table.contiguous()
-    rows = None if new_rows is None else new_rows.to(kv_cache.dtype).contiguous()
+    rows = new_rows
+    if rows is not None:
+        rows = rows if rows.dtype == kv_cache.dtype else rows.to(kv_cache.dtype)
+        rows = rows if rows.is_contiguous() else rows.contiguous()
     out = torch.empty(batch, num_heads, kv_lora_rank, dtype=q.dtype)
     c.mla_decode(
         out.data_ptr(),

@@ -161,15 +161,21 @@ def fused_moe(
         )
     num_experts, _, hidden = w13.shape
     inter = w13.n
+    if not isinstance(w2, PackedLinear) or tuple(w2.shape) != (num_experts, hidden, inter):
+        raise ValueError(f"fused_moe: w2 {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}")
     if x.dim() != 2 or x.shape[1] != hidden:
         raise ValueError(f"fused_moe: x {tuple(x.shape)} does not match hidden size {hidden}")
-    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+    if (
+        topk_ids.dim() != 2
+        or topk_ids.shape != topk_weights.shape
+        or topk_ids.shape[0] != x.shape[0]
+    ):
         raise ValueError(
             f"fused_moe: topk_ids {tuple(topk_ids.shape)} / topk_weights "
             f"{tuple(topk_weights.shape)} do not match {x.shape[0]} tokens"
         )
     num_tokens = x.shape[0]
-    top_k = topk_ids.shape[1] if topk_ids.dim() == 2 else 0
+    top_k = topk_ids.shape[1]
     out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16)
     if num_tokens == 0:
         return out
@@ -178,22 +184,11 @@ def fused_moe(
     ids = topk_ids.to(torch.int32).contiguous()
     ldx = x2.stride(0) if num_tokens > 1 else 2 * w13.k_pairs
     _C.fused_moe_bf16(
-        x2.data_ptr(),
-        num_tokens,
-        ldx,
-        w13.k_pairs,
-        w13.packed.data_ptr(),
-        w2.packed.data_ptr(),
-        num_experts,
-        inter,
-        hidden,
-        weights.data_ptr(),
-        ids.data_ptr(),
-        top_k,
-        int(expert_offset),
-        out.data_ptr(),
-        hidden,
-    )
+        x2.data_ptr(), num_tokens, ldx, w13.k_pairs,
+        w13.packed.data_ptr(), w2.packed.data_ptr(), num_experts, inter, hidden,
+        weights.data_ptr(), ids.data_ptr(), top_k, int(expert_offset),
+        out.data_ptr(), hidden,
+    )  # fmt: skip
     return out
 
 

@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -251,13 +251,13 @@ class _Format:
     model: str
     chat: bool
     prompt_len: int
-    created: int = 0
+    created: int = field(default_factory=lambda: int(time.time()))  # the same in every chunk
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {
             "id": self.request_id,
             "object": obj,
-            "created": self.created or int(time.time()),
+            "created": self.created,
             "model": self.model,
         }
 

@@ -4,13 +4,15 @@
 // so one zmm load gives 16 columns. A is read one element at a time and broadcast, at
 // a + r*a_rs + k*a_ks, so A may be row-major (a_ks = 1) or transposed (a_rs = 1) without a copy.
 // In the bf16 form (vdpbf16ps) one "element" is a VNNI pair: A holds (x[2k], x[2k+1]) as one
-// 32-bit word, B row k holds for every column j the pair (y[2k][j], y[2k+1][j]), and K counts pairs.
+// 32-bit word, B row k holds for every column j the pair (y[2k][j], y[2k+1][j]), and K counts
+// pairs.
 //
 // With row_scale null, C = A*B; otherwise C = C*row_scale[r] + A*B (the online-softmax rescale
 // of the output accumulator, fused into the load of the tile). M must be a multiple of R; the
 // tile is R x C vectors with R*C = 24 accumulators, so R in {4, 6, 8, 12, 24}.
 //
-// An optional LinePrefetch hands the tiles a list of cache lines to prefetch, one per k step:
+// An optional LinePrefetch hands the tiles a list of cache lines to prefetch, one every
+// `k_steps_per_line` k steps:
 // a kernel streaming scattered rows (mla_decode) pulls the next rows in while it computes,
 // paced by the arithmetic instead of in one burst that would stall the core.
 #pragma once
@@ -28,10 +30,15 @@ namespace attn {
 struct LinePrefetch {
   const char* const* next = nullptr;
   const char* const* end = nullptr;
+  int64_t k_steps_per_line = 1;  // a power of two
 };
 
 inline __attribute__((always_inline)) void prefetch_one(LinePrefetch* pf) {
-  if (pf != nullptr && pf->next != pf->end) __builtin_prefetch(*pf->next++, 0, 2);
+  if (pf->next != pf->end) __builtin_prefetch(*pf->next++, 0, 2);
+}
+
+inline __attribute__((always_inline)) void prefetch_at(LinePrefetch* pf, int64_t k) {
+  if (pf != nullptr && (k & (pf->k_steps_per_line - 1)) == 0) prefetch_one(pf);
 }
 
 // One R x C tile of fp32 FMAs.
@@ -50,7 +57,7 @@ DUET_TARGET_AVX512 inline __attribute__((always_inline)) void tile_f32(
     }
   }
   for (int64_t k = 0; k < k_count; ++k) {
-    prefetch_one(pf);
+    prefetch_at(pf, k);
     __m512 bv[C];
 #pragma GCC unroll 8
     for (int j = 0; j < C; ++j) bv[j] = _mm512_loadu_ps(b + k * b_ks + 16 * j);
@@ -71,8 +78,8 @@ DUET_TARGET_AVX512 inline __attribute__((always_inline)) void tile_f32(
 // One R x C tile of bf16 pair dot products (vdpbf16ps), fp32 accumulation.
 template <int R, int C>
 DUET_TARGET_AVX512_BF16 inline __attribute__((always_inline)) void tile_bf16(
-    const uint32_t* a, int64_t a_rs, int64_t a_ks, const uint32_t* b, int64_t b_ks,
-    int64_t k_count, float* c, int64_t ldc, const float* row_scale, LinePrefetch* pf) {
+    const uint32_t* a, int64_t a_rs, int64_t a_ks, const uint32_t* b, int64_t b_ks, int64_t k_count,
+    float* c, int64_t ldc, const float* row_scale, LinePrefetch* pf) {
   __m512 acc[R][C];
 #pragma GCC unroll 24
   for (int r = 0; r < R; ++r) {
@@ -84,7 +91,7 @@ DUET_TARGET_AVX512_BF16 inline __attribute__((always_inline)) void tile_bf16(
     }
   }
   for (int64_t k = 0; k < k_count; ++k) {
-    prefetch_one(pf);
+    prefetch_at(pf, k);
     __m512bh bv[C];
 #pragma GCC unroll 8
     for (int j = 0; j < C; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + k * b_ks + 16 * j);

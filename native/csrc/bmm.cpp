@@ -76,8 +76,9 @@ void bmm_task(Isa isa, const BmmArgs& p, int64_t n, int64_t block0, float* acc) 
         }
       }
     }
-    for (int64_t r0 = 0; r0 < p.m; r0 += kTileMaxRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kTileMaxRows, p.m - r0));
+    for (int64_t t = 0; t < tile_count(p.m); ++t) {
+      const int64_t r0 = tile_begin(t, p.m);
+      const int rows = static_cast<int>(tile_begin(t + 1, p.m) - r0);
       const bf16_t* a_rows[kTileMaxRows];
       for (int r = 0; r < rows; ++r) a_rows[r] = a + (r0 + r) * p.sa1 + 2 * kp0;
       tile_gemm(isa, rows, num_blocks, a_rows, b_blocks, pairs, acc + r0 * ldt, ldt, kp0 > 0);

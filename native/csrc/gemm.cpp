@@ -358,8 +358,9 @@ void gemm_task(Isa isa, const LinearArgs& p, int64_t row0, int64_t rows, int64_t
     for (int i = 0; i < num_blocks; ++i) {
       b_blocks[i] = p.w + (block + i) * block_elems + kp0 * 2 * kPackBlockN;
     }
-    for (int64_t r0 = 0; r0 < rows; r0 += kTileMaxRows) {
-      const int tile_rows = static_cast<int>(std::min<int64_t>(kTileMaxRows, rows - r0));
+    for (int64_t t = 0; t < tile_count(rows); ++t) {
+      const int64_t r0 = tile_begin(t, rows);
+      const int tile_rows = static_cast<int>(tile_begin(t + 1, rows) - r0);
       const bf16_t* a_rows[kTileMaxRows];
       for (int r = 0; r < tile_rows; ++r) a_rows[r] = p.x + (row0 + r0 + r) * p.ldx + 2 * kp0;
       tile_gemm(isa, tile_rows, num_blocks, a_rows, b_blocks, pairs, acc + r0 * ldt, ldt, kp0 > 0);

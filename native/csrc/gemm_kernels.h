@@ -30,6 +30,12 @@ constexpr int kTileMaxRows = 6;
 constexpr int kTileMaxBlocks = 4;
 inline int tile_max_blocks(int rows) { return std::min(kTileMaxBlocks, 12 / std::max(rows, 1)); }
 
+// `rows` rows are cut into tile_count(rows) tiles of near-equal height: tile i is rows
+// [tile_begin(i, rows), tile_begin(i + 1, rows)). 7 rows -> 3 + 4, not 6 + 1: a 1-row tile has
+// too few accumulators to hide the vdpbf16ps latency.
+inline int64_t tile_count(int64_t rows) { return (rows + kTileMaxRows - 1) / kTileMaxRows; }
+inline int64_t tile_begin(int64_t i, int64_t rows) { return i * rows / tile_count(rows); }
+
 // One register tile:
 //   c[r][32*i + j] (+)= sum_{kp < k_pairs, t < 2} a_rows[r][2kp + t] * b_blocks[i][kp][j][t]
 // for r < rows <= 6, i < num_blocks <= tile_max_blocks(rows), j < 32.
@@ -50,6 +56,7 @@ void silu_mul_row_bf16(Isa isa, const float* gate, const float* up, bf16_t* dst,
 void axpy_row_f32(Isa isa, float alpha, const float* src, float* dst, int64_t n);
 
 // Per-thread fp32 scratch of at least `floats` elements (grows, never shrinks; 64-byte aligned).
+// Called inside OpenMP regions, where a failed allocation cannot unwind: it terminates.
 float* thread_scratch_f32(int64_t floats);
 
 }  // namespace duet

@@ -16,7 +16,8 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
-#include <cmath>
+#include <atomic>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -24,9 +25,9 @@
 #include <vector>
 
 #include "attention_common.h"
-#include "attention_gemm.h"
 #include "common.h"
 #include "cpu_features.h"
+#include "mla_decode_paths.h"
 
 namespace py = pybind11;
 
@@ -34,15 +35,7 @@ namespace duet {
 namespace {
 
 using namespace attn;  // NOLINT(build/namespaces)
-
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// Tokens per chunk: a multiple of 16, so chunks (and splits) start on 16-token boundaries and,
-// when 16 divides the page size, every 16-row group of a chunk is contiguous in one page.
-constexpr int64_t kChunk = 128;
-// Rows of the chunk buffers: the QK^T GEMM on copied rows runs on whole tiles of up to 24 rows.
-constexpr int64_t kMaxRowTile = 24;
-constexpr int64_t kChunkRows = (kChunk + kMaxRowTile - 1) / kMaxRowTile * kMaxRowTile;
+using namespace mla;   // NOLINT(build/namespaces)
 
 struct Problem {
   int64_t batch, num_heads, width, rank, page_size, num_pages;
@@ -57,368 +50,8 @@ struct Problem {
   float sm_scale;
 };
 
-struct Dims {
-  int64_t width, rank, heads;
-  int64_t heads_pad;    // heads rounded up to 16 (one zmm of heads)
-  bool keys_in_place;   // bf16 path: QK^T reads the cache rows directly (see Bf16Path)
-};
-
-// ---- portable path ----------------------------------------------------------------------------
-
-template <typename T>
-struct PortablePath {
-  static constexpr bool kAvx512 = false;
-  struct Work {
-    float *q, *s, *o, *m, *l;
-  };
-
-  static Work carve(Arena& a, const Dims& d) {
-    Work w;
-    w.q = a.take<float>(d.heads * d.width);
-    w.s = a.take<float>(kChunk * d.heads);
-    w.o = a.take<float>(d.heads * d.rank);
-    w.m = a.take<float>(d.heads);
-    w.l = a.take<float>(d.heads);
-    return w;
-  }
-
-  static void begin(Work& w, const Dims& d, const T* q, int64_t head_stride) {
-    for (int64_t h = 0; h < d.heads; ++h) {
-      for (int64_t i = 0; i < d.width; ++i) w.q[h * d.width + i] = to_float(q[h * head_stride + i]);
-    }
-    std::fill(w.m, w.m + d.heads, kNegInf);
-    std::fill(w.l, w.l + d.heads, 0.0f);
-    std::fill(w.o, w.o + d.heads * d.rank, 0.0f);
-  }
-
-  static void chunk(Work& w, const Dims& d, const T* const* rows, int64_t n_len, float scale,
-                    LinePrefetch*) {
-    for (int64_t h = 0; h < d.heads; ++h) {
-      float* s = w.s + h * kChunk;
-      float row_max = kNegInf;
-      for (int64_t j = 0; j < n_len; ++j) {
-        float acc = 0.0f;
-        for (int64_t i = 0; i < d.width; ++i) acc += w.q[h * d.width + i] * to_float(rows[j][i]);
-        s[j] = acc * scale;
-        row_max = std::max(row_max, s[j]);
-      }
-      const float m_new = std::max(w.m[h], row_max);
-      const float alpha = std::exp(w.m[h] - m_new);
-      float* o = w.o + h * d.rank;
-      for (int64_t i = 0; i < d.rank; ++i) o[i] *= alpha;
-      float sum = 0.0f;
-      for (int64_t j = 0; j < n_len; ++j) {
-        const float p = std::exp(s[j] - m_new);
-        sum += p;
-        for (int64_t i = 0; i < d.rank; ++i) o[i] += p * to_float(rows[j][i]);
-      }
-      w.m[h] = m_new;
-      w.l[h] = w.l[h] * alpha + sum;
-    }
-  }
-
-  // o[h] / l[h] as U, and the log-sum-exp m + log l of each head (when lse is given).
-  template <typename U>
-  static void finish(const Work& w, const Dims& d, U* out, float* lse) {
-    for (int64_t h = 0; h < d.heads; ++h) {
-      const float inv = 1.0f / w.l[h];
-      for (int64_t i = 0; i < d.rank; ++i) out[h * d.rank + i] = from_float<U>(w.o[h * d.rank + i] * inv);
-      if (lse) lse[h] = w.m[h] + std::log(w.l[h]);
-    }
-  }
-};
-
-// ---- AVX-512 pieces shared by the vector paths --------------------------------------------------
-
-// Online softmax over one chunk, heads in lanes: s [kChunk][heads_pad] fp32 scores of rows
-// j < n_len. Updates m, l (per head), writes alpha and the probabilities through store_pair
-// (rows 2i and 2i+1 together; a missing odd row is zero).
-template <int ExpDegree, typename StorePair>
-DUET_TARGET_AVX512 inline __attribute__((always_inline)) void softmax_heads(
-    const float* s, int64_t heads_pad, int64_t n_len, float scale, float* m, float* l,
-    float* alpha, StorePair store_pair) {
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t h = 0; h < heads_pad; h += 16) {
-    __m512 vmax = _mm512_set1_ps(kNegInf);
-    for (int64_t j = 0; j < n_len; ++j) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j * heads_pad + h));
-    const __m512 m_old = _mm512_loadu_ps(m + h);
-    const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(vmax, vscale));
-    const __m512 neg_m = _mm512_sub_ps(_mm512_setzero_ps(), m_new);
-    // alpha = exp(m_old - m_new); m_old = -inf on the first chunk gives 0.
-    const __m512 a = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_old, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ),
-                                         exp_neg<6>(_mm512_add_ps(m_old, neg_m)));
-    __m512 vsum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n_len; j += 2) {
-      const __m512 p0 = exp_neg<ExpDegree>(_mm512_fmadd_ps(_mm512_loadu_ps(s + j * heads_pad + h), vscale, neg_m));
-      const __m512 p1 = j + 1 < n_len ? exp_neg<ExpDegree>(_mm512_fmadd_ps(
-                                            _mm512_loadu_ps(s + (j + 1) * heads_pad + h), vscale, neg_m))
-                                      : _mm512_setzero_ps();
-      vsum = _mm512_add_ps(vsum, _mm512_add_ps(p0, p1));
-      store_pair(j, h, p0, p1);
-    }
-    _mm512_storeu_ps(alpha + h, a);
-    _mm512_storeu_ps(l + h, _mm512_fmadd_ps(_mm512_loadu_ps(l + h), a, vsum));
-    _mm512_storeu_ps(m + h, m_new);
-  }
-}
-
-// out[h] = o[h] / l[h] (U = float or bf16) and lse[h] = m[h] + log l[h] when lse is given.
-template <typename U>
-DUET_TARGET_AVX512 void finish_rows(const float* o, int64_t ld, const float* m, const float* l,
-                                    const Dims& d, U* out, float* lse) {
-  for (int64_t h = 0; h < d.heads; ++h) {
-    const __m512 inv = _mm512_set1_ps(1.0f / l[h]);
-    for (int64_t i = 0; i < d.rank; i += 16) {
-      store_f32(out + h * d.rank + i, _mm512_mul_ps(_mm512_loadu_ps(o + h * ld + i), inv),
-                mask16(d.rank - i));
-    }
-    if (lse) lse[h] = m[h] + std::log(l[h]);
-  }
-}
-
-// S [rows][heads_pad] = chunk rows . q, for the first n_len rows (rounded up to the row tile,
-// chosen so that 24 accumulators cover the head vectors).
-template <typename Packed>
-void scores_gemm(int64_t n_len, int64_t head_vecs, int64_t k_count, const Packed* rows,
-                 int64_t row_stride, const Packed* q, int64_t q_stride, float* s, LinePrefetch* pf) {
-  switch (head_vecs) {
-    case 1:
-      return gemm<24>(round_up(n_len, 24), 1, k_count, rows, row_stride, 1, q, q_stride, s, q_stride,
-                      nullptr, pf);
-    case 2:
-      return gemm<12>(round_up(n_len, 12), 2, k_count, rows, row_stride, 1, q, q_stride, s, q_stride,
-                      nullptr, pf);
-    case 3:
-      return gemm<8>(round_up(n_len, 8), 3, k_count, rows, row_stride, 1, q, q_stride, s, q_stride,
-                     nullptr, pf);
-    default:
-      return gemm<6>(round_up(n_len, 6), head_vecs, k_count, rows, row_stride, 1, q, q_stride, s,
-                     q_stride, nullptr, pf);
-  }
-}
-
-// PV row tile: rows are heads (8 per tile, heads_pad is a multiple of 16).
-constexpr int kHeadRows = 8;
-
-// ---- fp32 AVX-512 path ----------------------------------------------------------------------------
-
-// NOTE: layouts (fp32). q [width][heads_pad] (transposed: heads in lanes); k [rows][width_pad]
-// the chunk's rows (converted), also the values (first rank columns); s and p [rows][heads_pad].
-template <typename T>
-struct F32Path {
-  static constexpr bool kAvx512 = true;
-  struct Work {
-    float *q, *k, *s, *p, *o, *m, *l, *alpha;
-    int64_t width_pad;
-  };
-
-  static Work carve(Arena& a, const Dims& d) {
-    Work w;
-    w.width_pad = round_up(d.width, 16);
-    w.q = a.take<float>(d.width * d.heads_pad);
-    w.k = a.take<float>(kChunkRows * w.width_pad);
-    w.s = a.take<float>(kChunkRows * d.heads_pad);
-    w.p = a.take<float>(kChunkRows * d.heads_pad);
-    w.o = a.take<float>(d.heads_pad * w.width_pad);
-    w.m = a.take<float>(d.heads_pad);
-    w.l = a.take<float>(d.heads_pad);
-    w.alpha = a.take<float>(d.heads_pad);
-    return w;
-  }
-
-  static void begin(Work& w, const Dims& d, const T* q, int64_t head_stride) {
-    std::fill(w.q, w.q + d.width * d.heads_pad, 0.0f);
-    for (int64_t h = 0; h < d.heads; ++h) {
-      for (int64_t i = 0; i < d.width; ++i) w.q[i * d.heads_pad + h] = to_float(q[h * head_stride + i]);
-    }
-    std::fill(w.m, w.m + d.heads_pad, kNegInf);
-    std::fill(w.l, w.l + d.heads_pad, 0.0f);
-    std::fill(w.o, w.o + d.heads_pad * w.width_pad, 0.0f);
-  }
-
-  struct StorePair {
-    float* p;
-    int64_t heads_pad;
-    DUET_TARGET_AVX512 void operator()(int64_t j, int64_t h, __m512 p0, __m512 p1) const {
-      _mm512_storeu_ps(p + j * heads_pad + h, p0);
-      _mm512_storeu_ps(p + (j + 1) * heads_pad + h, p1);
-    }
-  };
-
-  DUET_TARGET_AVX512 static void softmax(Work& w, const Dims& d, int64_t n_len, float scale) {
-    softmax_heads<6>(w.s, d.heads_pad, n_len, scale, w.m, w.l, w.alpha, StorePair{w.p, d.heads_pad});
-  }
-
-  DUET_TARGET_AVX512 static void gather(Work& w, const Dims& d, const T* const* rows, int64_t n_len) {
-    for (int64_t j = 0; j < round_up(n_len, kMaxRowTile); ++j) {
-      float* dst = w.k + j * w.width_pad;
-      for (int64_t i = 0; i < w.width_pad; i += 16) {
-        _mm512_storeu_ps(dst + i, j < n_len ? load_f32(rows[j] + i, mask16(d.width - i)) : _mm512_setzero_ps());
-      }
-    }
-  }
-
-  static void chunk(Work& w, const Dims& d, const T* const* rows, int64_t n_len, float scale,
-                    LinePrefetch* pf) {
-    gather(w, d, rows, n_len);
-    scores_gemm(n_len, d.heads_pad / 16, d.width, w.k, w.width_pad, w.q, d.heads_pad, w.s, pf);
-    softmax(w, d, n_len, scale);
-    // O[h] = O[h] * alpha[h] + sum_j p[j][h] rows[j][:rank]: A = p transposed (a_rs = 1).
-    gemm<kHeadRows>(d.heads_pad, ceil_div(d.rank, 16), n_len, w.p, 1, d.heads_pad, w.k, w.width_pad,
-                    w.o, w.width_pad, w.alpha, pf);
-  }
-
-  template <typename U>
-  static void finish(const Work& w, const Dims& d, U* out, float* lse) {
-    finish_rows(w.o, w.width_pad, w.m, w.l, d, out, lse);
-  }
-};
-
-// ---- bf16 AVX-512-BF16 path -----------------------------------------------------------------------
-
-// NOTE: layouts (one 32-bit word = one VNNI pair of bf16; wp = ceil(width / 2) pairs).
-//   q [wp][heads_pad]            pair i of head h = (q[h][2i], q[h][2i+1])   (heads in lanes)
-//   k [rows][row_words]          the chunk's rows copied, as pairs (A of QK^T), unless the rows
-//                                are read in place (Dims::keys_in_place)
-//   v [kChunk / 2][rank_pad]     pair i of column c = (row[2i][c], row[2i+1][c])
-//   p [kChunk / 2][heads_pad]    pair i of head h = (p[2i][h], p[2i+1][h])
-struct Bf16Path {
-  static constexpr bool kAvx512 = true;
-  struct Work {
-    uint32_t *q, *k, *v, *p;
-    float *s, *o, *m, *l, *alpha;
-    int64_t row_words, rank_pad;
-  };
-
-  static Work carve(Arena& a, const Dims& d) {
-    Work w;
-    w.row_words = round_up(d.width, 32) / 2;
-    w.rank_pad = round_up(d.rank, 16);
-    w.q = a.take<uint32_t>(round_up(ceil_div(d.width, 2), 16) * d.heads_pad);
-    w.k = a.take<uint32_t>(kChunkRows * w.row_words);
-    w.v = a.take<uint32_t>(kChunk / 2 * round_up(d.rank, 32));
-    w.p = a.take<uint32_t>(kChunk / 2 * d.heads_pad);
-    w.s = a.take<float>(kChunkRows * d.heads_pad);
-    w.o = a.take<float>(d.heads_pad * w.rank_pad);
-    w.m = a.take<float>(d.heads_pad);
-    w.l = a.take<float>(d.heads_pad);
-    w.alpha = a.take<float>(d.heads_pad);
-    return w;
-  }
-
-  // q pairs transposed to [wp][heads_pad] with 16x16 word transposes (missing heads are zero).
-  DUET_TARGET_AVX512 static void begin(Work& w, const Dims& d, const bf16_t* q, int64_t head_stride) {
-    const int64_t wp = ceil_div(d.width, 2);
-    __m512i t[16];
-    for (int64_t h0 = 0; h0 < d.heads_pad; h0 += 16) {
-      for (int64_t i0 = 0; i0 < wp; i0 += 16) {
-        for (int64_t r = 0; r < 16; ++r) {
-          t[r] = h0 + r < d.heads
-                     ? _mm512_maskz_loadu_epi16(mask32(d.width - 2 * i0), q + (h0 + r) * head_stride + 2 * i0)
-                     : _mm512_setzero_si512();
-        }
-        transpose16x16(t);
-        for (int64_t c = 0; c < 16; ++c) _mm512_storeu_si512(w.q + (i0 + c) * d.heads_pad + h0, t[c]);
-      }
-    }
-    std::fill(w.m, w.m + d.heads_pad, kNegInf);
-    std::fill(w.l, w.l + d.heads_pad, 0.0f);
-    std::fill(w.o, w.o + d.heads_pad * w.rank_pad, 0.0f);
-  }
-
-  // Loads each row pair once: stores it as value pairs and, unless the keys are read in place,
-  // as keys (contiguous rows, zero rows up to the row tile).
-  DUET_TARGET_AVX512 static void gather(Work& w, const Dims& d, const bf16_t* const* rows,
-                                        int64_t n_len) {
-    const int64_t row_elems = d.keys_in_place ? w.rank_pad : 2 * w.row_words;
-    const int64_t num_rows = d.keys_in_place ? n_len : round_up(n_len, kMaxRowTile);
-    const int64_t width = d.width, rank = d.rank, rank_pad = w.rank_pad, row_words = w.row_words;
-    const bool copy_keys = !d.keys_in_place;
-    for (int64_t j = 0; j < num_rows; j += 2) {
-      const bool has0 = j < n_len, has1 = j + 1 < n_len;
-      bf16_t* k0 = reinterpret_cast<bf16_t*>(w.k + j * row_words);
-      bf16_t* k1 = k0 + 2 * row_words;
-      uint32_t* v = w.v + (j / 2) * rank_pad;
-      for (int64_t i = 0; i < row_elems; i += 32) {
-        const __mmask32 mk = mask32(width - i);
-        const __m512i a = has0 ? _mm512_maskz_loadu_epi16(mk, rows[j] + i) : _mm512_setzero_si512();
-        const __m512i b = has1 ? _mm512_maskz_loadu_epi16(mk, rows[j + 1] + i) : _mm512_setzero_si512();
-        if (copy_keys) {
-          _mm512_storeu_si512(k0 + i, a);
-          _mm512_storeu_si512(k1 + i, b);
-        }
-        if (i < rank_pad) {
-          const __mmask32 mv = mask32(rank - i);
-          __m512i lo, hi;
-          interleave_pairs(_mm512_maskz_mov_epi16(mv, a), _mm512_maskz_mov_epi16(mv, b), &lo, &hi);
-          _mm512_storeu_si512(v + i, lo);
-          if (i + 16 < rank_pad) _mm512_storeu_si512(v + i + 16, hi);
-        }
-      }
-    }
-  }
-
-  // QK^T on the cache rows in place: every 16-row group of the chunk is contiguous in one page
-  // (kChunk), so a row tile is one pointer plus a fixed row stride. Rows of the last tile past
-  // n_len are other rows of the same page: finite or not, their scores are never read.
-  static void scores_in_place(Work& w, const Dims& d, const bf16_t* const* rows, int64_t n_len,
-                              LinePrefetch* pf) {
-    const int64_t head_vecs = d.heads_pad / 16, k_count = d.width / 2, row_words = d.width / 2;
-    for (int64_t r0 = 0; r0 < n_len; r0 += 16) {
-      const uint32_t* a = reinterpret_cast<const uint32_t*>(rows[r0]);
-      float* s = w.s + r0 * d.heads_pad;
-      if (head_vecs == 1) {
-        tile_any<16, 1>(1, a, row_words, 1, w.q, d.heads_pad, k_count, s, d.heads_pad, nullptr, pf);
-        continue;
-      }
-      for (int64_t j0 = 0; j0 < head_vecs; j0 += 3) {  // 2 x (8 rows x 3 head vectors)
-        for (int64_t h = 0; h < 16; h += 8) {
-          tile_any<8, 3>(std::min<int64_t>(3, head_vecs - j0), a + h * row_words, row_words, 1,
-                         w.q + 16 * j0, d.heads_pad, k_count, s + h * d.heads_pad + 16 * j0,
-                         d.heads_pad, nullptr, pf);
-        }
-      }
-    }
-  }
-
-  struct StorePair {
-    uint32_t* p;
-    int64_t heads_pad;
-    DUET_TARGET_AVX512_BF16 void operator()(int64_t j, int64_t h, __m512 p0, __m512 p1) const {
-      alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
-                                                           21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
-                                                           11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // p0 in the low half
-      _mm512_storeu_si512(p + (j / 2) * heads_pad + h,
-                          _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), both));
-    }
-  };
-
-  DUET_TARGET_AVX512_BF16 static void softmax(Work& w, const Dims& d, int64_t n_len, float scale) {
-    softmax_heads<4>(w.s, d.heads_pad, n_len, scale, w.m, w.l, w.alpha, StorePair{w.p, d.heads_pad});
-  }
-
-  static void chunk(Work& w, const Dims& d, const bf16_t* const* rows, int64_t n_len, float scale,
-                    LinePrefetch* pf) {
-    gather(w, d, rows, n_len);
-    if (d.keys_in_place) {
-      scores_in_place(w, d, rows, n_len, pf);
-    } else {
-      scores_gemm(n_len, d.heads_pad / 16, ceil_div(d.width, 2), w.k, w.row_words, w.q,
-                  d.heads_pad, w.s, pf);
-    }
-    softmax(w, d, n_len, scale);
-    gemm<kHeadRows>(d.heads_pad, w.rank_pad / 16, ceil_div(n_len, 2), w.p, 1, d.heads_pad, w.v,
-                    w.rank_pad, w.o, w.rank_pad, w.alpha, pf);
-  }
-
-  template <typename U>
-  static void finish(const Work& w, const Dims& d, U* out, float* lse) {
-    finish_rows(w.o, w.rank_pad, w.m, w.l, d, out, lse);
-  }
-};
-
-// ---- driver ---------------------------------------------------------------------------------------
+// ---- driver
+// ---------------------------------------------------------------------------------------
 
 struct Task {
   int64_t seq, split, begin, end;
@@ -448,9 +81,8 @@ std::vector<Task> make_tasks(const Problem& pb, std::vector<int64_t>* num_splits
       tasks.push_back({b, s, begin, end});
     }
   }
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) {
-    return x.end - x.begin > y.end - y.begin;
-  });
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& x, const Task& y) { return x.end - x.begin > y.end - y.begin; });
   return tasks;
 }
 
@@ -460,76 +92,52 @@ T* cache_row(const Problem& pb, int64_t b, int64_t pos) {
   return reinterpret_cast<T*>(pb.cache) + (page * pb.page_size + pos % pb.page_size) * pb.width;
 }
 
+// Line addresses of the first n_len rows from position n0 of sequence b.
+template <typename T>
+LinePrefetch chunk_lines(const Problem& pb, int64_t b, int64_t n0, int64_t n_len,
+                         const char** lines) {
+  const int64_t row_bytes = pb.width * static_cast<int64_t>(sizeof(T));
+  const char** line = lines;
+  for (int64_t j = 0; j < n_len; ++j) {
+    const char* row = reinterpret_cast<const char*>(cache_row<T>(pb, b, n0 + j));
+    for (int64_t i = 0; i < row_bytes; i += 64) *line++ = row + i;
+  }
+  return LinePrefetch{lines, line};
+}
+
+// One task. The next chunk's rows are prefetched while the current one computes, one cache line
+// every few k steps of its GEMM tiles (pages are scattered, so the hardware prefetchers lose the
+// stream at every page boundary); during the last chunk, the first chunk of `following` (the
+// task this thread runs next). A first chunk nobody prefetched is requested in one burst.
 template <typename Path, typename T, typename Work>
-void run_task(const Problem& pb, const Dims& d, const Task& t, int64_t num_splits, Work& w,
-              const T** rows, const char** lines, float* partial, float* lse) {
-  using Out = T;  // q, cache and out share the dtype
+void run_task(const Problem& pb, const Dims& d, const Task& t, const Task* following,
+              bool first_prefetched, int64_t num_splits, Work& w, const T** rows,
+              const char** lines, float* partial, float* lse) {
   const T* q = reinterpret_cast<const T*>(pb.q) + t.seq * pb.q_batch_stride;
   Path::begin(w, d, q, pb.q_head_stride);
-  // The next chunk's rows are prefetched while the current one computes, one cache line per
-  // k step of its GEMM tiles (pages are scattered, so the hardware prefetchers lose the stream
-  // at every page boundary); the first chunk's in one burst, there is nothing to overlap.
-  const int64_t row_bytes = d.width * static_cast<int64_t>(sizeof(T));
-  auto fill = [&](int64_t n0) {
-    const int64_t n_len = std::min(kChunk, t.end - n0);
-    const char** line = lines;
-    for (int64_t j = 0; j < n_len; ++j) {
-      const char* row = reinterpret_cast<const char*>(cache_row<T>(pb, t.seq, n0 + j));
-      for (int64_t i = 0; i < row_bytes; i += 64) *line++ = row + i;
-    }
-    return LinePrefetch{lines, line};
-  };
-  LinePrefetch first = fill(t.begin);
-  while (first.next != first.end) prefetch_one(&first);
+  if (!first_prefetched) {
+    LinePrefetch first =
+        chunk_lines<T>(pb, t.seq, t.begin, std::min(kChunk, t.end - t.begin), lines);
+    while (first.next != first.end) prefetch_one(&first);
+  }
   for (int64_t n0 = t.begin; n0 < t.end; n0 += kChunk) {
     const int64_t n_len = std::min(kChunk, t.end - n0);
     for (int64_t j = 0; j < n_len; ++j) rows[j] = cache_row<T>(pb, t.seq, n0 + j);
-    LinePrefetch next = n0 + kChunk < t.end ? fill(n0 + kChunk) : LinePrefetch{};
+    LinePrefetch next;
+    if (n0 + kChunk < t.end) {
+      next = chunk_lines<T>(pb, t.seq, n0 + kChunk, std::min(kChunk, t.end - n0 - kChunk), lines);
+    } else if (following != nullptr) {
+      next = chunk_lines<T>(pb, following->seq, following->begin,
+                            std::min(kChunk, following->end - following->begin), lines);
+    }
     Path::chunk(w, d, rows, n_len, pb.sm_scale, &next);
     while (next.next != next.end) prefetch_one(&next);
   }
   if (num_splits == 1) {
-    Path::finish(w, d, reinterpret_cast<Out*>(pb.out) + t.seq * d.heads * d.rank,
+    Path::finish(w, d, reinterpret_cast<T*>(pb.out) + t.seq * d.heads * d.rank,
                  static_cast<float*>(nullptr));
   } else {
     Path::finish(w, d, partial, lse);
-  }
-}
-
-// Merge of the splits of one (sequence, head): out = sum_s w_s partial_s / sum_s w_s with
-// w_s = exp(lse_s - max lse). partial/lse point at split 0 of the head, split s is s * stride
-// elements (s * heads) further.
-inline void split_weights(int64_t num_splits, const float* lse, int64_t heads, float* weights) {
-  float max_lse = kNegInf;
-  for (int64_t s = 0; s < num_splits; ++s) max_lse = std::max(max_lse, lse[s * heads]);
-  float total = 0.0f;
-  for (int64_t s = 0; s < num_splits; ++s) total += weights[s] = std::exp(lse[s * heads] - max_lse);
-  for (int64_t s = 0; s < num_splits; ++s) weights[s] /= total;
-}
-
-template <typename T>
-void merge_head_scalar(const Dims& d, int64_t num_splits, const float* partial, const float* lse,
-                       float* weights, T* out) {
-  split_weights(num_splits, lse, d.heads, weights);
-  for (int64_t i = 0; i < d.rank; ++i) {
-    float acc = 0.0f;
-    for (int64_t s = 0; s < num_splits; ++s) acc += weights[s] * partial[s * d.heads * d.rank + i];
-    out[i] = from_float<T>(acc);
-  }
-}
-
-template <typename T>
-DUET_TARGET_AVX512 void merge_head_avx512(const Dims& d, int64_t num_splits, const float* partial,
-                                          const float* lse, float* weights, T* out) {
-  split_weights(num_splits, lse, d.heads, weights);
-  for (int64_t i = 0; i < d.rank; i += 16) {
-    const __mmask16 mk = mask16(d.rank - i);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t s = 0; s < num_splits; ++s) {
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(weights[s]),
-                            _mm512_maskz_loadu_ps(mk, partial + s * d.heads * d.rank + i), acc);
-    }
-    store_f32(out + i, acc, mk);
   }
 }
 
@@ -537,7 +145,8 @@ template <typename Path, typename T>
 void run(const Problem& pb) {
   if (pb.batch == 0) return;
   // Rows read in place need whole VNNI pairs (even width) and 16-row groups inside one page.
-  const bool in_place = std::is_same_v<Path, Bf16Path> && pb.width % 2 == 0 && pb.page_size % 16 == 0;
+  const bool in_place =
+      std::is_same_v<Path, Bf16Path> && pb.width % 2 == 0 && pb.page_size % 16 == 0;
   const Dims d{pb.width, pb.rank, pb.num_heads, round_up(pb.num_heads, 16), in_place};
   std::vector<int64_t> num_splits;
   const std::vector<Task> tasks = make_tasks(pb, &num_splits);
@@ -555,11 +164,14 @@ void run(const Problem& pb) {
   Path::carve(layout, d);
   layout.take<const T*>(kChunk);
   layout.take<const char*>(kChunk * ceil_div(pb.width * static_cast<int64_t>(sizeof(T)), 64));
-  const int64_t max_splits = std::max<int64_t>(1, *std::max_element(num_splits.begin(), num_splits.end()));
+  const int64_t max_splits =
+      std::max<int64_t>(1, *std::max_element(num_splits.begin(), num_splits.end()));
   layout.take<float>(max_splits);
   const int64_t work_bytes = layout.used();
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads(), num_tasks)));
+  const int threads =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads(), num_tasks)));
+  std::atomic<int64_t> next_task{0};
 #pragma omp parallel num_threads(threads)
   {
     if (pb.new_rows != nullptr) {
@@ -574,14 +186,23 @@ void run(const Problem& pb) {
     Arena arena(thread_scratch(0, work_bytes));
     auto w = Path::carve(arena, d);
     const T** rows = arena.take<const T*>(kChunk);
-    const char** lines = arena.take<const char*>(kChunk * ceil_div(pb.width * static_cast<int64_t>(sizeof(T)), 64));
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_tasks; ++i) {
+    const char** lines =
+        arena.take<const char*>(kChunk * ceil_div(pb.width * static_cast<int64_t>(sizeof(T)), 64));
+    // Dynamic scheduling by hand: a thread claims its next task before running the current
+    // one, so that it can prefetch the next task's first rows.
+    int64_t i = next_task.fetch_add(1);
+    bool prefetched = false;
+    while (i < num_tasks) {
+      const int64_t following = next_task.fetch_add(1);
       const Task& t = tasks[i];
       const int64_t slot = first_split[t.seq] + t.split;
-      run_task<Path, T>(pb, d, t, num_splits[t.seq], w, rows, lines,
-                        partials + slot * d.heads * d.rank, lses + slot * d.heads);
+      run_task<Path, T>(pb, d, t, following < num_tasks ? &tasks[following] : nullptr, prefetched,
+                        num_splits[t.seq], w, rows, lines, partials + slot * d.heads * d.rank,
+                        lses + slot * d.heads);
+      i = following;
+      prefetched = true;
     }
+#pragma omp barrier
     // Outputs of split sequences (merged) and of empty ones (zeros), one (sequence, head) each.
     float* weights = arena.take<float>(max_splits);
 #pragma omp for schedule(static)
@@ -628,7 +249,8 @@ void mla_decode_binding(uintptr_t out, uintptr_t q, int64_t q_batch_stride, int6
     throw std::invalid_argument("mla_decode: dtype must be float32 or bfloat16");
   }
   if (num_heads < 1 || page_size < 1 || width < 1 || kv_lora_rank < 1 || kv_lora_rank > width) {
-    throw std::invalid_argument("mla_decode: need heads, page_size >= 1 and 1 <= kv_lora_rank <= W");
+    throw std::invalid_argument(
+        "mla_decode: need heads, page_size >= 1 and 1 <= kv_lora_rank <= W");
   }
   const int32_t* table = reinterpret_cast<const int32_t*>(page_table);
   for (size_t b = 0; b < seq_lens.size(); ++b) {

@@ -101,8 +101,10 @@ void gate_up_task(Isa isa, const MoeArgs& p, const Routing& route, int64_t e, in
     b_blocks[num_blocks + i] = gate + (inter_blocks + i) * block_elems;
   }
   const int64_t cols = num_blocks * kPackBlockN;
-  for (int64_t r0 = route.offsets[e]; r0 < route.offsets[e + 1]; r0 += kTileMaxRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kTileMaxRows, route.offsets[e + 1] - r0));
+  const int64_t first = route.offsets[e], count = route.offsets[e + 1] - first;
+  for (int64_t t = 0; t < tile_count(count); ++t) {
+    const int64_t r0 = first + tile_begin(t, count);
+    const int rows = static_cast<int>(tile_begin(t + 1, count) - tile_begin(t, count));
     const bf16_t* a_rows[kTileMaxRows];
     for (int r = 0; r < rows; ++r) a_rows[r] = p.x + route.tokens[r0 + r] * p.ldx;
     tile_wide(isa, rows, 2 * num_blocks, a_rows, b_blocks, p.d_pairs, tile, ldt);
@@ -131,8 +133,10 @@ void down_task(Isa isa, const MoeArgs& p, const Routing& route, int64_t panel, c
     for (int i = 0; i < num_blocks; ++i) {
       b_blocks[i] = p.w2 + (e * hidden_blocks + block + i) * block_elems;
     }
-    for (int64_t r0 = route.offsets[e]; r0 < route.offsets[e + 1]; r0 += kTileMaxRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kTileMaxRows, route.offsets[e + 1] - r0));
+    const int64_t first = route.offsets[e], count = route.offsets[e + 1] - first;
+    for (int64_t t = 0; t < tile_count(count); ++t) {
+      const int64_t r0 = first + tile_begin(t, count);
+      const int rows = static_cast<int>(tile_begin(t + 1, count) - tile_begin(t, count));
       const bf16_t* a_rows[kTileMaxRows];
       for (int r = 0; r < rows; ++r) a_rows[r] = h + (r0 + r) * ldh;
       tile_wide(isa, rows, num_blocks, a_rows, b_blocks, h_pairs, tile, ldt);

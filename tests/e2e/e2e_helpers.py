@@ -1,6 +1,7 @@
-"""`duet up` as a subprocess on free loopback ports, and helpers to read its /metrics.
+"""Helpers for the e2e tests: `duet up` as a subprocess on free loopback ports, reading its
+/metrics, finding leftover processes, and the `duet generate --json` reference.
 
-One cluster per test module (module-scoped fixtures in the test files): starting one costs a
+The test modules keep one cluster per module (a module-scoped fixture): starting one costs a
 few seconds of model loading per role.
 """
 
