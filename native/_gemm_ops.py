@@ -114,7 +114,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear) -> torch.Tensor
     if x.shape[-1] != k:
         raise ValueError(f"linear: x has {x.shape[-1]} features, the weight expects {k}")
     lead = x.shape[:-1]
-    x2 = _kernel_input(x.reshape(-1, k), k)
+    x2 = _kernel_input(x.reshape(lead.numel(), k), k)
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=torch.bfloat16)
     if m and n:

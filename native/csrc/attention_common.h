@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <new>
 
 #include "common.h"
 
@@ -41,13 +42,14 @@ inline char* thread_scratch(int slot, size_t bytes) {
   return b.data;
 }
 
-// Carves 64-byte aligned arrays out of one scratch buffer.
+// Carves 64-byte aligned arrays out of one scratch buffer. With a null base it only adds up the
+// sizes: run a layout once that way, then allocate used() bytes and run it again for real.
 class Arena {
  public:
   explicit Arena(char* base) : base_(base) {}
   template <typename T>
   T* take(int64_t count) {
-    T* p = reinterpret_cast<T*>(base_ + offset_);
+    T* p = base_ ? reinterpret_cast<T*>(base_ + offset_) : nullptr;
     offset_ += round_up(count * static_cast<int64_t>(sizeof(T)), 64);
     return p;
   }
@@ -58,7 +60,7 @@ class Arena {
   int64_t offset_ = 0;
 };
 
-// Bytes an Arena needs for the same sequence of take() calls (run the layout with base null).
+// Bytes one Arena::take<T>(count) uses.
 template <typename T>
 inline int64_t arena_bytes(int64_t count) {
   return round_up(count * static_cast<int64_t>(sizeof(T)), 64);

@@ -51,8 +51,7 @@ struct Problem {
   std::vector<int64_t> new_lens, prefix_lens, new_start, prefix_start;
 };
 
-// ---- driver
-// ---------------------------------------------------------------------------------------
+// ---- driver ------------------------------------------------------------------------------------
 
 template <typename T>
 const T* row_ptr(const View3& t, int64_t token, int64_t head) {

@@ -120,7 +120,7 @@ struct PortablePath {
   }
 };
 
-// ---- AVX-512 pieces shared by the two vector paths ----------------------------------------------
+// ---- AVX-512 pieces shared by the two vector paths ---------------------------------------------
 
 struct StoreF32 {
   DUET_TARGET_AVX512 void operator()(float* p, __m512 v) const { _mm512_storeu_ps(p, v); }
@@ -246,8 +246,8 @@ void scores_gemm(int64_t m_pad, int64_t n_len, int64_t offset, int64_t k_count, 
 }
 
 // O = O * alpha + P V. On a diagonal tile each row tile contracts only over the keys its last
-// row sees. p: [m_pad][ld_p] (keys_per_elem keys per element: 2 for VNNI pairs), vt:
-// [keys][dv_pad].
+// row sees. p: [m_pad][ld_p] with keys_per_elem keys per element (2 for VNNI pairs);
+// vt: [keys / keys_per_elem][dv_pad].
 template <int R, typename Packed>
 void values_gemm(int64_t m_pad, int64_t n_len, int64_t offset, int64_t keys_per_elem,
                  const Packed* p, int64_t ld_p, const Packed* vt, int64_t dv_pad, float* o,
@@ -265,8 +265,7 @@ void values_gemm(int64_t m_pad, int64_t n_len, int64_t offset, int64_t keys_per_
   }
 }
 
-// ---- fp32 AVX-512 path
-// ----------------------------------------------------------------------------
+// ---- fp32 AVX-512 path -------------------------------------------------------------------------
 
 // Tiles: K [bn / 64][dqk16][64] (transposed panels), V [bn][dv_pad], fp32.
 template <typename T>
@@ -346,8 +345,7 @@ struct F32Path {
   }
 };
 
-// ---- bf16 AVX-512-BF16 path
-// -----------------------------------------------------------------------
+// ---- bf16 AVX-512-BF16 path --------------------------------------------------------------------
 
 // NOTE: layouts (one 32-bit word = one VNNI pair of bf16; dqp = ceil(dqk / 2) pairs).
 //   q    [bm][dqp]                  pair i of query r = (q[r][2i], q[r][2i+1])

@@ -304,8 +304,8 @@ struct LinearArgs {
 };
 
 // Tasks are handed out dynamically: the two cores are shared with other work, and a static split
-// would wait for whichever thread got descheduled. Each task holds >= 64 KB of weights, so the
-// shared counter costs nothing.
+// would wait for whichever thread got descheduled. A task is a whole panel of weights, so the
+// shared counter costs little.
 template <typename F>
 void parallel_tasks(int64_t num_tasks, bool parallel, const F& f) {
   if (!parallel || num_tasks <= 1 || num_threads() <= 1) {
@@ -394,6 +394,10 @@ void linear_large_m(Isa isa, const LinearArgs& p) {
 
 void linear_bf16(const LinearArgs& p) {
   if (p.m == 0 || p.n == 0) return;
+  if (p.k_pairs == 0) {  // empty sum
+    for (int64_t r = 0; r < p.m; ++r) std::fill(p.y + r * p.ldy, p.y + r * p.ldy + p.n, bf16_t{0});
+    return;
+  }
   const Isa isa = active_isa();
   if (p.m <= kTileMaxRows) {
     linear_small_m(isa, p);

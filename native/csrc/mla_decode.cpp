@@ -2,14 +2,16 @@
 // head h, out[b][h] = softmax(scale * q[b][h] . rows^T) rows[:, :L] over the sequence's cached
 // rows (W = L + R wide: c_kv | k_pe). Keys are whole rows, values their first L columns.
 //
-// Work is split into tasks = (sequence, KV split); a task walks its rows in chunks of bn tokens
-// with all heads folded into the GEMM M dimension, so each row is loaded from memory once and
-// used by every head for both products. Splits of one sequence are merged at the end by their
-// log-sum-exp. The new token's row (new_rows) is stored into the cache first, in the same call.
+// Work is split into tasks = (sequence, KV split); a task walks its rows in chunks of kChunk
+// tokens with all heads folded into the GEMM M dimension, so each row is loaded from memory
+// once and used by every head for both products. Splits of one sequence are merged at the end
+// by their log-sum-exp. The new token's row (new_rows) is stored into the cache first, in the
+// same call. The rows of the next chunk (or of the next task) are prefetched during the GEMMs.
 //
 // Paths, picked by the active ISA and dtype:
-//   Bf16Path     vdpbf16ps; per chunk each row pair is loaded once and written twice: a
-//                contiguous copy (keys, rows of the QK^T GEMM) and VNNI pairs (values);
+//   Bf16Path     vdpbf16ps; per chunk each row pair is loaded once and packed into VNNI pairs
+//                (values); QK^T reads the keys in place when 16 divides the page size, else
+//                from a contiguous copy made in the same pass;
 //   F32Path<T>   fp32 FMA; rows copied (bf16 converted) once, used as keys and values;
 //   PortablePath scalar C++.
 #include <pybind11/pybind11.h>
@@ -50,8 +52,7 @@ struct Problem {
   float sm_scale;
 };
 
-// ---- driver
-// ---------------------------------------------------------------------------------------
+// ---- driver ------------------------------------------------------------------------------------
 
 struct Task {
   int64_t seq, split, begin, end;
@@ -206,9 +207,9 @@ void run(const Problem& pb) {
     // Outputs of split sequences (merged) and of empty ones (zeros), one (sequence, head) each.
     float* weights = arena.take<float>(max_splits);
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < pb.batch * d.heads; ++i) {
-      const int64_t b = i / d.heads, h = i % d.heads;
-      T* out = reinterpret_cast<T*>(pb.out) + i * d.rank;
+    for (int64_t item = 0; item < pb.batch * d.heads; ++item) {
+      const int64_t b = item / d.heads, h = item % d.heads;
+      T* out = reinterpret_cast<T*>(pb.out) + item * d.rank;
       if (num_splits[b] == 0) {
         std::fill(out, out + d.rank, T(0));
       } else if (num_splits[b] > 1) {

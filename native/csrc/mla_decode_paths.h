@@ -1,6 +1,6 @@
-// Per-ISA paths of MLA decode (mla_decode.cpp): the chunk step over bn cached rows (load the
-// rows once, S = rows . q with heads in lanes, online softmax per head, O = O * alpha + P V)
-// and the merge of KV splits by log-sum-exp.
+// Per-ISA paths of MLA decode (mla_decode.cpp): the step over one chunk of up to kChunk cached
+// rows (load the rows once, S = rows . q with heads in lanes, online softmax per head,
+// O = O * alpha + P V) and the merge of KV splits by log-sum-exp.
 //
 // Every path has the same static interface, used by the driver in mla_decode.cpp:
 //   kAvx512                        whether the vector merge may run
@@ -39,7 +39,7 @@ struct Dims {
   bool keys_in_place;  // bf16 path: QK^T reads the cache rows directly (see Bf16Path)
 };
 
-// ---- portable path ----------------------------------------------------------------------------
+// ---- portable path -----------------------------------------------------------------------------
 
 template <typename T>
 struct PortablePath {
@@ -98,14 +98,15 @@ struct PortablePath {
   static void finish(const Work& w, const Dims& d, U* out, float* lse) {
     for (int64_t h = 0; h < d.heads; ++h) {
       const float inv = 1.0f / w.l[h];
-      for (int64_t i = 0; i < d.rank; ++i)
+      for (int64_t i = 0; i < d.rank; ++i) {
         out[h * d.rank + i] = from_float<U>(w.o[h * d.rank + i] * inv);
+      }
       if (lse) lse[h] = w.m[h] + std::log(w.l[h]);
     }
   }
 };
 
-// ---- AVX-512 pieces shared by the vector paths --------------------------------------------------
+// ---- AVX-512 pieces shared by the vector paths -------------------------------------------------
 
 // Online softmax over one chunk, heads in lanes: s [kChunk][heads_pad] fp32 scores of rows
 // j < n_len. Updates m, l (per head), writes alpha and the probabilities through store_pair
@@ -117,8 +118,9 @@ DUET_TARGET_AVX512 inline __attribute__((always_inline)) void softmax_heads(
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t h = 0; h < heads_pad; h += 16) {
     __m512 vmax = _mm512_set1_ps(kNegInf);
-    for (int64_t j = 0; j < n_len; ++j)
+    for (int64_t j = 0; j < n_len; ++j) {
       vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j * heads_pad + h));
+    }
     const __m512 m_old = _mm512_loadu_ps(m + h);
     const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(vmax, vscale));
     const __m512 neg_m = _mm512_sub_ps(_mm512_setzero_ps(), m_new);
@@ -182,8 +184,7 @@ void scores_gemm(int64_t n_len, int64_t head_vecs, int64_t k_count, const Packed
 // PV row tile: rows are heads (8 per tile, heads_pad is a multiple of 16).
 constexpr int kHeadRows = 8;
 
-// ---- fp32 AVX-512 path
-// ----------------------------------------------------------------------------
+// ---- fp32 AVX-512 path -------------------------------------------------------------------------
 
 // NOTE: layouts (fp32). q [width][heads_pad] (transposed: heads in lanes); k [rows][width_pad]
 // the chunk's rows (converted), also the values (first rank columns); s and p [rows][heads_pad].
@@ -212,8 +213,9 @@ struct F32Path {
   static void begin(Work& w, const Dims& d, const T* q, int64_t head_stride) {
     std::fill(w.q, w.q + d.width * d.heads_pad, 0.0f);
     for (int64_t h = 0; h < d.heads; ++h) {
-      for (int64_t i = 0; i < d.width; ++i)
+      for (int64_t i = 0; i < d.width; ++i) {
         w.q[i * d.heads_pad + h] = to_float(q[h * head_stride + i]);
+      }
     }
     std::fill(w.m, w.m + d.heads_pad, kNegInf);
     std::fill(w.l, w.l + d.heads_pad, 0.0f);
@@ -263,8 +265,7 @@ struct F32Path {
   }
 };
 
-// ---- bf16 AVX-512-BF16 path
-// -----------------------------------------------------------------------
+// ---- bf16 AVX-512-BF16 path --------------------------------------------------------------------
 
 // NOTE: layouts (one 32-bit word = one VNNI pair of bf16; wp = ceil(width / 2) pairs).
 //   q [wp][heads_pad]            pair i of head h = (q[h][2i], q[h][2i+1])   (heads in lanes)
@@ -309,8 +310,9 @@ struct Bf16Path {
                                   : _mm512_setzero_si512();
         }
         transpose16x16(t);
-        for (int64_t c = 0; c < 16; ++c)
+        for (int64_t c = 0; c < 16; ++c) {
           _mm512_storeu_si512(w.q + (i0 + c) * d.heads_pad + h0, t[c]);
+        }
       }
     }
     std::fill(w.m, w.m + d.heads_pad, kNegInf);
@@ -365,9 +367,9 @@ struct Bf16Path {
         continue;
       }
       for (int64_t j0 = 0; j0 < head_vecs; j0 += 3) {  // 2 x (8 rows x 3 head vectors)
-        for (int64_t h = 0; h < 16; h += 8) {
-          tile_any<8, 3>(std::min<int64_t>(3, head_vecs - j0), a + h * row_words, row_words, 1,
-                         w.q + 16 * j0, d.heads_pad, k_count, s + h * d.heads_pad + 16 * j0,
+        for (int64_t r = 0; r < 16; r += 8) {
+          tile_any<8, 3>(std::min<int64_t>(3, head_vecs - j0), a + r * row_words, row_words, 1,
+                         w.q + 16 * j0, d.heads_pad, k_count, s + r * d.heads_pad + 16 * j0,
                          d.heads_pad, nullptr, pf);
         }
       }
@@ -415,8 +417,8 @@ struct Bf16Path {
 };
 
 // Merge of the splits of one (sequence, head): out = sum_s w_s partial_s / sum_s w_s with
-// w_s = exp(lse_s - max lse). partial/lse point at split 0 of the head, split s is s * stride
-// elements (s * heads) further.
+// w_s = exp(lse_s - max lse). partial and lse point at split 0 of this head; split s lies
+// s * heads * rank (partial) and s * heads (lse) elements further.
 inline void split_weights(int64_t num_splits, const float* lse, int64_t heads, float* weights) {
   float max_lse = kNegInf;
   for (int64_t s = 0; s < num_splits; ++s) max_lse = std::max(max_lse, lse[s * heads]);

@@ -50,9 +50,9 @@ def test_recv_with_nothing_to_read_returns_none_in_time():
 
 
 def test_send_to_a_peer_that_is_gone_drops_after_the_timeout():
-    pull = PullSocket("tcp://127.0.0.1:0")
-    endpoint = pull.endpoint
-    pull.close()  # nobody listens there any more
+    # Port 1 is privileged and unused: the connection is refused forever, and no other test can
+    # bind it in the meantime (a freed ephemeral port could be taken by a parallel test).
+    endpoint = "tcp://127.0.0.1:1"
     push = PushSocket(endpoint, send_timeout=0.05, sndhwm=1)
     try:
         started = time.monotonic()

@@ -193,7 +193,7 @@ def test_mla_decode_checks_pages_and_lengths(isa):
         ops.mla_decode(**args)
     args = _decode_inputs([10, 20], 4, 32, 8, 16, torch.float32, True)
     args["q"] = args["q"][..., :30]
-    with pytest.raises(ValueError, match="q"):
+    with pytest.raises(ValueError, match="mla_decode: q"):
         ops.mla_decode(**args)
 
 

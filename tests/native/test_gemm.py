@@ -62,6 +62,10 @@ def test_linear_strided_and_batched_input(isa):
 def test_linear_empty_input(isa):
     _, packed = _weights(40, 24)
     assert ops.linear(torch.empty(0, 24, dtype=torch.bfloat16), packed).shape == (0, 40)
+    _, no_inputs = _weights(40, 0)
+    for m in (1, 9):  # GEMV and GEMM paths: an empty sum is zero
+        y = ops.linear(torch.empty(m, 0, dtype=torch.bfloat16), no_inputs)
+        assert y.shape == (m, 40) and torch.count_nonzero(y) == 0
 
 
 def test_pack_roundtrip_and_metadata():
