@@ -17,7 +17,9 @@ def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers: {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--prompt-ids must be comma-separated integers: {text!r}"
+        ) from None
 
 
 def _add_generate(sub) -> None:

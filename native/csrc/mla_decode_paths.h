@@ -181,8 +181,8 @@ void scores_gemm(int64_t n_len, int64_t head_vecs, int64_t k_count, const Packed
   }
 }
 
-// PV row tile: rows are heads (8 per tile, heads_pad is a multiple of 16).
-constexpr int kHeadRows = 8;
+// PV row tile: rows are heads (16 per tile, heads_pad is a multiple of 16).
+constexpr int kHeadRows = 16;
 
 // ---- fp32 AVX-512 path -------------------------------------------------------------------------
 

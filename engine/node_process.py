@@ -1,0 +1,107 @@
+"""The process shell shared by both node roles: `python -m prefill_node|decode_node --config
+FILE --node NAME [--model DIR]`.
+
+It reports NodeReady (or NodeFailed with the error) to the router's control endpoint, then
+serves until a Shutdown message, SIGTERM or SIGINT. Exit status: 0 after a clean stop, 1 on
+failure, 2 for a bad command line or config (nothing to report to). Roles never import each
+other, so the shell lives here and each role passes in how to build its node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.cluster_config import ClusterConfig
+from engine.errors import ConfigError
+from engine.messaging import PullSocket, PushSocket
+from engine.protocol import NodeFailed, NodeReady
+
+# build(cluster, node_cfg, model, inbox, outbox) -> a node with run(), ready_info(), is_stopping
+NodeBuilder = Callable[[ClusterConfig, Any, Any, PullSocket, PushSocket], Any]
+
+
+def _parse(role: str, argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"python -m {role}_node", description=f"start one {role} node")
+    p.add_argument("--config", required=True, help="cluster config (TOML)")
+    p.add_argument("--node", required=True, help="this node's name in the config")
+    p.add_argument("--model", help="checkpoint dir (default: the config's, else the tiny model)")
+    return p.parse_args(argv)
+
+
+def load_model(cluster: ClusterConfig, node_cfg: Any, model_dir: str | None):
+    """The node's model on its device and threads (the tiny model when none is named)."""
+    from engine.model import DeepseekModel
+    from engine.tiny_model import ensure_tiny_model
+    from native import ops
+
+    if node_cfg.device != "cpu":
+        raise ConfigError(
+            f"node {node_cfg.name}: device {node_cfg.device!r} is not supported yet (cpu only)"
+        )
+    ops.set_num_threads(node_cfg.threads)
+    model_dir = model_dir or cluster.model or str(ensure_tiny_model())
+    return DeepseekModel.from_pretrained(model_dir, getattr(torch, cluster.dtype), progress=False)
+
+
+def run_node_process(role: str, config_type: type, build: NodeBuilder, argv=None) -> int:
+    args = _parse(role, argv)
+    log = logging.getLogger(f"{role}_node")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s {args.node} %(levelname)s %(message)s"
+    )
+    try:
+        cluster = ClusterConfig.load(args.config)
+        cfg = cluster.node(args.node)
+        if not isinstance(cfg, config_type):
+            raise ConfigError(f"node {args.node!r} is not a [[{role}]] node")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    router = PushSocket(cluster.router.control_endpoint)
+    inbox = None
+    try:
+        inbox = PullSocket(cfg.control_endpoint, bind=True)
+        node = build(cluster, cfg, load_model(cluster, cfg, args.model), inbox, router)
+    except KeyboardInterrupt:
+        _close(router, inbox)
+        return 1
+    except Exception as exc:  # DuetError, OSError (port in use), anything from loading
+        log.error("could not start: %s", exc)
+        router.send(NodeFailed(cfg.name, role, f"{type(exc).__name__}: {exc}"))
+        _close(router, inbox)
+        return 1
+
+    def stop(signum, frame):  # first signal: finish the step and stop; second: exit now
+        if node.is_stopping:
+            raise KeyboardInterrupt
+        node.is_stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    router.send(NodeReady(cfg.name, role, node.ready_info()))
+    log.info("ready: control %s, router %s", inbox.endpoint, router.endpoint)
+    status = 0
+    try:
+        node.run()
+    except KeyboardInterrupt:
+        pass
+    except Exception as exc:  # die loudly: the router fails this node's requests at once
+        log.exception("fatal error")
+        router.send(NodeFailed(cfg.name, role, f"{type(exc).__name__}: {exc}"))
+        status = 1
+    _close(router, inbox)
+    return status
+
+
+def _close(router: PushSocket, inbox: PullSocket | None) -> None:
+    router.linger(1.0)  # let the last messages (errors, NodeFailed) leave
+    router.close()
+    if inbox is not None:
+        inbox.close()
