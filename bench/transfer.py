@@ -2,7 +2,7 @@
 
 Both move `requests` prompts of `prompt_len` tokens in `chunk_len`-token chunks of
 [layers, chunk_len, width] rows over loopback TCP. Ours adds what a real transfer needs: a
-validated msgpack header, crc32 on both ends, the handshake, and the copy into a paged KVPool
+validated msgpack header, checksum on both ends, the handshake, and the copy into a paged KVPool
 (decode page size `decode_page_size`) with completeness checks; raw only moves the frames.
 Reported: bytes/s of each (best of `repeats`) and their ratio (target >= 0.7).
 
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "target_ratio": 0.7,
         "all_kv_seconds": [r["seconds"] for r in ours],
         "all_raw_seconds": [r["seconds"] for r in raw],
-        # Ours does ~3 more passes over the bytes (2 crc32, 1 copy) on other threads: on a
+        # Ours does ~3 more passes over the bytes (2 checksum, 1 copy) on other threads: on a
         # machine with few idle cores the ratio says more about the load than the code.
         "cpu_count": os.cpu_count(),
         "load_average_1m": os.getloadavg()[0],
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.prompt_len} tokens in {args.chunk_len}-token chunks "
             f"({result['chunk_bytes'] / 1e6:.1f} MB each), decode page {args.decode_page_size}"
         )
-        print(f"  kvtransfer (zmq, crc32, into KVPool): {ours_bps / 1e9:6.2f} GB/s")
+        print(f"  kvtransfer (zmq, checksum, into KVPool): {ours_bps / 1e9:6.2f} GB/s")
         print(f"  raw zmq PUSH/PULL, same frames:       {raw_bps / 1e9:6.2f} GB/s")
         print(f"  ratio: {result['ratio']:.2f} (target >= 0.7)")
         print(f"  ({os.cpu_count()} CPUs, 1-minute load average {os.getloadavg()[0]:.1f})")

@@ -105,7 +105,9 @@ def _call(target: str, argv: list[str]) -> int:
     import importlib
 
     module_name, func_name = target.split(":")
-    func: Callable[[list[str]], int | None] = getattr(importlib.import_module(module_name), func_name)
+    func: Callable[[list[str]], int | None] = getattr(
+        importlib.import_module(module_name), func_name
+    )
     return func(argv) or 0
 
 
@@ -116,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_tiny_model(sub)
     _add_passthrough(sub, "bench-kernels", "kernel benchmark vs roofline", "bench.kernels:main")
     _add_passthrough(sub, "bench-transfer", "KV transfer benchmark", "bench.transfer:main")
+    _add_passthrough(
+        sub,
+        "bench-ttft",
+        "TTFT added by disaggregation vs prefill alone",
+        "bench.ttft_overhead:main",
+    )
     _add_passthrough(sub, "bench-serve", "serving benchmark (OpenAI API)", "bench.serve:main")
     _add_passthrough(sub, "bench-sweep", "bench-serve over rates and configs", "bench.sweep:main")
     _add_passthrough(

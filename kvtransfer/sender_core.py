@@ -2,7 +2,7 @@
 
 Subclasses implement `_submit(item)` (deliver or queue one outgoing message) and `connect`,
 `flush`, `close`. An item is turned into wire frames by `frames_of`, on whichever thread sends
-it, so the expensive part (crc32, and a copy for non-contiguous rows) runs off the caller's
+it, so the expensive part (checksum, and a copy for non-contiguous rows) runs off the caller's
 thread in the ZeroMQ sender.
 """
 

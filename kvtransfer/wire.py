@@ -10,7 +10,7 @@ Messages (prefill = P, decode = D):
     hello      P -> D  first contact: protocol version, sender name, compatibility fingerprint
     hello_ack  D -> P  ok flag, D's fingerprint, the mismatch (if any) as one line
     kv_chunk   P -> D  rows of layers [l0, l1) x tokens [t0, t1) of one request, then the payload
-                       frame: [l1-l0, t1-t0, W] contiguous values of `dtype`, crc32-checked
+                       frame: [l1-l0, t1-t0, W] contiguous values of `dtype`, XXH3-checked
     kv_done    P -> D  all chunks sent: total token count and the first sampled token
     kv_abort   P -> D  the prefill gave up on the request (the reason is one line)
 
@@ -22,12 +22,12 @@ by the router, so a late message of an earlier attempt with the same request id 
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import torch
+import xxhash
 
 from engine.errors import DuetError
 
@@ -95,7 +95,7 @@ class HelloAck:
 @dataclass(frozen=True)
 class KVChunk:
     """Header of one chunk; the payload frame holds [layer_end-layer_start, token_end-token_start,
-    row_width] values of `dtype`, C-contiguous, `payload_len` bytes, crc32 `checksum`."""
+    row_width] values of `dtype`, C-contiguous, `payload_len` bytes, XXH3-64 `checksum`."""
 
     rendezvous: Rendezvous
     seq: int
@@ -187,8 +187,9 @@ def _check_fingerprint(fp: Any) -> dict[str, Any]:
 
 
 def checksum(payload: Any) -> int:
-    """crc32 of a bytes-like payload (zlib releases the GIL for large buffers)."""
-    return zlib.crc32(payload) & U32_MAX
+    """64-bit XXH3 of a bytes-like payload: ~40 GB/s on one core, so verifying a chunk costs a
+    small fraction of moving it (crc32 ran at ~2 GB/s and capped the transfer rate)."""
+    return xxhash.xxh3_64_intdigest(payload)
 
 
 def rows_payload(rows: torch.Tensor) -> Any:
@@ -216,7 +217,7 @@ def build_chunk(
     rendezvous: Rendezvous, seq: int, layer_start: int, token_start: int, rows: torch.Tensor
 ) -> tuple[KVChunk, Any]:
     """Header + payload for `rows` [L, T, W] at layers layer_start.. and tokens token_start..
-    Costs one pass over the rows (the crc32), plus a copy if `rows` is not contiguous CPU."""
+    Costs one pass over the rows (the checksum), plus a copy if `rows` is not contiguous CPU."""
     if rows.dim() != 3 or 0 in rows.shape:
         raise ValueError(
             f"rows must be a non-empty [layers, tokens, width] tensor, got {tuple(rows.shape)}"
@@ -335,7 +336,7 @@ def _decode_chunk(head: dict[str, Any], rdv: Rendezvous, seq: int) -> KVChunk:
     length = _int(head, "len", 0, MAX_PAYLOAD_BYTES)
     if length != expected_payload_len(l1 - l0, t1 - t0, width, dtype):
         raise WireError(f"kv_chunk: payload length {length} does not match the row shape")
-    crc = _int(head, "crc", 0, U32_MAX)
+    crc = _int(head, "crc", 0, U64_MAX)
     return KVChunk(rdv, seq, l0, l1, t0, t1, dtype, width, length, crc)
 
 
