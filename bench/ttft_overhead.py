@@ -79,11 +79,12 @@ def time_cluster_ttft(model_dir: str, ids: list[int], args) -> list[float]:
                 start = time.perf_counter()
                 with client.stream("POST", f"{base}/v1/completions", json=body) as resp:
                     resp.raise_for_status()
-                    for line in resp.iter_lines():
+                    lines = resp.iter_lines()
+                    for line in lines:
                         if line.startswith("data: ") and '"text"' in line:
                             times.append(time.perf_counter() - start)
                             break
-                    for _ in resp.iter_lines():  # drain to [DONE]
+                    for _ in lines:  # drain to [DONE]
                         pass
         return times[1:]
     finally:
