@@ -1,21 +1,22 @@
 """`python -m decode_node --config FILE --node NAME [--model DIR]`: start one decode node
-(the process shell, signals and READY/FAILED reporting are in engine/node_process.py)."""
+(the process shell, signals and READY/FAILED reporting are in engine/node_process.py).
+
+With `ranks = R > 1` this process is rank 0: it starts ranks 1..R-1 (`decode_node.ranks`)
+before loading its own expert shard, so the ranks load in parallel."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from engine.cluster_config import ClusterConfig, DecodeNodeConfig
-from engine.errors import ConfigError
-from engine.node_process import run_node_process
+from engine.node_process import load_model, run_node_process
 
 
 def _build(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, inbox, outbox):
     from decode_node.node import DecodeNode
     from kvtransfer import ZmqReceiver, make_fingerprint
 
-    if cfg.ranks != 1:
-        raise ConfigError(f"node {cfg.name}: ranks = {cfg.ranks} is not supported yet (1 only)")
     mcfg = model.cfg
     pool = model.new_kv_pool(cfg.num_pages, cfg.page_size)
     fingerprint = make_fingerprint(
@@ -25,8 +26,46 @@ def _build(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, inbox, outbox):
     return DecodeNode(cfg.name, model, cfg, cluster.timeouts, inbox, outbox, receiver)
 
 
+class _Rank0:
+    """Loader and builder of rank 0 of a multi-rank node (a one-rank node uses neither)."""
+
+    def __init__(self, argv: list[str] | None):
+        p = argparse.ArgumentParser(add_help=False)
+        p.add_argument("--config")
+        p.add_argument("--node")
+        p.add_argument("--model")
+        self.args, _ = p.parse_known_args(argv)
+        self.children: list = []
+        self.port = 0
+
+    def load(self, cluster: ClusterConfig, cfg: DecodeNodeConfig, model_dir: str | None):
+        if cfg.ranks == 1:
+            return load_model(cluster, cfg, model_dir)
+        from decode_node.ranks import free_port, shard_of, spawn_ranks
+
+        shard = shard_of(cluster, cfg, model_dir, 0)  # refuses too many ranks before spawning
+        self.port = free_port(cfg.host)
+        self.children = spawn_ranks(
+            self.args.config, cfg.name, cfg.ranks, self.port, self.args.model
+        )
+        return load_model(cluster, cfg, model_dir, expert_range=shard)
+
+    def build(self, cluster: ClusterConfig, cfg: DecodeNodeConfig, model, inbox, outbox):
+        if cfg.ranks == 1:
+            return _build(cluster, cfg, model, inbox, outbox)
+        from decode_node.ranks import build_rank
+
+        try:
+            return build_rank(cluster, cfg, model, 0, self.port, inbox, outbox, self.children)
+        except BaseException:
+            for proc in self.children:
+                proc.kill()
+            raise
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_node_process("decode", DecodeNodeConfig, _build, argv)
+    rank0 = _Rank0(argv)
+    return run_node_process("decode", DecodeNodeConfig, rank0.build, argv, load=rank0.load)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,12 @@ MAX_DRAIN = 256  # control messages handled per step at most
 
 
 class DecodeNode:
+    # A multi-rank node (decode_node.ranks) sets these: its rank answers reservations, and a
+    # failed forward is fatal there (the ranks' collectives would no longer match).
+    rank = 0
+    num_ranks = 1
+    forward_errors_are_fatal = False
+
     def __init__(
         self,
         name: str,
@@ -78,7 +84,7 @@ class DecodeNode:
             "kv_endpoint": self.receiver.endpoint,
             "num_pages": self.pool.num_pages,
             "page_size": self.pool.page_size,
-            "ranks": 1,
+            "ranks": self.num_ranks,
             "fingerprint": self.fingerprint,
             "dtype": self.fingerprint["dtype"],
         }
@@ -153,7 +159,11 @@ class DecodeNode:
         except ValueError as exc:
             self.scheduler.abort(msg.request_id)
             return refuse(f"cannot expect the KV: {exc}")
-        self.outbox.send(ReserveReply(msg.request_id, ok=True, kv_endpoint=self.receiver.endpoint))
+        self.outbox.send(
+            ReserveReply(
+                msg.request_id, ok=True, kv_endpoint=self.receiver.endpoint, rank=self.rank
+            )
+        )
 
     def _on_transfer(self, event: TransferEvent) -> None:
         request = self.scheduler.get(event.rendezvous.request_id)
@@ -207,6 +217,8 @@ class DecodeNode:
         try:
             logits = self.model.forward(fb, self.pool)  # [B, vocab] fp32
         except Exception as exc:  # fail these requests loudly, keep serving the others
+            if self.forward_errors_are_fatal:
+                raise
             log.exception("decode forward failed")
             for request in batch:
                 self.scheduler.abort(request.request_id)

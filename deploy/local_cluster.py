@@ -2,6 +2,7 @@
 
     duet up --config FILE [--model DIR] [--port P] [--dtype D]
     duet up [--model DIR] [--prefill N] [--decode M] [--port P] [--dtype float32|bfloat16]
+    duet up ... [--decode-ranks R]   (every decode node runs R ranks)
 
 The shorthand builds a config with N prefill and M decode nodes on free loopback ports. Either
 way the resolved config (model path filled in: with no model, the built-in tiny model, made once)
@@ -49,6 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, help="the router's HTTP port (default 8000)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default bfloat16")
     p.add_argument("--threads", type=int, default=1, help="threads per node (shorthand)")
+    p.add_argument("--decode-ranks", type=int, help="processes per decode node (EP/DP layout)")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait")
     return p.parse_args(argv)
 
@@ -97,6 +99,9 @@ def resolve_config(args: argparse.Namespace) -> dict:
         num_prefill = 1 if args.prefill is None else args.prefill
         num_decode = 1 if args.decode is None else args.decode
         raw = shorthand_config(num_prefill, num_decode, port, args.threads)
+    if args.decode_ranks is not None:  # each rank runs `threads` kernel threads
+        for node in raw.get("decode", []):
+            node["ranks"] = args.decode_ranks
     if args.dtype:
         raw["dtype"] = args.dtype
     if args.model:

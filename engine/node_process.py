@@ -35,8 +35,9 @@ def _parse(role: str, argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_model(cluster: ClusterConfig, node_cfg: Any, model_dir: str | None):
-    """The node's model on its device and threads (the tiny model when none is named)."""
+def load_model(cluster: ClusterConfig, node_cfg: Any, model_dir: str | None, expert_range=None):
+    """The node's model on its device and threads (the tiny model when none is named);
+    `expert_range` limits the routed experts held (an expert-parallel rank's shard)."""
     from engine.model import DeepseekModel
     from engine.tiny_model import ensure_tiny_model
     from native import ops
@@ -47,10 +48,15 @@ def load_model(cluster: ClusterConfig, node_cfg: Any, model_dir: str | None):
         )
     ops.set_num_threads(node_cfg.threads)
     model_dir = model_dir or cluster.model or str(ensure_tiny_model())
-    return DeepseekModel.from_pretrained(model_dir, getattr(torch, cluster.dtype), progress=False)
+    return DeepseekModel.from_pretrained(
+        model_dir, getattr(torch, cluster.dtype), expert_range=expert_range, progress=False
+    )
 
 
-def run_node_process(role: str, config_type: type, build: NodeBuilder, argv=None) -> int:
+def run_node_process(
+    role: str, config_type: type, build: NodeBuilder, argv=None, load=load_model
+) -> int:
+    """`load(cluster, node_cfg, model_dir)` -> the model (a multi-rank node loads a shard)."""
     args = _parse(role, argv)
     log = logging.getLogger(f"{role}_node")
     logging.basicConfig(
@@ -68,7 +74,7 @@ def run_node_process(role: str, config_type: type, build: NodeBuilder, argv=None
     inbox = None
     try:
         inbox = PullSocket(cfg.control_endpoint, bind=True)
-        node = build(cluster, cfg, load_model(cluster, cfg, args.model), inbox, router)
+        node = build(cluster, cfg, load(cluster, cfg, args.model), inbox, router)
     except KeyboardInterrupt:
         _close(router, inbox)
         return 1

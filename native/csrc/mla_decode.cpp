@@ -93,14 +93,27 @@ T* cache_row(const Problem& pb, int64_t b, int64_t pos) {
   return reinterpret_cast<T*>(pb.cache) + (page * pb.page_size + pos % pb.page_size) * pb.width;
 }
 
-// Line addresses of the first n_len rows from position n0 of sequence b.
+// Pointers to the rows at positions n0 .. n0 + n_len - 1 of sequence b (one division per call).
 template <typename T>
-LinePrefetch chunk_lines(const Problem& pb, int64_t b, int64_t n0, int64_t n_len,
-                         const char** lines) {
-  const int64_t row_bytes = pb.width * static_cast<int64_t>(sizeof(T));
+void chunk_rows(const Problem& pb, int64_t b, int64_t n0, int64_t n_len, const T** rows) {
+  const int32_t* table = pb.page_table + b * pb.page_table_stride;
+  const T* cache = reinterpret_cast<const T*>(pb.cache);
+  int64_t page = n0 / pb.page_size, offset = n0 % pb.page_size;
+  for (int64_t j = 0; j < n_len; ++j) {
+    rows[j] = cache + (table[page] * pb.page_size + offset) * pb.width;
+    if (++offset == pb.page_size) {
+      offset = 0;
+      ++page;
+    }
+  }
+}
+
+// The cache lines of n_len rows of row_bytes each, as a prefetch list.
+template <typename T>
+LinePrefetch row_lines(const T* const* rows, int64_t n_len, int64_t row_bytes, const char** lines) {
   const char** line = lines;
   for (int64_t j = 0; j < n_len; ++j) {
-    const char* row = reinterpret_cast<const char*>(cache_row<T>(pb, b, n0 + j));
+    const char* row = reinterpret_cast<const char*>(rows[j]);
     for (int64_t i = 0; i < row_bytes; i += 64) *line++ = row + i;
   }
   return LinePrefetch{lines, line};
@@ -110,29 +123,38 @@ LinePrefetch chunk_lines(const Problem& pb, int64_t b, int64_t n0, int64_t n_len
 // every few k steps of its GEMM tiles (pages are scattered, so the hardware prefetchers lose the
 // stream at every page boundary); during the last chunk, the first chunk of `following` (the
 // task this thread runs next). A first chunk nobody prefetched is requested in one burst.
+// rows holds 2 * kChunk pointers: the current chunk's and the next one's.
 template <typename Path, typename T, typename Work>
 void run_task(const Problem& pb, const Dims& d, const Task& t, const Task* following,
               bool first_prefetched, int64_t num_splits, Work& w, const T** rows,
               const char** lines, float* partial, float* lse) {
+  const int64_t row_bytes = pb.width * static_cast<int64_t>(sizeof(T));
   const T* q = reinterpret_cast<const T*>(pb.q) + t.seq * pb.q_batch_stride;
   Path::begin(w, d, q, pb.q_head_stride);
+  const T** cur = rows;
+  const T** next_rows = rows + kChunk;
+  int64_t n_len = std::min(kChunk, t.end - t.begin);
+  chunk_rows(pb, t.seq, t.begin, n_len, cur);
   if (!first_prefetched) {
-    LinePrefetch first =
-        chunk_lines<T>(pb, t.seq, t.begin, std::min(kChunk, t.end - t.begin), lines);
+    LinePrefetch first = row_lines(cur, n_len, row_bytes, lines);
     while (first.next != first.end) prefetch_one(&first);
   }
   for (int64_t n0 = t.begin; n0 < t.end; n0 += kChunk) {
-    const int64_t n_len = std::min(kChunk, t.end - n0);
-    for (int64_t j = 0; j < n_len; ++j) rows[j] = cache_row<T>(pb, t.seq, n0 + j);
+    int64_t next_len = 0;
     LinePrefetch next;
     if (n0 + kChunk < t.end) {
-      next = chunk_lines<T>(pb, t.seq, n0 + kChunk, std::min(kChunk, t.end - n0 - kChunk), lines);
+      next_len = std::min(kChunk, t.end - n0 - kChunk);
+      chunk_rows(pb, t.seq, n0 + kChunk, next_len, next_rows);
+      next = row_lines(next_rows, next_len, row_bytes, lines);
     } else if (following != nullptr) {
-      next = chunk_lines<T>(pb, following->seq, following->begin,
-                            std::min(kChunk, following->end - following->begin), lines);
+      const int64_t len = std::min(kChunk, following->end - following->begin);
+      chunk_rows(pb, following->seq, following->begin, len, next_rows);
+      next = row_lines(next_rows, len, row_bytes, lines);
     }
-    Path::chunk(w, d, rows, n_len, pb.sm_scale, &next);
+    Path::chunk(w, d, cur, n_len, pb.sm_scale, &next);
     while (next.next != next.end) prefetch_one(&next);
+    std::swap(cur, next_rows);
+    n_len = next_len;
   }
   if (num_splits == 1) {
     Path::finish(w, d, reinterpret_cast<T*>(pb.out) + t.seq * d.heads * d.rank,
@@ -148,7 +170,8 @@ void run(const Problem& pb) {
   // Rows read in place need whole VNNI pairs (even width) and 16-row groups inside one page.
   const bool in_place =
       std::is_same_v<Path, Bf16Path> && pb.width % 2 == 0 && pb.page_size % 16 == 0;
-  const Dims d{pb.width, pb.rank, pb.num_heads, round_up(pb.num_heads, 16), in_place};
+  const bool lane_pairs = std::is_same_v<Path, Bf16Path> && pb.rank % 32 == 0;
+  const Dims d{pb.width, pb.rank, pb.num_heads, round_up(pb.num_heads, 16), in_place, lane_pairs};
   std::vector<int64_t> num_splits;
   const std::vector<Task> tasks = make_tasks(pb, &num_splits);
   // Partial outputs and log-sum-exps of split sequences, indexed by (sequence, split).
@@ -163,7 +186,7 @@ void run(const Problem& pb) {
   float* lses = partials + num_partials * d.heads * d.rank;
   Arena layout(nullptr);
   Path::carve(layout, d);
-  layout.take<const T*>(kChunk);
+  layout.take<const T*>(2 * kChunk);
   layout.take<const char*>(kChunk * ceil_div(pb.width * static_cast<int64_t>(sizeof(T)), 64));
   const int64_t max_splits =
       std::max<int64_t>(1, *std::max_element(num_splits.begin(), num_splits.end()));
@@ -186,7 +209,7 @@ void run(const Problem& pb) {
     }
     Arena arena(thread_scratch(0, work_bytes));
     auto w = Path::carve(arena, d);
-    const T** rows = arena.take<const T*>(kChunk);
+    const T** rows = arena.take<const T*>(2 * kChunk);
     const char** lines =
         arena.take<const char*>(kChunk * ceil_div(pb.width * static_cast<int64_t>(sizeof(T)), 64));
     // Dynamic scheduling by hand: a thread claims its next task before running the current

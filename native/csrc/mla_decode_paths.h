@@ -37,6 +37,7 @@ struct Dims {
   int64_t width, rank, heads;
   int64_t heads_pad;   // heads rounded up to 16 (one zmm of heads)
   bool keys_in_place;  // bf16 path: QK^T reads the cache rows directly (see Bf16Path)
+  bool lane_pairs;     // bf16 path: value pairs built in-lane, columns permuted (see Bf16Path)
 };
 
 // ---- portable path -----------------------------------------------------------------------------
@@ -146,14 +147,30 @@ DUET_TARGET_AVX512 inline __attribute__((always_inline)) void softmax_heads(
 }
 
 // out[h] = o[h] / l[h] (U = float or bf16) and lse[h] = m[h] + log l[h] when lse is given.
+// With lane_pairs, o's columns are in the order of Bf16Path::pair_values (rank % 32 == 0).
 template <typename U>
 DUET_TARGET_AVX512 void finish_rows(const float* o, int64_t ld, const float* m, const float* l,
                                     const Dims& d, U* out, float* lse) {
+  // Column c of a 32-column group sits in slot 4 * (c / 8) + c % 4 (+ 16 if c % 8 >= 4).
+  alignas(64) static const int32_t kLo[16] = {0, 1, 2, 3, 16, 17, 18, 19,
+                                              4, 5, 6, 7, 20, 21, 22, 23};
+  alignas(64) static const int32_t kHi[16] = {8,  9,  10, 11, 24, 25, 26, 27,
+                                              12, 13, 14, 15, 28, 29, 30, 31};
   for (int64_t h = 0; h < d.heads; ++h) {
     const __m512 inv = _mm512_set1_ps(1.0f / l[h]);
-    for (int64_t i = 0; i < d.rank; i += 16) {
-      store_f32(out + h * d.rank + i, _mm512_mul_ps(_mm512_loadu_ps(o + h * ld + i), inv),
-                mask16(d.rank - i));
+    const float* oh = o + h * ld;
+    U* dst = out + h * d.rank;
+    if (d.lane_pairs) {
+      for (int64_t i = 0; i < d.rank; i += 32) {
+        const __m512 x = _mm512_loadu_ps(oh + i), y = _mm512_loadu_ps(oh + i + 16);
+        const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
+        store_f32(dst + i, _mm512_mul_ps(_mm512_permutex2var_ps(x, lo, y), inv), 0xffff);
+        store_f32(dst + i + 16, _mm512_mul_ps(_mm512_permutex2var_ps(x, hi, y), inv), 0xffff);
+      }
+    } else {
+      for (int64_t i = 0; i < d.rank; i += 16) {
+        store_f32(dst + i, _mm512_mul_ps(_mm512_loadu_ps(oh + i), inv), mask16(d.rank - i));
+      }
     }
     if (lse) lse[h] = m[h] + std::log(l[h]);
   }
@@ -320,14 +337,26 @@ struct Bf16Path {
     std::fill(w.o, w.o + d.heads_pad * w.rank_pad, 0.0f);
   }
 
-  // Loads each row pair once: stores it as value pairs and, unless the keys are read in place,
-  // as keys (contiguous rows, zero rows up to the row tile).
+  // VNNI value pairs of two rows' 32 columns: (a[c], b[c]) for c in order (lo: columns 0-15,
+  // hi: 16-31), or, with lane_pairs, two in-lane unpacks (half the cost of the cross-lane
+  // permutes) that leave the columns permuted within the group; finish_rows puts them back.
+  DUET_TARGET_AVX512 static inline __attribute__((always_inline)) void pair_values(
+      const Dims& d, __m512i a, __m512i b, __m512i* lo, __m512i* hi) {
+    if (d.lane_pairs) {
+      *lo = _mm512_unpacklo_epi16(a, b);
+      *hi = _mm512_unpackhi_epi16(a, b);
+    } else {
+      interleave_pairs(a, b, lo, hi);
+    }
+  }
+
+  // Loads each row pair once: stores it as value pairs and as keys (contiguous rows, zero rows
+  // up to the row tile), for QK^T when the keys cannot be read in place.
   DUET_TARGET_AVX512 static void gather(Work& w, const Dims& d, const bf16_t* const* rows,
                                         int64_t n_len) {
-    const int64_t row_elems = d.keys_in_place ? w.rank_pad : 2 * w.row_words;
-    const int64_t num_rows = d.keys_in_place ? n_len : round_up(n_len, kMaxRowTile);
+    const int64_t row_elems = 2 * w.row_words;
+    const int64_t num_rows = round_up(n_len, kMaxRowTile);
     const int64_t width = d.width, rank = d.rank, rank_pad = w.rank_pad, row_words = w.row_words;
-    const bool copy_keys = !d.keys_in_place;
     for (int64_t j = 0; j < num_rows; j += 2) {
       const bool has0 = j < n_len, has1 = j + 1 < n_len;
       bf16_t* k0 = reinterpret_cast<bf16_t*>(w.k + j * row_words);
@@ -338,17 +367,43 @@ struct Bf16Path {
         const __m512i a = has0 ? _mm512_maskz_loadu_epi16(mk, rows[j] + i) : _mm512_setzero_si512();
         const __m512i b =
             has1 ? _mm512_maskz_loadu_epi16(mk, rows[j + 1] + i) : _mm512_setzero_si512();
-        if (copy_keys) {
-          _mm512_storeu_si512(k0 + i, a);
-          _mm512_storeu_si512(k1 + i, b);
-        }
+        _mm512_storeu_si512(k0 + i, a);
+        _mm512_storeu_si512(k1 + i, b);
         if (i < rank_pad) {
           const __mmask32 mv = mask32(rank - i);
           __m512i lo, hi;
-          interleave_pairs(_mm512_maskz_mov_epi16(mv, a), _mm512_maskz_mov_epi16(mv, b), &lo, &hi);
+          pair_values(d, _mm512_maskz_mov_epi16(mv, a), _mm512_maskz_mov_epi16(mv, b), &lo, &hi);
           _mm512_storeu_si512(v + i, lo);
           if (i + 16 < rank_pad) _mm512_storeu_si512(v + i + 16, hi);
         }
+      }
+    }
+  }
+
+  // Value pairs only (keys read in place). Whole row pairs and 32-column segments, the common
+  // case, run without masks.
+  DUET_TARGET_AVX512 static void pack_values(Work& w, const Dims& d, const bf16_t* const* rows,
+                                             int64_t n_len) {
+    const int64_t rank = d.rank, rank_pad = w.rank_pad, full = rank / 32 * 32;
+    for (int64_t j = 0; j < n_len; j += 2) {
+      const bf16_t* a = rows[j];
+      const bf16_t* b = j + 1 < n_len ? rows[j + 1] : nullptr;
+      uint32_t* v = w.v + (j / 2) * rank_pad;
+      int64_t i = 0;
+      __m512i lo, hi;
+      if (b != nullptr) {
+        for (; i < full; i += 32) {
+          pair_values(d, _mm512_loadu_si512(a + i), _mm512_loadu_si512(b + i), &lo, &hi);
+          _mm512_storeu_si512(v + i, lo);
+          _mm512_storeu_si512(v + i + 16, hi);
+        }
+      }
+      for (; i < rank_pad; i += 32) {  // the column tail, or a last row without a partner
+        const __mmask32 mk = mask32(rank - i);
+        const __m512i rb = b != nullptr ? _mm512_maskz_loadu_epi16(mk, b + i) : _mm512_setzero_si512();
+        pair_values(d, _mm512_maskz_loadu_epi16(mk, a + i), rb, &lo, &hi);
+        _mm512_storeu_si512(v + i, lo);
+        if (i + 16 < rank_pad) _mm512_storeu_si512(v + i + 16, hi);
       }
     }
   }
@@ -396,11 +451,12 @@ struct Bf16Path {
 
   static void chunk(Work& w, const Dims& d, const bf16_t* const* rows, int64_t n_len, float scale,
                     LinePrefetch* pf) {
-    gather(w, d, rows, n_len);
     pf->k_steps_per_line = 2;  // spread the next chunk's lines over both GEMMs
     if (d.keys_in_place) {
+      pack_values(w, d, rows, n_len);
       scores_in_place(w, d, rows, n_len, pf);
     } else {
+      gather(w, d, rows, n_len);
       scores_gemm(n_len, d.heads_pad / 16, ceil_div(d.width, 2), w.k, w.row_words, w.q, d.heads_pad,
                   w.s, pf);
     }

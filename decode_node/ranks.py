@@ -1,0 +1,354 @@
+"""A decode node of `ranks` > 1 processes: data-parallel attention, expert-parallel MoE.
+
+Rank 0 is the process the router knows (`python -m decode_node`): it binds the control socket,
+starts ranks 1..R-1 as child processes (`python -m decode_node.ranks ... --rank r`), and the
+ranks join a gloo group through a TCP store on a free loopback port rank 0 picked.
+
+Every rank owns its own KV pool and ZmqReceiver (rank 0 at the config's `kv_port`, the others on
+free ports: `kv_port + r` could be another node's port), its own scheduler, and a PUSH socket to
+the router for its ReserveReply / Tokens / RequestError messages (they carry the request id,
+not the sender). One step, on every rank in lockstep:
+1. control: rank 0 drains the router's messages and broadcasts them as msgpack (protocol
+   frames, no pickle), each Reserve tagged with the rank it chose (fewest context tokens in
+   flight among the ranks with room for it), Aborts for every rank, and the stop flag;
+2. each rank applies its share, drains its KV events, expires, schedules its batch;
+3. stats: all_gather of a few ints per rank (batch size, free pages, tokens in flight, ...),
+   which rank 0 uses for the next picks, its waits and the node's heartbeat;
+4. if any rank has a batch, every rank runs the forward: its own batch, or `idle_step` (the
+   MoE exchanges with no tokens of its own), so the collectives always match.
+
+A rank that dies breaks the next collective (its sockets close; a hung one hits the group's
+timeout): the survivors fail what they hold (RequestError) and the node reports NodeFailed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from decode_node.expert_parallel import ExpertParallel, check_shardable, expert_shard
+from decode_node.node import MAX_DRAIN, DecodeNode
+from decode_node.scheduler import DecodeState
+from engine import protocol
+from engine.cluster_config import ClusterConfig, DecodeNodeConfig
+from engine.errors import ConfigError
+from engine.protocol import Abort, Heartbeat, NodeFailed, Reserve
+
+log = logging.getLogger(__name__)
+
+RENDEZVOUS_TIMEOUT_S = 600.0  # ranks load their shards in parallel; the slowest must make it
+# Per-rank stats gathered every step (int64).
+BATCH, FREE_PAGES, IN_FLIGHT, AWAITING, READY, RUNNING, KV_BYTES, DROPPED = range(8)
+NUM_STATS = 8
+
+
+def collective_timeout_s(node_timeout_s: float) -> float:
+    """How long a collective may wait for a peer before the rank gives up."""
+    return max(10.0, 2.0 * node_timeout_s)
+
+
+class RankGroup:
+    """The node's gloo group: tiny control collectives on top of `torch.distributed`."""
+
+    def __init__(self, rank: int, world: int, host: str, port: int, timeout_s: float):
+        store = dist.TCPStore(
+            host, port, world, is_master=rank == 0,
+            timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
+        )  # fmt: skip
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )  # fmt: skip
+        self.rank, self.world = rank, world
+
+    def broadcast_bytes(self, payload: bytes | None) -> bytes:
+        """Rank 0's `payload` on every rank (others pass None)."""
+        size = torch.tensor([len(payload) if self.rank == 0 else 0], dtype=torch.int64)
+        dist.broadcast(size, 0)
+        n = int(size.item())
+        if n == 0:
+            return b""
+        if self.rank == 0:
+            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        else:
+            buf = torch.empty(n, dtype=torch.uint8)
+        dist.broadcast(buf, 0)
+        return buf.numpy().tobytes()
+
+    def all_gather(self, row: list[int]) -> list[list[int]]:
+        """Every rank's `row` (same length everywhere), by rank."""
+        mine = torch.tensor(row, dtype=torch.int64)
+        rows = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(rows, mine)
+        return [r.tolist() for r in rows]
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RankDecodeNode(DecodeNode):
+    """One rank of a multi-rank decode node (rank 0 also holds the router's inbox)."""
+
+    forward_errors_are_fatal = True
+
+    def __init__(self, name, model, cfg, timeouts, inbox, outbox, receiver, group: RankGroup,
+                 ep: ExpertParallel, children: list[subprocess.Popen] | None = None):  # fmt: skip
+        super().__init__(name, model, cfg, timeouts, inbox, outbox, receiver)
+        self.rank, self.num_ranks = group.rank, group.world
+        self.group, self.ep = group, ep
+        self.children = children or []
+        self._stats = [[0] * NUM_STATS for _ in range(group.world)]
+        self._stopped = False
+        self.num_reserved = 0  # Reserve messages this rank was given
+
+    def ready_info(self):
+        info = super().ready_info()
+        info["num_pages"] = self.pool.num_pages * self.num_ranks
+        return info
+
+    def run(self) -> None:
+        try:
+            while not self._stopped:
+                self.step()
+        except BaseException as exc:  # a peer died or hung: fail what this rank holds, re-raise
+            self.close(f"decode rank {self.rank} failed: {type(exc).__name__}: {exc}")
+            self._reap_children()
+            raise
+        log.info("rank %d: %d requests reserved here", self.rank, self.num_reserved)
+        self.close("the decode node is shutting down")
+        self.group.close()
+        self._reap_children()
+
+    def step(self) -> None:
+        # 1. Control from rank 0.
+        control = self.group.broadcast_bytes(self._plan() if self.rank == 0 else None)
+        body = msgpack.unpackb(control, raw=False) if control else {"msgs": [], "stop": False}
+        for target, frame in body["msgs"]:
+            if target in (-1, self.rank):
+                msg = protocol.decode(frame)
+                self.num_reserved += isinstance(msg, Reserve)
+                self._handle(msg)
+        stop = bool(body["stop"])
+        self.is_stopping = self.is_stopping or stop
+        # 2. KV events, expiry, this rank's batch.
+        for event in self.receiver.poll(0.0):
+            self._on_transfer(event)
+        for request in self.scheduler.expire(time.monotonic()):
+            self._error(request.request_id, "decode", f"decode timed out: {request.error}")
+        batch = [] if stop else self.scheduler.schedule()
+        # 3. Everyone's stats; 4. the forward, on every rank if any rank has work.
+        self._stats = self.group.all_gather(self._local_stats(len(batch)))
+        if any(row[BATCH] for row in self._stats):
+            if batch:
+                self._decode(batch)
+            else:
+                self.ep.idle_step()
+        if self.rank == 0:
+            self._maybe_heartbeat()
+        self._stopped = stop
+
+    # ---- rank 0: planning ------------------------------------------------------------------
+    def _plan(self) -> bytes:
+        stats = self._stats
+        if any(row[READY] + row[RUNNING] for row in stats):
+            wait = 0.0
+        elif any(row[AWAITING] for row in stats):
+            wait = 0.001
+        else:
+            wait = min(0.05, self.timeouts.heartbeat_s)
+        free = [row[FREE_PAGES] for row in stats]
+        in_flight = [row[IN_FLIGHT] for row in stats]
+        msgs, num_handled = [], 0
+        msg = self.inbox.recv(wait)
+        while msg is not None:
+            if isinstance(msg, Reserve) and not self.is_stopping:
+                rank = self._pick_rank(msg, free, in_flight)
+                msgs.append([rank, protocol.encode(msg)])
+            elif isinstance(msg, Abort):
+                msgs.append([-1, protocol.encode(msg)])
+            else:  # Shutdown sets is_stopping; a Reserve while stopping is refused here
+                self._handle(msg)
+            num_handled += 1
+            msg = self.inbox.recv(0.0) if num_handled < MAX_DRAIN else None
+        return msgpack.packb({"msgs": msgs, "stop": self.is_stopping}, use_bin_type=True)
+
+    def _pick_rank(self, msg: Reserve, free: list[int], in_flight: list[int]) -> int:
+        """The rank with the fewest context tokens in flight among those with room (else the
+        one with the most free pages, which refuses with its reason); updates the estimates."""
+        max_new = msg.sampling.get("max_new_tokens", 1)
+        max_new = max_new if isinstance(max_new, int) and max_new > 0 else 1
+        need = self.scheduler.pages_for(msg.prompt_len, max_new)
+        fits = [r for r in range(self.num_ranks) if free[r] >= need]
+        if fits:
+            rank = min(fits, key=lambda r: (in_flight[r], r))
+        else:
+            rank = max(range(self.num_ranks), key=lambda r: (free[r], -r))
+        free[rank] -= need
+        in_flight[rank] += msg.prompt_len
+        return rank
+
+    def _local_stats(self, batch_size: int) -> list[int]:
+        requests = self.scheduler.requests
+        kv = self.receiver.stats()
+        row = [0] * NUM_STATS
+        row[BATCH] = batch_size
+        row[FREE_PAGES] = self.pool.allocator.num_free
+        row[IN_FLIGHT] = sum(r.prompt_len + len(r.output_ids) for r in requests)
+        row[AWAITING] = sum(r.state == DecodeState.AWAITING_KV for r in requests)
+        row[READY] = sum(r.state == DecodeState.READY for r in requests)
+        row[RUNNING] = sum(r.state == DecodeState.RUNNING for r in requests)
+        row[KV_BYTES], row[DROPPED] = kv.bytes_written, kv.num_dropped
+        return row
+
+    def _maybe_heartbeat(self) -> None:
+        """The node's heartbeat: the sums over ranks of the last gathered stats."""
+        now = time.monotonic()
+        if now < self._next_heartbeat:
+            return
+        self._next_heartbeat = now + self.timeouts.heartbeat_s
+        total = [sum(col) for col in zip(*self._stats, strict=True)]
+        self.outbox.send(
+            Heartbeat(
+                self.name, "decode",
+                num_waiting=total[AWAITING] + total[READY], num_running=total[RUNNING],
+                free_pages=total[FREE_PAGES], total_pages=self.pool.num_pages * self.num_ranks,
+                page_size=self.pool.page_size, kv_bytes_received=total[KV_BYTES],
+                kv_chunks_dropped=total[DROPPED], stage_ms=self.stage_times.means(),
+            )
+        )  # fmt: skip
+
+    def _reap_children(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for proc in self.children:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+
+
+# ---- building a rank -------------------------------------------------------------------------
+def build_rank(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, rank: int, port: int,
+               inbox, outbox, children=None) -> RankDecodeNode:  # fmt: skip
+    """Joins the group, installs expert parallelism, binds this rank's KV receiver."""
+    from kvtransfer import ZmqReceiver, make_fingerprint
+
+    timeout = collective_timeout_s(cluster.timeouts.node_timeout_s)
+    group = RankGroup(rank, cfg.ranks, cfg.host, port, timeout)
+    try:
+        ep = ExpertParallel(model, rank, cfg.ranks)
+        mcfg = model.cfg
+        pool = model.new_kv_pool(cfg.num_pages, cfg.page_size)
+        fingerprint = make_fingerprint(
+            mcfg.fingerprint(), mcfg.num_hidden_layers, mcfg.kv_row_width, model.dtype
+        )
+        endpoint = cfg.kv_endpoint if rank == 0 else f"tcp://{cfg.host}:0"
+        receiver = ZmqReceiver(pool, fingerprint, endpoint)
+    except Exception:
+        group.close()
+        raise
+    return RankDecodeNode(cfg.name, model, cfg, cluster.timeouts, inbox, outbox, receiver, group,
+                          ep, children)  # fmt: skip
+
+
+def shard_of(cluster: ClusterConfig, cfg: DecodeNodeConfig, model_dir: str | None, rank: int):
+    """This rank's expert range (ConfigError if the model has fewer experts than ranks)."""
+    from engine.config import ModelConfig
+    from engine.tiny_model import ensure_tiny_model
+
+    mcfg = ModelConfig.from_model_dir(model_dir or cluster.model or str(ensure_tiny_model()))
+    check_shardable(mcfg.n_routed_experts, cfg.ranks)
+    return expert_shard(mcfg.n_routed_experts, rank, cfg.ranks)
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(config: str, node: str, world: int, port: int, model_dir: str | None):
+    """Starts ranks 1..world-1 as children that get SIGTERM if this process dies."""
+    cmd = [sys.executable, "-m", "decode_node.ranks", "--config", config, "--node", node,
+           "--dist-port", str(port)]  # fmt: skip
+    if model_dir:
+        cmd += ["--model", model_dir]
+    return [
+        subprocess.Popen(
+            [*cmd, "--rank", str(r)], stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
+        )  # fmt: skip
+        for r in range(1, world)
+    ]
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() == 1:  # the parent is already gone
+        os._exit(1)
+
+
+# ---- ranks 1..R-1 ----------------------------------------------------------------------------
+def worker_main(argv: list[str] | None = None) -> int:
+    """`python -m decode_node.ranks --config F --node N --rank R --dist-port P [--model DIR]`
+    (started by rank 0; 0 after a clean stop, 1 on failure, reported to the router)."""
+    from engine.messaging import PushSocket
+    from engine.node_process import load_model
+
+    p = argparse.ArgumentParser(prog="python -m decode_node.ranks")
+    p.add_argument("--config", required=True)
+    p.add_argument("--node", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--dist-port", type=int, required=True)
+    p.add_argument("--model")
+    args = p.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {args.node}[{args.rank}] %(levelname)s %(message)s",
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops rank 0, which stops us
+    try:
+        cluster = ClusterConfig.load(args.config)
+        cfg = cluster.node(args.node)
+        if not isinstance(cfg, DecodeNodeConfig) or not 0 < args.rank < cfg.ranks:
+            raise ConfigError(f"node {args.node!r} has no decode rank {args.rank}")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    outbox = PushSocket(cluster.router.control_endpoint)
+    status = 0
+    try:
+        shard = shard_of(cluster, cfg, args.model, args.rank)
+        model = load_model(cluster, cfg, args.model, expert_range=shard)
+        node = build_rank(cluster, cfg, model, args.rank, args.dist_port, None, outbox)
+        log.info("rank %d ready: experts %s, KV %s", args.rank, shard, node.receiver.endpoint)
+        node.run()
+    except Exception as exc:  # a broken peer, a bad shard: the node is unhealthy
+        log.error("rank %d failed: %s", args.rank, exc)
+        outbox.send(
+            NodeFailed(cfg.name, "decode", f"rank {args.rank}: {type(exc).__name__}: {exc}")
+        )
+        status = 1
+    outbox.linger(1.0)
+    outbox.close()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())
