@@ -400,7 +400,8 @@ struct Bf16Path {
       }
       for (; i < rank_pad; i += 32) {  // the column tail, or a last row without a partner
         const __mmask32 mk = mask32(rank - i);
-        const __m512i rb = b != nullptr ? _mm512_maskz_loadu_epi16(mk, b + i) : _mm512_setzero_si512();
+        const __m512i rb =
+            b != nullptr ? _mm512_maskz_loadu_epi16(mk, b + i) : _mm512_setzero_si512();
         pair_values(d, _mm512_maskz_loadu_epi16(mk, a + i), rb, &lo, &hi);
         _mm512_storeu_si512(v + i, lo);
         if (i + 16 < rank_pad) _mm512_storeu_si512(v + i + 16, hi);
