@@ -28,9 +28,11 @@ class MLP:
     """SiLU-gated MLP (dense layers and shared experts): down(silu(gate(x)) * up(x))."""
 
     def __init__(self, weights: Weights, prefix: str):
-        w13 = torch.cat((weights[f"{prefix}.gate_proj.weight"], weights[f"{prefix}.up_proj.weight"]))
+        w13 = torch.cat(
+            (weights.pop(f"{prefix}.gate_proj.weight"), weights.pop(f"{prefix}.up_proj.weight"))
+        )
         self.w13 = ops.prepack_linear(w13)  # [2I, D]
-        self.w2 = ops.prepack_linear(weights[f"{prefix}.down_proj.weight"])  # [D, I]
+        self.w2 = ops.prepack_linear(weights.pop(f"{prefix}.down_proj.weight"))  # [D, I]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(ops.silu_and_mul(ops.linear(x, self.w13)), self.w2)
@@ -52,20 +54,24 @@ class MoE:
             [
                 torch.cat(
                     (
-                        weights[f"{prefix}.experts.{e}.gate_proj.weight"],
-                        weights[f"{prefix}.experts.{e}.up_proj.weight"],
+                        weights.pop(f"{prefix}.experts.{e}.gate_proj.weight"),
+                        weights.pop(f"{prefix}.experts.{e}.up_proj.weight"),
                     )
                 )
                 for e in expert_range
             ]
         )  # [E_local, 2I, D]
-        w2 = torch.stack([weights[f"{prefix}.experts.{e}.down_proj.weight"] for e in expert_range])
+        w2 = torch.stack(
+            [weights.pop(f"{prefix}.experts.{e}.down_proj.weight") for e in expert_range]
+        )
         self.w13, self.w2 = ops.prepack_experts(w13, w2)
         self.shared = MLP(weights, f"{prefix}.shared_experts") if cfg.n_shared_experts else None
         # Expert parallelism replaces this with a dispatch/combine around the local experts.
         self.routed_experts: RoutedExperts = self.local_experts
 
-    def local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def local_experts(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
         return ops.fused_moe(x, self.w13, self.w2, weights, ids, self.expert_offset)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +105,7 @@ class MLA:
         self.cfg = cfg
         self.cos_sin = cos_sin
         self.num_heads = cfg.num_attention_heads
-        w = lambda name: weights[f"{prefix}.{name}"]  # noqa: E731
+        w = lambda name: weights.pop(f"{prefix}.{name}")  # noqa: E731
         if cfg.q_lora_rank is None:
             self.q_proj = ops.prepack_linear(w("q_proj.weight"))
         else:
@@ -115,7 +121,9 @@ class MLA:
         self.w_uv_t = kv_b[:, cfg.qk_nope_head_dim :].transpose(1, 2).contiguous()  # [H, L, Dv]
         self.o_proj = ops.prepack_linear(w("o_proj.weight"))  # [D, H * Dv]
 
-    def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
         """x: [T, D] -> [T, D]; kv_cache: this layer's [num_pages, page_size, L + R]."""
         cfg, num_tokens, h = self.cfg, x.shape[0], self.num_heads
         if cfg.q_lora_rank is None:
@@ -128,7 +136,10 @@ class MLA:
         kv_a = ops.linear(x, self.kv_a_proj)  # [T, L + R]
         c_kv = ops.rms_norm(kv_a[:, : cfg.kv_lora_rank], self.kv_a_norm, cfg.rms_norm_eps)
         q_pe, k_pe = ops.apply_rope(
-            q_pe.contiguous(), kv_a[:, cfg.kv_lora_rank :].contiguous(), batch.positions, self.cos_sin
+            q_pe.contiguous(),
+            kv_a[:, cfg.kv_lora_rank :].contiguous(),
+            batch.positions,
+            self.cos_sin,
         )
         rows = torch.cat((c_kv, k_pe), dim=-1)  # [T, L + R], what the cache keeps
         if batch.is_decode:
@@ -196,11 +207,13 @@ class DecoderLayer:
 
 
 class DeepseekModel:
-    """The whole network. `forward` returns fp32 logits of each sequence's last new token."""
+    """The whole network. `forward` returns fp32 logits of each sequence's last new token.
 
-    def __init__(
-        self, cfg: ModelConfig, weights: Weights, dtype: torch.dtype, expert_range=None
-    ):
+    The constructor consumes `weights` (pops each tensor as its layer packs it), so the raw and
+    the packed copy of a matrix are never both held for the whole model: peak memory at load
+    stays near one model's size."""
+
+    def __init__(self, cfg: ModelConfig, weights: Weights, dtype: torch.dtype, expert_range=None):
         self.cfg = cfg
         self.dtype = dtype
         self.expert_range = expert_range or range(cfg.n_routed_experts)
@@ -211,7 +224,7 @@ class DeepseekModel:
             for i in range(cfg.num_hidden_layers)
         ]
         self.norm = weights["model.norm.weight"]
-        head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+        head = self.embed_tokens if cfg.tie_word_embeddings else weights.pop("lm_head.weight")
         self.lm_head = ops.prepack_linear(head)
 
     @classmethod
@@ -235,7 +248,9 @@ class DeepseekModel:
 
     def new_kv_pool(self, num_pages: int, page_size: int, device="cpu") -> KVPool:
         cfg = self.cfg
-        return KVPool(cfg.num_hidden_layers, num_pages, page_size, cfg.kv_row_width, self.dtype, device)
+        return KVPool(
+            cfg.num_hidden_layers, num_pages, page_size, cfg.kv_row_width, self.dtype, device
+        )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
