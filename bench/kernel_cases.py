@@ -98,6 +98,22 @@ def _act(*shape: int) -> torch.Tensor:
     return torch.randn(*shape).to(BF16)
 
 
+# NOTE: a weight read from the 32 MB L3 instead of DRAM would flatter a bandwidth-bound case, so
+# such cases cycle through enough copies of their weight to stream more than this per round.
+CACHE_DEFEAT_BYTES = 128 * 1024 * 1024
+
+
+def _cycling(items: list) -> Callable[[], object]:
+    """A callable returning items[0], items[1], ... round robin (one per timed call)."""
+    state = {"i": -1}
+
+    def next_item():
+        state["i"] = (state["i"] + 1) % len(items)
+        return items[state["i"]]
+
+    return next_item
+
+
 # ---- MoE -------------------------------------------------------------------------------------
 
 
@@ -140,8 +156,10 @@ def linear_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
         rows = [(name, m) for name, m in rows if wanted(name)]
         if not rows:
             continue
-        w = _weight(n, k)
-        packed, ref_packed = ops.prepack_linear(w), reference.prepack_linear(w)
+        copies = max(1, math.ceil(CACHE_DEFEAT_BYTES / (n * k * ELEM)))
+        weights = [_weight(n, k) for _ in range(copies)]
+        packed = _cycling([ops.prepack_linear(w) for w in weights])
+        ref_packed = _cycling([reference.prepack_linear(w) for w in weights])
         for name, m in rows:
             x = _act(m, k)
             yield Case(
@@ -149,8 +167,8 @@ def linear_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
                 shape=f"M={m} K={k} N={n}",
                 num_bytes=(n * k + m * k + m * n) * ELEM,
                 flops=2 * m * n * k,
-                run=lambda x=x, w=packed: ops.linear(x, w),
-                reference=lambda x=x, w=ref_packed: reference.linear(x, w),
+                run=lambda x=x, w=packed: ops.linear(x, w()),
+                reference=lambda x=x, w=ref_packed: reference.linear(x, w()),
             )
 
 
