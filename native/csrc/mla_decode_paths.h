@@ -304,7 +304,10 @@ struct Bf16Path {
     w.rank_pad = round_up(d.rank, 16);
     w.q = a.take<uint32_t>(round_up(ceil_div(d.width, 2), 16) * d.heads_pad);
     w.k = a.take<uint32_t>(kChunkRows * w.row_words);
-    w.v = a.take<uint32_t>(kChunk / 2 * round_up(d.rank, 32));
+    // gather() writes value pairs for every row of the padded row tiles (up to kChunkRows), not
+    // just kChunk: sized for kChunk, the zero pairs of a 121..128-row chunk spilled into p, s
+    // and the running output o, wiping the sum of the earlier chunks of the task.
+    w.v = a.take<uint32_t>(kChunkRows / 2 * round_up(d.rank, 32));
     w.p = a.take<uint32_t>(kChunk / 2 * d.heads_pad);
     w.s = a.take<float>(kChunkRows * d.heads_pad);
     w.o = a.take<float>(d.heads_pad * w.rank_pad);

@@ -176,6 +176,20 @@ def test_mla_decode_split_sequences(isa, dtype, num_threads):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 3])
+def test_mla_decode_unsplit_multi_chunk_sequences(isa, dtype, page_size):
+    """One thread and as many sequences as threads x 2: no KV splits, so one task runs several
+    128-row chunks; a last chunk of 121..128 rows once spilled zeros over the running output."""
+    previous = torch.get_num_threads()
+    ops.set_num_threads(1)
+    try:
+        for seq_lens in ([250, 1], [5, 300], [256, 256]):
+            _check_decode(_decode_inputs(seq_lens, 16, 512, 64, page_size, dtype, True))
+    finally:
+        ops.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_mla_decode_batch_64(isa, dtype):
     g = torch.Generator().manual_seed(4)
     seq_lens = torch.randint(0, 150, (64,), generator=g).tolist()
