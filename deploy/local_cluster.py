@@ -56,24 +56,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ---- the config ----------------------------------------------------------------------------
+def free_ports(
+    count: int, host: str = "127.0.0.1", exclude: frozenset[int] = frozenset()
+) -> list[int]:
+    """`count` distinct free ports, none in `exclude`: every socket stays bound until all are
+    picked, so the OS cannot hand out the same port twice (picking one at a time sometimes did)."""
+    sockets: list[socket.socket] = []
+    try:
+        while len(sockets) < count:
+            s = socket.socket()
+            s.bind((host, 0))
+            if s.getsockname()[1] in exclude:
+                s.close()
+                continue
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def shorthand_config(num_prefill: int, num_decode: int, port: int, threads: int) -> dict:
     """A config dict: N prefill and M decode nodes, their control/KV ports picked free."""
     if num_prefill < 1 or num_decode < 1:
         raise ConfigError("--prefill and --decode must be at least 1")
+    ports = iter(free_ports(1 + num_prefill + 2 * num_decode, exclude=frozenset({port})))
     return {
-        "router": {"host": "127.0.0.1", "port": port, "control_port": free_port()},
+        "router": {"host": "127.0.0.1", "port": port, "control_port": next(ports)},
         "prefill": [
-            {"name": f"prefill-{i}", "control_port": free_port(), "threads": threads}
+            {"name": f"prefill-{i}", "control_port": next(ports), "threads": threads}
             for i in range(num_prefill)
         ],
         "decode": [
-            {"name": f"decode-{i}", "control_port": free_port(), "kv_port": free_port(),
+            {"name": f"decode-{i}", "control_port": next(ports), "kv_port": next(ports),
              "threads": threads}
             for i in range(num_decode)
         ],

@@ -27,10 +27,19 @@ READY_TIMEOUT_S = 240.0  # three to four processes load torch and the model on 2
 STOP_TIMEOUT_S = 30.0
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port never handed out before in this test process (two configs of one test
+    must not share a port just because the OS reused a freed one)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT and port + 1 not in _HANDED_OUT and port - 1 not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def free_port_pair() -> int:

@@ -12,7 +12,6 @@ there).
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ import httpx
 import uvicorn
 import zmq
 
+from deploy.local_cluster import free_ports
 from engine import protocol
 from engine.cluster_config import ClusterConfig
 from engine.protocol import (
@@ -38,14 +38,10 @@ from engine.protocol import (
 FAKE_FINGERPRINT = None  # the fakes send none, so the router's check is skipped
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def fake_config(num_prefill: int = 1, num_decode: int = 1, **router) -> ClusterConfig:
     """A cluster on free loopback ports with short timeouts (fast failure tests)."""
+    ports = iter(free_ports(2 + num_prefill + 2 * num_decode))
+    free_port = ports.__next__
     raw = {
         "sla": {"ttft_ms": 1000, "tpot_ms": 200},
         "router": {"port": free_port(), "control_port": free_port(), **router},
