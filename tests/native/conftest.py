@@ -1,5 +1,8 @@
 """Kernel tests run once per ISA this CPU supports (down to the portable path), so a machine
-without AVX-512 is covered by the same tests. DUET_ISA caps the list."""
+without AVX-512 is covered by the same tests. DUET_ISA caps the list; DUET_TEST_THREADS sets the
+kernel thread count for the session (CI also runs them with 1 thread, as the nodes run)."""
+
+import os
 
 import pytest
 
@@ -15,6 +18,14 @@ def _available_isas() -> list[str]:
 
     best = ISA_LEVELS[_C.active_isa()]
     return [name for name, level in ISA_LEVELS.items() if level <= best]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernel_threads():
+    threads = os.environ.get("DUET_TEST_THREADS")
+    if threads:
+        ops.set_num_threads(int(threads))
+    yield
 
 
 @pytest.fixture(params=_available_isas() or ["unavailable"])
