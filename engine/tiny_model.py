@@ -30,6 +30,21 @@ BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 SPECIAL_TOKENS = [BOS, EOS, "<|user|>", "<|assistant|>", "<|system|>"]
 TOKENIZER_VOCAB = 512
 
+# Overrides that turn the tiny model into a DeepSeek-V2-Lite style one (q_lora_rank null,
+# softmax greedy routing without renormalization, no rope scaling).
+V2_LITE_OVERRIDES = {
+    "model_type": "deepseek_v2",
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "q_lora_rank": None,
+    "scoring_func": "softmax",
+    "topk_method": "greedy",
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
+    "n_group": 1,
+    "topk_group": 1,
+    "rope_scaling": None,
+}
+
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"

@@ -6,23 +6,12 @@ import torch
 
 from engine.generate import OfflineGenerator
 from engine.model import DeepseekModel
-from engine.tiny_model import make_tiny_model
+from engine.tiny_model import V2_LITE_OVERRIDES, make_tiny_model
 from native import ops
 
 transformers = pytest.importorskip("transformers")
 
-V2_LITE = {
-    "model_type": "deepseek_v2",
-    "architectures": ["DeepseekV2ForCausalLM"],
-    "q_lora_rank": None,
-    "scoring_func": "softmax",
-    "topk_method": "greedy",
-    "norm_topk_prob": False,
-    "routed_scaling_factor": 1.0,
-    "n_group": 1,
-    "topk_group": 1,
-    "rope_scaling": None,
-}
+V2_LITE = V2_LITE_OVERRIDES
 
 VARIANTS = {
     # q_lora_rank set, sigmoid + correction bias, n_group 2, YaRN, first layer dense.

@@ -10,23 +10,17 @@ from safetensors.torch import load_file
 
 import engine.tiny_model as tiny
 from engine.config import ModelConfig
-from engine.tiny_model import default_tiny_model_dir, ensure_tiny_model, make_tiny_model
+from engine.tiny_model import (
+    V2_LITE_OVERRIDES,
+    default_tiny_model_dir,
+    ensure_tiny_model,
+    make_tiny_model,
+)
 from engine.tokenizer import Tokenizer
 from engine.weight_names import checkpoint_shapes
 from engine.weights import load_checkpoint
 
-V2_LITE = {
-    "model_type": "deepseek_v2",
-    "architectures": ["DeepseekV2ForCausalLM"],
-    "q_lora_rank": None,
-    "scoring_func": "softmax",
-    "topk_method": "greedy",
-    "norm_topk_prob": False,
-    "routed_scaling_factor": 1.0,
-    "n_group": 1,
-    "topk_group": 1,
-    "rope_scaling": None,
-}
+V2_LITE = V2_LITE_OVERRIDES
 
 
 def _config(model_dir) -> dict:
