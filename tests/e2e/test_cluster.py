@@ -5,9 +5,14 @@ identical token for token. The last test of each cluster presses Ctrl-C and chec
 process of the cluster is left."""
 
 import asyncio
+import contextlib
+import json
+import os
 import re
+import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -22,7 +27,7 @@ from e2e_helpers import (
     start_cluster,
 )
 
-from deploy.local_cluster import dump_toml
+from deploy.local_cluster import dump_toml, shorthand_config
 from engine.tiny_model import ensure_tiny_model
 from engine.tokenizer import Tokenizer
 
@@ -31,7 +36,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-CLUSTERS = ["1p1d", "2p1d"]  # 1P1D: the shorthand, bfloat16; 2P1D: a config file, float32
+CLUSTERS = ["1p1d", "2p1d"]  # 1P1D: the shorthand's layout, bfloat16; 2P1D: 2p1d.toml, float32
 LONG_PROMPT = " ".join(
     ["The prefill node is compute bound; the decode node is memory bound."] * 11
 )  # 309 tokens: more than one prefill chunk (256)
@@ -41,7 +46,12 @@ CHATS = [
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to five."}],
 ]
 MAX_NEW = 16
+OUTCOMES = ("finished", "failed", "aborted")
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+# The disconnect test freezes nodes (SIGSTOP) for a moment: far inside this node timeout.
+TIMEOUTS = {"node_timeout_s": 60.0}
 
 
 def _2p1d_config(path):
@@ -50,6 +60,15 @@ def _2p1d_config(path):
     raw["router"]["control_port"] = free_port()
     raw["prefill"][0]["control_port"] = free_port_pair()
     raw["decode"][0].update(name="decode-0", control_port=free_port(), kv_port=free_port())
+    raw["timeouts"] = TIMEOUTS
+    path.write_text(dump_toml(raw))
+    return path
+
+
+def _1p1d_config(path):
+    """What `duet up --prefill 1 --decode 1` builds, with this module's timeouts."""
+    raw = shorthand_config(1, 1, port=free_port(), threads=1)
+    raw["timeouts"] = TIMEOUTS
     path.write_text(dump_toml(raw))
     return path
 
@@ -57,7 +76,8 @@ def _2p1d_config(path):
 @pytest.fixture(scope="module", params=CLUSTERS)
 def cluster(request, tmp_path_factory):
     if request.param == "1p1d":
-        dtype, args = "bfloat16", ["--prefill", "1", "--decode", "1", "--dtype", "bfloat16"]
+        config = _1p1d_config(tmp_path_factory.mktemp("cfg") / "1p1d.toml")
+        dtype, args = "bfloat16", ["--config", str(config), "--dtype", "bfloat16"]
     else:
         config = _2p1d_config(tmp_path_factory.mktemp("cfg") / "2p1d.toml")
         dtype, args = "float32", ["--config", str(config), "--dtype", "float32"]
@@ -181,41 +201,108 @@ def _wait(cond, timeout_s: float) -> bool:
     return False
 
 
+def _signal_all(pids, sig) -> None:
+    for pid in pids:
+        os.kill(pid, sig)
+
+
+@contextlib.contextmanager
+def _frozen(pids):
+    """SIGSTOP the processes for the block (SIGCONT on every way out)."""
+    _signal_all(pids, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        _signal_all(pids, signal.SIGCONT)
+
+
+def _prefill_dispatched(cluster, name: str) -> float:
+    return cluster.metric("duet_node_requests_total", node=name, role="prefill")
+
+
+def _handshake_every_prefill_node(cluster, prefill: dict[str, int]) -> None:
+    """One request on every prefill node, so each has its KV handshake with decode-0 done
+    (a first contact needs the decode node awake). While the prefill nodes are frozen, the
+    router spreads concurrent requests by the tokens it holds for each node: one each."""
+    before = {name: _prefill_dispatched(cluster, name) for name in prefill}
+    with ThreadPoolExecutor(len(prefill)) as pool:
+        with _frozen(prefill.values()):
+            futures = [
+                pool.submit(
+                    cluster.client().completions.create,
+                    model="tiny-model",
+                    prompt="Hi",
+                    max_tokens=2,
+                )  # fmt: skip
+                for _ in prefill
+            ]
+            assert _wait(
+                lambda: all(_prefill_dispatched(cluster, n) == before[n] + 1 for n in prefill), 30
+            )
+        assert all(f.result(timeout=60).usage.completion_tokens == 2 for f in futures)
+
+
 def test_disconnect_mid_stream_returns_decode_pages(cluster):
-    """8 long streams (8 x 480 tokens take seconds to decode) are dropped after their first
-    event: the decode node's used pages must be back at their earlier count well before the
-    requests could have finished on their own."""
+    """8 streams are dropped after their first token: every one is counted aborted (none
+    finished, none failed) and the decode node's pages return to their baseline.
+
+    No timing luck: the decode node is frozen (SIGSTOP) from the moment it has reserved all 8
+    until the router has counted all 8 aborts, so no request can decode a single token of its
+    own, let alone finish, before its client is gone (the tiny model decodes 480 tokens in about
+    a second, so racing a free-running decode node against the disconnect was a coin toss).
+    The prefill nodes are frozen meanwhile too, so all 8 reservations are made before any first
+    token exists. The frozen spans are far inside the module's node timeout."""
     used = lambda: cluster.metric("duet_kv_pages_used", node="decode-0", role="decode")  # noqa: E731
     assert _wait(lambda: used() == 0, 10), "pages still in use before the test"
     baseline = used()
-    aborted_before = cluster.metric("duet_requests_total", outcome="aborted")
+    prefill = {name: pid for name, pid in cluster.child_pids.items() if name.startswith("prefill")}
+    decode_pid = cluster.child_pids["decode-0"]
+    _handshake_every_prefill_node(cluster, prefill)
+    before = {o: cluster.metric("duet_requests_total", outcome=o) for o in OUTCOMES}
+    dispatched = lambda: sum(_prefill_dispatched(cluster, n) for n in prefill)  # noqa: E731
+    dispatched_before = dispatched()
     body = {"model": "tiny-model", "prompt": "Hi", "max_tokens": 480, "temperature": 0,
             "stream": True, "ignore_eos": True}  # fmt: skip
     num_streams = 8
-    started, close = threading.Barrier(num_streams + 1, timeout=60), threading.Event()
+    got_first, close = threading.Barrier(num_streams + 1, timeout=60), threading.Event()
+    first_lines: list[str] = []
 
     def stream_then_drop():
         with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()  # kept referenced: a collected iterator closes the stream
-            next(lines)
-            started.wait()
+            first_lines.append(next(line for line in lines if line))
+            got_first.wait()
             close.wait(timeout=60)
         # leaving the block closes the connection mid-stream
 
     threads = [threading.Thread(target=stream_then_drop) for _ in range(num_streams)]
-    for t in threads:
-        t.start()
-    started.wait()
-    assert _wait(lambda: used() > baseline, 5), "the streams never showed up in decode pages"
-    close.set()
-    closed_at = time.monotonic()
-    for t in threads:
-        t.join(timeout=10)
-    assert _wait(lambda: used() == baseline, 10)
-    freed_after = time.monotonic() - closed_at
-    assert cluster.metric("duet_requests_total", outcome="aborted") == aborted_before + num_streams
-    # finishing on their own would take several more seconds: the pages came back by the abort
-    assert freed_after < 3.0, f"pages came back only {freed_after:.1f} s after the disconnect"
+    _signal_all(prefill.values(), signal.SIGSTOP)
+    frozen = [*prefill.values()]
+    try:
+        for t in threads:
+            t.start()
+        # Prefill is sent only once the decode node reserved: 8 sent = 8 reserved.
+        assert _wait(lambda: dispatched() == dispatched_before + num_streams, 30)
+        os.kill(decode_pid, signal.SIGSTOP)
+        frozen.append(decode_pid)
+        _signal_all(prefill.values(), signal.SIGCONT)
+        frozen = [decode_pid]
+        got_first.wait()  # the prefill nodes ran: every stream has its first token
+        texts = [
+            json.loads(line.removeprefix("data: "))["choices"][0]["text"] for line in first_lines
+        ]
+        assert all(texts), first_lines
+        close.set()
+        for t in threads:
+            t.join(timeout=30)
+        aborted = lambda: cluster.metric("duet_requests_total", outcome="aborted")  # noqa: E731
+        assert _wait(lambda: aborted() == before["aborted"] + num_streams, 30)
+    finally:
+        _signal_all(frozen, signal.SIGCONT)
+        close.set()
+    assert _wait(lambda: used() == baseline, 30), "decode pages did not return to the baseline"
+    after = {o: cluster.metric("duet_requests_total", outcome=o) for o in OUTCOMES}
+    assert after == {**before, "aborted": before["aborted"] + num_streams}
 
 
 def test_bad_requests(cluster):
