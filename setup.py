@@ -22,7 +22,14 @@ def _needs_recompile(obj: str, src: str) -> bool:
 
 ParallelCompile("DUET_BUILD_JOBS", default=0, needs_recompile=_needs_recompile).install()
 
-extra_compile_args = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-Wall", "-Wno-unused-function"]
+extra_compile_args = [
+    "-O3",
+    "-std=c++17",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-Wall",
+    "-Wno-unused-function",
+]
 extra_link_args = ["-fopenmp"]
 
 ext = Pybind11Extension(

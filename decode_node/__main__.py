@@ -13,7 +13,7 @@ from engine.cluster_config import ClusterConfig, DecodeNodeConfig
 from engine.node_process import load_model, run_node_process
 
 
-def _build(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, inbox, outbox):
+def _build(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, inbox, outbox, security):
     from decode_node.node import DecodeNode
     from kvtransfer import ZmqReceiver, make_fingerprint
 
@@ -22,7 +22,7 @@ def _build(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, inbox, outbox):
     fingerprint = make_fingerprint(
         mcfg.fingerprint(), mcfg.num_hidden_layers, mcfg.kv_row_width, model.dtype
     )
-    receiver = ZmqReceiver(pool, fingerprint, cfg.kv_endpoint)
+    receiver = ZmqReceiver(pool, fingerprint, cfg.kv_endpoint, security=security)
     return DecodeNode(cfg.name, model, cfg, cluster.timeouts, inbox, outbox, receiver)
 
 
@@ -50,13 +50,15 @@ class _Rank0:
         )
         return load_model(cluster, cfg, model_dir, expert_range=shard)
 
-    def build(self, cluster: ClusterConfig, cfg: DecodeNodeConfig, model, inbox, outbox):
+    def build(self, cluster: ClusterConfig, cfg: DecodeNodeConfig, model, inbox, outbox, security):
         if cfg.ranks == 1:
-            return _build(cluster, cfg, model, inbox, outbox)
+            return _build(cluster, cfg, model, inbox, outbox, security)
         from decode_node.ranks import build_rank
 
         try:
-            return build_rank(cluster, cfg, model, 0, self.port, inbox, outbox, self.children)
+            return build_rank(
+                cluster, cfg, model, 0, self.port, inbox, outbox, self.children, security
+            )
         except BaseException:
             for proc in self.children:
                 proc.kill()

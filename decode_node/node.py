@@ -4,7 +4,9 @@
 the KV receiver (`kvtransfer`), so tests run the same loop with in-process queues and receiver.
 
 Every reserved request ends in exactly one of: Tokens with a finish_reason (finished),
-RequestError (failed: refused KV, timeout), or silence after an Abort from the router. Its pages
+RequestError (failed: refused KV, timeout), or silence after an Abort from the router (or
+after its router's lease lapsed: `engine.lease`). SIGTERM drains: no new reservations, the held
+requests finish (for at most `drain_s`), then the loop stops. Its pages
 are freed on every path in the step that ends it; while its KV is in flight they are lent to
 the receiver, and the loop takes them back (`cancel`) before freeing them.
 """
@@ -21,14 +23,18 @@ from decode_node.scheduler import DecodeRequest, DecodeScheduler, DecodeState, S
 from engine.batch import ForwardBatch
 from engine.cluster_config import DecodeNodeConfig, TimeoutConfig
 from engine.errors import DuetError
+from engine.lease import RouterLease
 from engine.messaging import Inbox, Outbox, StageTimes
 from engine.model import DeepseekModel
 from engine.protocol import (
     Abort,
     Heartbeat,
+    NodeFailed,
+    NodeReady,
     RequestError,
     Reserve,
     ReserveReply,
+    RouterPing,
     Shutdown,
     Tokens,
     sampling_from_dict,
@@ -75,7 +81,10 @@ class DecodeNode:
             mcfg.fingerprint(), mcfg.num_hidden_layers, mcfg.kv_row_width, model.dtype
         )
         self.stage_times = StageTimes()
+        self.lease = RouterLease()
         self.is_stopping = False
+        self.is_draining = False
+        self._drain_deadline = 0.0
         self._next_heartbeat = 0.0
 
     def ready_info(self) -> dict[str, Any]:
@@ -89,13 +98,30 @@ class DecodeNode:
             "dtype": self.fingerprint["dtype"],
         }
 
+    def begin_drain(self) -> None:
+        """Takes no new reservations from now on and stops once the held requests are done
+        (or `drain_s` passed); the next heartbeat tells the router at once."""
+        if not self.is_draining:
+            self.is_draining = True
+            self._drain_deadline = time.monotonic() + self.timeouts.drain_s
+            self._next_heartbeat = 0.0
+            log.info("draining: %d requests to finish", len(self.scheduler.requests))
+
     def run(self) -> None:
         """Steps until a Shutdown message (or `is_stopping` set from outside), then closes."""
         try:
             while not self.is_stopping:
                 self.step()
+        except Exception as exc:
+            self.report_failure(exc)
+            raise
         finally:
             self.close("the decode node is shutting down")
+
+    def report_failure(self, exc: BaseException) -> None:
+        """NodeFailed to the router before the per-request errors of close(): the router then
+        moves this node's requests to another pair instead of failing them."""
+        self.outbox.send(NodeFailed(self.name, "decode", f"{type(exc).__name__}: {exc}"))
 
     def step(self) -> None:
         # 1. Block when idle: wait for a control message only if there is nothing to decode;
@@ -115,9 +141,14 @@ class DecodeNode:
         # 3. Drain transfer events: complete KV joins the batch, anything else fails.
         for event in self.receiver.poll(0.001 if wait else 0.0):
             self._on_transfer(event)
-        # 4. Fail requests that decoded too long.
-        for request in self.scheduler.expire(time.monotonic()):
+        # 4. Fail requests that decoded too long; drop everything if the router's lease lapsed.
+        now = time.monotonic()
+        for request in self.scheduler.expire(now):
             self._error(request.request_id, "decode", f"decode timed out: {request.error}")
+        if self.lease.lapsed(now):
+            self._orphan_all(f"no word from the router for {self.timeouts.lease_s:g} s")
+        if self.is_draining and (not self.scheduler.requests or now >= self._drain_deadline):
+            self.is_stopping = True  # close() fails what is left; the router moves it
         # 5. One decode step over the running batch (requests join and leave at every step).
         batch = self.scheduler.schedule()
         if batch:
@@ -131,17 +162,34 @@ class DecodeNode:
             self._on_reserve(msg)
         elif isinstance(msg, Abort):
             self._abort(msg.request_id, f"aborted: {msg.reason}")
+        elif isinstance(msg, RouterPing):
+            self._on_ping(msg)
         elif isinstance(msg, Shutdown):
             self.is_stopping = True
         else:
             log.warning("decode node ignores a %s message", type(msg).__name__)
 
-    def _on_reserve(self, msg: Reserve) -> None:
-        def refuse(reason: str) -> None:
-            self.outbox.send(ReserveReply(msg.request_id, ok=False, reason=reason))
+    def _on_ping(self, msg: RouterPing) -> None:
+        if self.lease.renew(msg.router_id, msg.lease_s, time.monotonic()):
+            # A new router knows none of our requests, and not us either: start over with it.
+            self._orphan_all("the router restarted")
+            self.outbox.send(NodeReady(self.name, "decode", self.ready_info()))
 
-        if self.is_stopping:
-            return refuse("the decode node is shutting down")
+    def _orphan_all(self, reason: str) -> None:
+        """Aborts every held request: no live router owns them any more."""
+        if self.scheduler.requests:
+            log.warning("aborting %d requests: %s", len(self.scheduler.requests), reason)
+        for request in list(self.scheduler.requests):
+            self._abort(request.request_id, reason)
+
+    def _on_reserve(self, msg: Reserve) -> None:
+        def refuse(reason: str, draining: bool = False) -> None:
+            self.outbox.send(
+                ReserveReply(msg.request_id, ok=False, reason=reason, draining=draining)
+            )
+
+        if self.is_stopping or self.is_draining:
+            return refuse("the decode node is draining", draining=True)
         try:
             params = sampling_from_dict(msg.sampling)
         except (DuetError, ValueError, TypeError) as exc:
@@ -253,7 +301,9 @@ class DecodeNode:
                 page_size=self.pool.page_size,
                 kv_bytes_received=stats.bytes_written,
                 kv_chunks_dropped=stats.num_dropped,
+                num_malformed=self.inbox.num_malformed,
                 stage_ms=self.stage_times.means(),
+                draining=self.is_draining,
             )
         )
 

@@ -111,6 +111,7 @@ class RankDecodeNode(DecodeNode):
         self.children = children or []
         self._stats = [[0] * NUM_STATS for _ in range(group.world)]
         self._stopped = False
+        self._orphan_reason = ""  # rank 0: the lease lapsed or the router changed; all ranks drop
         self.num_reserved = 0  # Reserve messages this rank was given
 
     def ready_info(self):
@@ -123,6 +124,8 @@ class RankDecodeNode(DecodeNode):
             while not self._stopped:
                 self.step()
         except BaseException as exc:  # a peer died or hung: fail what this rank holds, re-raise
+            if isinstance(exc, Exception):
+                self.report_failure(exc)
             self.close(f"decode rank {self.rank} failed: {type(exc).__name__}: {exc}")
             self._reap_children()
             raise
@@ -140,6 +143,8 @@ class RankDecodeNode(DecodeNode):
                 msg = protocol.decode(frame)
                 self.num_reserved += isinstance(msg, Reserve)
                 self._handle(msg)
+        if body.get("orphan"):
+            DecodeNode._orphan_all(self, body["orphan"])
         stop = bool(body["stop"])
         self.is_stopping = self.is_stopping or stop
         # 2. KV events, expiry, this rank's batch.
@@ -173,16 +178,29 @@ class RankDecodeNode(DecodeNode):
         msgs, num_handled = [], 0
         msg = self.inbox.recv(wait)
         while msg is not None:
-            if isinstance(msg, Reserve) and not self.is_stopping:
+            if isinstance(msg, Reserve) and not (self.is_stopping or self.is_draining):
                 rank = self._pick_rank(msg, free, in_flight)
                 msgs.append([rank, protocol.encode(msg)])
             elif isinstance(msg, Abort):
                 msgs.append([-1, protocol.encode(msg)])
-            else:  # Shutdown sets is_stopping; a Reserve while stopping is refused here
+            else:  # Shutdown sets is_stopping; a Reserve while stopping/draining is refused here
                 self._handle(msg)
             num_handled += 1
             msg = self.inbox.recv(0.0) if num_handled < MAX_DRAIN else None
-        return msgpack.packb({"msgs": msgs, "stop": self.is_stopping}, use_bin_type=True)
+        now = time.monotonic()
+        if self.lease.lapsed(now):
+            self._orphan_all(f"no word from the router for {self.timeouts.lease_s:g} s")
+        held = sum(row[AWAITING] + row[READY] + row[RUNNING] for row in stats)
+        if self.is_draining and (not held or now >= self._drain_deadline):
+            self.is_stopping = True
+        orphan, self._orphan_reason = self._orphan_reason, ""
+        body = {"msgs": msgs, "stop": self.is_stopping, "orphan": orphan}
+        return msgpack.packb(body, use_bin_type=True)
+
+    def _orphan_all(self, reason: str) -> None:
+        """On rank 0 (the only one that hears the router): every rank drops its requests at
+        the next step, from the plan."""
+        self._orphan_reason = reason
 
     def _pick_rank(self, msg: Reserve, free: list[int], in_flight: list[int]) -> int:
         """The rank with the fewest context tokens in flight among those with room (else the
@@ -225,7 +243,8 @@ class RankDecodeNode(DecodeNode):
                 num_waiting=total[AWAITING] + total[READY], num_running=total[RUNNING],
                 free_pages=total[FREE_PAGES], total_pages=self.pool.num_pages * self.num_ranks,
                 page_size=self.pool.page_size, kv_bytes_received=total[KV_BYTES],
-                kv_chunks_dropped=total[DROPPED], stage_ms=self.stage_times.means(),
+                kv_chunks_dropped=total[DROPPED], num_malformed=self.inbox.num_malformed,
+                stage_ms=self.stage_times.means(), draining=self.is_draining,
             )
         )  # fmt: skip
 
@@ -241,8 +260,9 @@ class RankDecodeNode(DecodeNode):
 
 # ---- building a rank -------------------------------------------------------------------------
 def build_rank(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, rank: int, port: int,
-               inbox, outbox, children=None) -> RankDecodeNode:  # fmt: skip
-    """Joins the group, installs expert parallelism, binds this rank's KV receiver."""
+               inbox, outbox, children=None, security=None) -> RankDecodeNode:  # fmt: skip
+    """Joins the group, installs expert parallelism, binds this rank's KV receiver (CURVE with
+    `security`, an engine.security.CurveSecurity; plain with None)."""
     from kvtransfer import ZmqReceiver, make_fingerprint
 
     timeout = collective_timeout_s(cluster.timeouts.node_timeout_s)
@@ -255,7 +275,7 @@ def build_rank(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, rank: int, 
             mcfg.fingerprint(), mcfg.num_hidden_layers, mcfg.kv_row_width, model.dtype
         )
         endpoint = cfg.kv_endpoint if rank == 0 else f"tcp://{cfg.host}:0"
-        receiver = ZmqReceiver(pool, fingerprint, endpoint)
+        receiver = ZmqReceiver(pool, fingerprint, endpoint, security=security)
     except Exception:
         group.close()
         raise
@@ -310,6 +330,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     (started by rank 0; 0 after a clean stop, 1 on failure, reported to the router)."""
     from engine.messaging import PushSocket
     from engine.node_process import load_model
+    from engine.security import cluster_security
 
     p = argparse.ArgumentParser(prog="python -m decode_node.ranks")
     p.add_argument("--config", required=True)
@@ -328,15 +349,19 @@ def worker_main(argv: list[str] | None = None) -> int:
         cfg = cluster.node(args.node)
         if not isinstance(cfg, DecodeNodeConfig) or not 0 < args.rank < cfg.ranks:
             raise ConfigError(f"node {args.node!r} has no decode rank {args.rank}")
+        who = f"node {args.node} rank {args.rank}"
+        security = cluster_security(cluster.security, args.config, who)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    outbox = PushSocket(cluster.router.control_endpoint)
+    outbox = PushSocket(cluster.router.control_endpoint, security=security)
     status = 0
     try:
         shard = shard_of(cluster, cfg, args.model, args.rank)
         model = load_model(cluster, cfg, args.model, expert_range=shard)
-        node = build_rank(cluster, cfg, model, args.rank, args.dist_port, None, outbox)
+        node = build_rank(
+            cluster, cfg, model, args.rank, args.dist_port, None, outbox, security=security
+        )
         log.info("rank %d ready: experts %s, KV %s", args.rank, shard, node.receiver.endpoint)
         node.run()
     except Exception as exc:  # a broken peer, a bad shard: the node is unhealthy

@@ -93,6 +93,31 @@ def _run_make_tiny_model(args) -> int:
     return 0
 
 
+def _add_keygen(sub) -> None:
+    p = sub.add_parser("keygen", help="write the cluster's CURVE key pair (node authentication)")
+    p.add_argument("out_dir", help="directory for the key file (created if missing)")
+    p.add_argument("--force", action="store_true", help="replace an existing key file")
+    p.set_defaults(func=_run_keygen)
+
+
+def _run_keygen(args) -> int:
+    from pathlib import Path
+
+    from engine.security import KEY_FILE_NAME, security_toml, write_key_file
+
+    out_dir = Path(args.out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DuetError(f"{out_dir}: cannot create the directory ({exc.strerror})") from None
+    path = out_dir / KEY_FILE_NAME
+    write_key_file(path, force=args.force)
+    print(f"# wrote {path.resolve()} (mode 0600): copy it to every host of the cluster, keep it")
+    print("# secret, and put these lines in the cluster config:")
+    print(security_toml(path), end="")
+    return 0
+
+
 def _add_passthrough(sub, name: str, help_text: str, target: str) -> None:
     """Subcommands whose module parses its own arguments: `module:function(argv)`."""
     # No option prefix of its own: REMAINDER would otherwise leave a leading "--opt" unparsed.
@@ -116,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_make_tiny_model(sub)
+    _add_keygen(sub)
     _add_passthrough(sub, "bench-kernels", "kernel benchmark vs roofline", "bench.kernels:main")
     _add_passthrough(sub, "bench-transfer", "KV transfer benchmark", "bench.transfer:main")
     _add_passthrough(

@@ -8,8 +8,11 @@ The shorthand builds a config with N prefill and M decode nodes on free loopback
 way the resolved config (model path filled in: with no model, the built-in tiny model, made once)
 is written to a temporary file, and each role is started through its launch script
 (`deploy/launch_*.sh`), exactly as on separate hosts. The launcher waits until the router's
-/health shows every node ready, prints the URL, and on Ctrl-C / SIGTERM stops every child
-(SIGTERM, then SIGKILL after a grace period). If a child dies, everything is stopped.
+/health shows every node ready, prints the URL, then supervises: a child that dies (crash,
+SIGKILL, a drained node exiting) is started again with backoff while the others keep serving
+(`deploy.supervisor`). Ctrl-C / SIGTERM stops every child (SIGINT, then SIGKILL after a grace
+period). A child that dies before the cluster was ever ready stops everything (a bad config or
+model would only die again).
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,8 +30,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from deploy.supervisor import Supervisor
 from engine.cluster_config import ClusterConfig
 from engine.errors import ConfigError
+from engine.security import KEY_FILE_NAME, with_ephemeral_keys
 
 try:
     import tomllib
@@ -136,7 +140,8 @@ def resolve_config(args: argparse.Namespace) -> dict:
 
 
 def dump_toml(raw: dict[str, Any]) -> str:
-    """TOML text of a config dict (scalars, tables of scalars, arrays of such tables)."""
+    """TOML text of a config dict (scalars, tables of scalars and of lists of scalars, arrays
+    of such tables)."""
 
     def value(v: Any) -> str:
         if isinstance(v, bool):
@@ -145,6 +150,8 @@ def dump_toml(raw: dict[str, Any]) -> str:
             return repr(v)
         if isinstance(v, str):
             return json.dumps(v)  # JSON string escapes are valid TOML basic-string escapes
+        if isinstance(v, (list, tuple)) and not any(isinstance(x, (dict, list)) for x in v):
+            return "[" + ", ".join(value(x) for x in v) + "]"
         raise ConfigError(f"cannot write {v!r} to TOML")
 
     lines = [f"{k} = {value(v)}" for k, v in raw.items() if not isinstance(v, (dict, list))]
@@ -160,12 +167,12 @@ def dump_toml(raw: dict[str, Any]) -> str:
 # ---- the children --------------------------------------------------------------------------
 def _die_with_parent() -> None:
     """In the child before exec: its own session (a terminal's Ctrl-C reaches only the launcher,
-    which stops the children in order) and SIGTERM if the launcher dies without cleaning up."""
+    which stops the children in order) and SIGINT (stop now) if the launcher dies uncleanly."""
     os.setsid()
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG
     except OSError:
         pass  # not Linux: the launcher's own cleanup still applies
 
@@ -174,23 +181,22 @@ class Cluster:
     def __init__(self, config_path: Path, cfg: ClusterConfig):
         self.config_path = config_path
         self.cfg = cfg
-        self.children: dict[str, subprocess.Popen] = {}
+        env = {**os.environ, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
+        self.children = Supervisor(env, preexec_fn=_die_with_parent)
         self.url = f"http://{cfg.router.host}:{cfg.router.port}"
 
     def start(self) -> None:
-        env = {**os.environ, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
         roles = [("router", "launch_router.sh", [])]
         roles += [(p.name, "launch_prefill.sh", [p.name]) for p in self.cfg.prefill]
         roles += [(d.name, "launch_decode.sh", [d.name]) for d in self.cfg.decode]
         for name, script, extra in roles:
             cmd = ["bash", str(HERE / script), str(self.config_path), *extra]
-            self.children[name] = subprocess.Popen(
-                cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
-            )
-            print(f"duet up: started {name} (pid {self.children[name].pid})", flush=True)
+            # uvicorn stops cleanly on SIGTERM; a node drains on SIGTERM, so it gets SIGINT
+            stop = signal.SIGTERM if name == "router" else signal.SIGINT
+            self.children.start(name, cmd, stop)
 
     def exited(self) -> list[tuple[str, int]]:
-        return [(n, p.returncode) for n, p in self.children.items() if p.poll() is not None]
+        return self.children.exited()
 
     def health(self) -> dict | None:
         try:
@@ -205,17 +211,7 @@ class Cluster:
             return None
 
     def stop(self) -> None:
-        for proc in self.children.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for name, proc in self.children.items():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                print(f"duet up: {name} did not stop in {STOP_GRACE_S:g} s; killing it", flush=True)
-                proc.kill()
-                proc.wait(timeout=5)
+        self.children.stop(STOP_GRACE_S)
 
 
 class _Stop(Exception):
@@ -249,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ClusterConfig.from_dict(raw)
     workdir = Path(tempfile.mkdtemp(prefix="duet-up-"))
     config_path = workdir / "cluster.toml"
+    raw = with_ephemeral_keys(raw, workdir, args.config)  # a fresh CURVE key pair per start
     config_path.write_text(dump_toml(raw))
     cluster = Cluster(config_path, cfg)
     print(f"duet up: {cfg.ratio} cluster, config {config_path}", flush=True)
@@ -267,12 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             "Ctrl-C stops it",
             flush=True,
         )
-        while not stopping:
-            if cluster.exited():
-                name, code = cluster.exited()[0]
-                print(f"duet up: {name} exited with status {code}; stopping", flush=True)
-                status = 1
-                break
+        while not stopping:  # supervise: a child that dies is restarted, the rest keep serving
+            cluster.children.poll()
             time.sleep(POLL_S)
     except _Stop:
         pass
@@ -285,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         config_path.unlink(missing_ok=True)
+        (workdir / KEY_FILE_NAME).unlink(missing_ok=True)
         workdir.rmdir()
     return status
 

@@ -4,7 +4,10 @@
     dtype = "bfloat16"
     [sla]       ttft_ms = 1000, tpot_ms = 50
     [router]    host, port (HTTP), control_port (ZeroMQ PULL for node messages), limits
-    [timeouts]  reserve_s, prefill_queue_s, transfer_s, decode_s, heartbeat_s, node_timeout_s
+    [timeouts]  reserve_s, prefill_queue_s, transfer_s, decode_s, heartbeat_s, node_timeout_s,
+                drain_s, lease_s
+    [security]  curve_key_file (ZeroMQ CURVE on every inter-node socket), insecure,
+                api_key_file / api_keys (HTTP Bearer keys), metrics_need_key
     [[prefill]] name, host, control_port, threads, page_size, chunk_size, replicas, device
     [[decode]]  name, host, control_port, kv_port, threads, page_size, num_pages, max_batch,
                 ranks, replicas, device
@@ -42,6 +45,8 @@ class TimeoutConfig:
     decode_s: float = 600.0  # a request may decode this long in total
     heartbeat_s: float = 0.5  # nodes send a heartbeat this often
     node_timeout_s: float = 5.0  # a node silent this long is dead
+    drain_s: float = 30.0  # a SIGTERMed node finishes its requests for at most this long
+    lease_s: float = 10.0  # a node aborts requests whose router has been silent this long
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,10 @@ class RouterConfig:
     control_port: int = 7000
     max_queued_requests: int = 512  # beyond this many unfinished requests: 503
     max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
+    max_body_bytes: int = 8 * 1024 * 1024  # a larger HTTP body gets 413
+    max_prompt_tokens: int = 0  # 0: the model's context; more prompt tokens get 400
+    max_concurrent_per_key: int = 0  # 0: unlimited; more unfinished requests per key get 429
+    max_migrations: int = 2  # a request moves to another node pair at most this often
 
     @property
     def control_endpoint(self) -> str:
@@ -97,12 +106,29 @@ class DecodeNodeConfig:
 
 
 @dataclass(frozen=True)
+class SecurityConfig:
+    """Who may talk to the cluster.
+
+    Node traffic (control and KV sockets) is ZeroMQ CURVE with one cluster key pair
+    (`duet keygen`): a peer without the secret key cannot connect. `insecure = true` turns it
+    off (plain TCP; every node warns at start). HTTP clients need `Authorization: Bearer KEY`
+    with a key from `api_key_file` (one per line) or `api_keys` when either is set."""
+
+    curve_key_file: str = ""  # the cluster's key pair (public + secret), from `duet keygen`
+    insecure: bool = False  # plain ZeroMQ without CURVE: only where the network is trusted
+    api_key_file: str = ""  # HTTP API keys, one per line ('#' comments)
+    api_keys: tuple[str, ...] = ()  # the same inline (prefer the file: keys stay out of the TOML)
+    metrics_need_key: bool = False  # /metrics asks for a key too (/health never does)
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     model: str = ""
     dtype: str = "bfloat16"
     sla: SlaConfig = field(default_factory=SlaConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     prefill: tuple[PrefillNodeConfig, ...] = ()
     decode: tuple[DecodeNodeConfig, ...] = ()
 
@@ -136,13 +162,18 @@ class ClusterConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ClusterConfig:
-        _check_keys("top level", raw, {"model", "dtype", "sla", "router", "timeouts", "prefill", "decode"})
+        _check_keys(
+            "top level",
+            raw,
+            {"model", "dtype", "sla", "router", "timeouts", "security", "prefill", "decode"},
+        )
         cfg = cls(
             model=str(raw.get("model", "")),
             dtype=raw.get("dtype", "bfloat16"),
             sla=_section(SlaConfig, "sla", raw.get("sla", {})),
             router=_section(RouterConfig, "router", raw.get("router", {})),
             timeouts=_section(TimeoutConfig, "timeouts", raw.get("timeouts", {})),
+            security=_section(SecurityConfig, "security", raw.get("security", {})),
             prefill=_nodes(PrefillNodeConfig, "prefill", raw.get("prefill", [])),
             decode=_nodes(DecodeNodeConfig, "decode", raw.get("decode", [])),
         )
@@ -167,6 +198,10 @@ def _section(cls, where: str, raw: Any):
         kind = type(default) if default is not dataclasses.MISSING else str
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
+        if kind is tuple:  # a list of strings in TOML
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ConfigError(f"[{where}] {name} must be a list of strings, got {value!r}")
+            value = tuple(value)
         if not isinstance(value, kind) or isinstance(value, bool) != (kind is bool):
             raise ConfigError(f"[{where}] {name} must be {kind.__name__}, got {value!r}")
         values[name] = value
@@ -190,7 +225,11 @@ def _nodes(cls, role: str, raw: Any) -> tuple:
             nodes.append(base)
             continue
         for r in range(replicas):
-            ports = {f.name: getattr(base, f.name) + r for f in dataclasses.fields(cls) if f.name.endswith("_port")}
+            ports = {
+                f.name: getattr(base, f.name) + r
+                for f in dataclasses.fields(cls)
+                if f.name.endswith("_port")
+            }
             nodes.append(dataclasses.replace(base, name=f"{base.name}-{r}", **ports))
     return tuple(nodes)
 
@@ -221,5 +260,18 @@ def _validate(cfg: ClusterConfig) -> None:
     for node in cfg.prefill:
         if node.chunk_size < 1 or node.max_batch_tokens < node.chunk_size:
             raise ConfigError(f"node {node.name}: need 1 <= chunk_size <= max_batch_tokens")
+    r = cfg.router
+    if r.max_body_bytes < 1024 or r.max_prompt_tokens < 0 or r.max_concurrent_per_key < 0:
+        raise ConfigError(
+            "[router] max_body_bytes must be >= 1024, max_prompt_tokens and "
+            "max_concurrent_per_key >= 0"
+        )
+    if r.max_migrations < 0:
+        raise ConfigError("[router] max_migrations must be >= 0")
+    t = cfg.timeouts
+    if min(t.reserve_s, t.prefill_queue_s, t.transfer_s, t.decode_s, t.heartbeat_s) <= 0:
+        raise ConfigError("[timeouts] must all be positive")
+    if t.node_timeout_s <= t.heartbeat_s or t.lease_s <= t.heartbeat_s or t.drain_s <= 0:
+        raise ConfigError("[timeouts] node_timeout_s and lease_s must exceed heartbeat_s")
     if cfg.sla.ttft_ms <= 0 or cfg.sla.tpot_ms <= 0:
         raise ConfigError("[sla] ttft_ms and tpot_ms must be positive")

@@ -261,7 +261,9 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
     top_k = _require(raw, "num_experts_per_tok", int)
     q_lora_rank = raw.get("q_lora_rank")
     if q_lora_rank is not None and (not isinstance(q_lora_rank, int) or q_lora_rank <= 0):
-        raise ConfigError(f"field 'q_lora_rank' must be null or a positive int, got {q_lora_rank!r}")
+        raise ConfigError(
+            f"field 'q_lora_rank' must be null or a positive int, got {q_lora_rank!r}"
+        )
 
     cfg = ModelConfig(
         model_type=model_type,

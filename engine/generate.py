@@ -65,7 +65,9 @@ class OfflineGenerator:
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         cfg = self.model.cfg
         validate_prompt(prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(cfg.eos_token_id))
+        stop_ids = set(params.stop_token_ids) | (
+            set() if params.ignore_eos else set(cfg.eos_token_id)
+        )
         generator = params.make_generator()
         table = self.pool.new_table()
         try:
@@ -77,7 +79,10 @@ class OfflineGenerator:
                 if token in stop_ids:
                     return GenerationResult(prompt_ids, tokens, "stop")
                 position = len(prompt_ids) + len(tokens) - 1
-                if len(tokens) >= params.max_new_tokens or position + 1 >= cfg.max_position_embeddings:
+                if (
+                    len(tokens) >= params.max_new_tokens
+                    or position + 1 >= cfg.max_position_embeddings
+                ):
                     return GenerationResult(prompt_ids, tokens, "length")
                 logits = self.decode(table, token, position)
         finally:

@@ -99,7 +99,9 @@ class KVPool:
         self.page_size = page_size
         self.row_width = row_width
         self.dtype = dtype
-        self.buffer = torch.zeros(num_layers, num_pages, page_size, row_width, dtype=dtype, device=device)
+        self.buffer = torch.zeros(
+            num_layers, num_pages, page_size, row_width, dtype=dtype, device=device
+        )
         self.allocator = PageAllocator(num_pages)
 
     @property

@@ -20,11 +20,14 @@ import zmq
 
 from engine import protocol
 from engine.protocol import ProtocolError
+from engine.security import CurveSecurity, curve_client, curve_server
 
 log = logging.getLogger(__name__)
 
 
 class Inbox(Protocol):
+    num_malformed: int  # frames dropped as not a valid message (reported in heartbeats)
+
     def recv(self, timeout: float) -> Any | None:
         """The next message, or None after `timeout` seconds (0: never blocks)."""
 
@@ -42,13 +45,22 @@ class PullSocket:
     """Binds (or connects) a PULL socket and yields decoded protocol messages.
 
     A frame that is not a valid message is dropped, counted in `num_malformed` and logged: a
-    bad peer never reaches the loop.
+    bad peer never reaches the loop. With `security`, the socket is CURVE (the server when
+    binding): a peer without the cluster keys never gets a frame through.
     """
 
-    def __init__(self, endpoint: str, *, bind: bool = True, context: zmq.Context | None = None):
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        bind: bool = True,
+        context: zmq.Context | None = None,
+        security: CurveSecurity | None = None,
+    ):
         self._sock = (context or zmq.Context.instance()).socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        (curve_server if bind else curve_client)(self._sock, security)
         try:
             self._sock.bind(endpoint) if bind else self._sock.connect(endpoint)
         except zmq.ZMQError as exc:
@@ -86,7 +98,8 @@ class PushSocket:
     """Connects (or binds) a PUSH socket that sends protocol messages.
 
     Up to `sndhwm` messages queue while the peer is slow or not yet up; beyond that `send`
-    waits `send_timeout` seconds, then drops the message and returns False.
+    waits `send_timeout` seconds, then drops the message and returns False. With `security`,
+    the socket is CURVE (the client when connecting).
     """
 
     def __init__(
@@ -97,10 +110,12 @@ class PushSocket:
         send_timeout: float = 1.0,
         sndhwm: int = 10000,
         context: zmq.Context | None = None,
+        security: CurveSecurity | None = None,
     ):
         self._sock = (context or zmq.Context.instance()).socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, sndhwm)
+        (curve_server if bind else curve_client)(self._sock, security)
         try:
             self._sock.bind(endpoint) if bind else self._sock.connect(endpoint)
         except zmq.ZMQError as exc:
@@ -136,6 +151,7 @@ class QueueInbox:
 
     def __init__(self) -> None:
         self._queue: queue.Queue = queue.Queue()
+        self.num_malformed = 0  # never: put() takes messages, not frames
 
     def put(self, msg: Any) -> None:
         self._queue.put(protocol.decode(protocol.encode(msg)))

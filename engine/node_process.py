@@ -2,9 +2,12 @@
 FILE --node NAME [--model DIR]`.
 
 It reports NodeReady (or NodeFailed with the error) to the router's control endpoint, then
-serves until a Shutdown message, SIGTERM or SIGINT. Exit status: 0 after a clean stop, 1 on
-failure, 2 for a bad command line or config (nothing to report to). Roles never import each
-other, so the shell lives here and each role passes in how to build its node.
+serves until a Shutdown message or SIGINT (stop now), or SIGTERM (drain: finish what it holds
+within `drain_s`, taking nothing new, then stop). Exit status: 0 after a clean stop, 1 on
+failure, 2 for a bad command line or config (nothing to report to). Every socket of the node is
+CURVE with the cluster keys of [security] (`engine.security`), or plain with a warning for
+`insecure = true`. Roles never import each other, so the shell lives here and each role passes
+in how to build its node.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from engine.cluster_config import ClusterConfig
 from engine.errors import ConfigError
 from engine.messaging import PullSocket, PushSocket
 from engine.protocol import NodeFailed, NodeReady
+from engine.security import CurveSecurity, cluster_security
 
-# build(cluster, node_cfg, model, inbox, outbox) -> a node with run(), ready_info(), is_stopping
-NodeBuilder = Callable[[ClusterConfig, Any, Any, PullSocket, PushSocket], Any]
+# build(cluster, node_cfg, model, inbox, outbox, security) -> a node with run(), ready_info(),
+# is_stopping; `security` (None: plain) is for the node's KV sockets.
+NodeBuilder = Callable[[ClusterConfig, Any, Any, PullSocket, PushSocket, CurveSecurity | None], Any]
 
 
 def _parse(role: str, argv: list[str] | None) -> argparse.Namespace:
@@ -67,14 +72,15 @@ def run_node_process(
         cfg = cluster.node(args.node)
         if not isinstance(cfg, config_type):
             raise ConfigError(f"node {args.node!r} is not a [[{role}]] node")
+        security = cluster_security(cluster.security, args.config, f"node {args.node}")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    router = PushSocket(cluster.router.control_endpoint)
+    router = PushSocket(cluster.router.control_endpoint, security=security)
     inbox = None
     try:
-        inbox = PullSocket(cfg.control_endpoint, bind=True)
-        node = build(cluster, cfg, load(cluster, cfg, args.model), inbox, router)
+        inbox = PullSocket(cfg.control_endpoint, bind=True, security=security)
+        node = build(cluster, cfg, load(cluster, cfg, args.model), inbox, router, security)
     except KeyboardInterrupt:
         _close(router, inbox)
         return 1
@@ -84,12 +90,19 @@ def run_node_process(
         _close(router, inbox)
         return 1
 
-    def stop(signum, frame):  # first signal: finish the step and stop; second: exit now
+    def stop(signum, frame):  # SIGINT: finish the step and stop; a second signal: exit now
         if node.is_stopping:
             raise KeyboardInterrupt
         node.is_stopping = True
 
-    signal.signal(signal.SIGTERM, stop)
+    def drain(signum, frame):  # SIGTERM (Kubernetes, a rolling restart): drain, then stop
+        if node.is_draining:
+            stop(signum, frame)
+        else:
+            log.info("SIGTERM: draining (a second signal stops at once)")
+            node.begin_drain()
+
+    signal.signal(signal.SIGTERM, drain)
     signal.signal(signal.SIGINT, stop)
     router.send(NodeReady(cfg.name, role, node.ready_info()))
     log.info("ready: control %s, router %s", inbox.endpoint, router.endpoint)

@@ -5,8 +5,8 @@ Bulk KV rows do not travel here (see `kvtransfer.wire`). Every message is a froz
 types and raises `ProtocolError` for anything else, so a bad frame never reaches a loop.
 
 Links (each a ZeroMQ PUSH -> PULL; the receiver binds):
-  router -> decode:  Reserve, Abort, Shutdown
-  router -> prefill: Prefill, Abort, Shutdown
+  router -> decode:  Reserve, Abort, Shutdown, RouterPing
+  router -> prefill: Prefill, Abort, Shutdown, RouterPing
   decode -> router:  NodeReady, NodeFailed, Heartbeat, ReserveReply, Tokens, RequestError
   prefill -> router: NodeReady, NodeFailed, Heartbeat, FirstToken, RequestError
   prefill -> decode KV traffic goes through kvtransfer, never through the router.
@@ -68,7 +68,9 @@ class Heartbeat:
     kv_bytes_sent: int = 0  # prefill, cumulative
     kv_bytes_received: int = 0  # decode, cumulative
     kv_chunks_dropped: int = 0  # decode, cumulative
+    num_malformed: int = 0  # control frames the node dropped as malformed, cumulative
     stage_ms: dict[str, float] = field(default_factory=dict)  # recent per-stage latencies
+    draining: bool = False  # SIGTERMed: finishing what it holds, takes no new requests
 
 
 # ---- request flow ----------------------------------------------------------------------------
@@ -94,6 +96,7 @@ class ReserveReply:
     kv_endpoint: str = ""
     rank: int = 0
     reason: str = ""  # why it was refused (no pages, too many requests, shutting down)
+    draining: bool = False  # refused because the node is draining: ask another, or later
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,15 @@ class Shutdown:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class RouterPing:
+    """Router -> nodes, every heartbeat interval: renews the node's lease on its requests for
+    `lease_s` (see `engine.lease`); `router_id` changes when the router restarts."""
+
+    router_id: str
+    lease_s: float
+
+
 MESSAGE_TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
@@ -164,6 +176,7 @@ MESSAGE_TYPES: dict[str, type] = {
         RequestError,
         Abort,
         Shutdown,
+        RouterPing,
     )
 }
 
@@ -226,6 +239,8 @@ def decode(frame: bytes) -> Any:
     cls = MESSAGE_TYPES.get(raw.pop("type"))
     if cls is None:
         raise ProtocolError("unknown message type")
+    if not all(isinstance(k, str) for k in raw):  # bytes keys too (and unsortable with str)
+        raise ProtocolError(f"{cls.__name__}: field names must be strings")
     hints = typing.get_type_hints(cls)
     fields_ = {f.name: f for f in dataclasses.fields(cls)}
     if set(raw) - set(fields_):

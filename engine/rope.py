@@ -34,6 +34,8 @@ def inverse_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:
 def rope_cos_sin(rope: RopeConfig, dim: int, max_positions: int) -> torch.Tensor:
     """[max_positions, dim] fp32: cos(p * f_i) * a in [:, :dim/2], sin(p * f_i) * a in [:, dim/2:],
     where a is YaRN's attention factor (1 for the default rope)."""
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inverse_frequencies(rope, dim))
+    freqs = torch.outer(
+        torch.arange(max_positions, dtype=torch.float32), inverse_frequencies(rope, dim)
+    )
     scale = rope.attention_factor
     return torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=1).contiguous()

@@ -81,6 +81,6 @@ def checkpoint_shapes(
 
 def is_norm_or_bias(name: str) -> bool:
     """Tensors kept in full precision and never quantized (norm weights, router bias, gate)."""
-    return name.endswith("layernorm.weight") or name.endswith("norm.weight") or (
-        ".mlp.gate." in name
+    return (
+        name.endswith("layernorm.weight") or name.endswith("norm.weight") or (".mlp.gate." in name)
     )

@@ -51,7 +51,7 @@ class DropReason:
     TOKENS_OUT_OF_RANGE = "tokens_out_of_range"  # outside [0, num_tokens) of the expectation
     TRUNCATED = "truncated"  # payload shorter than the header says (or missing)
     OVERSIZED = "oversized"  # payload longer than the header says
-    BAD_CHECKSUM = "bad_checksum"
+    BAD_CHECKSUM = "bad_checksum"  # the payload's or the header's (`hcrc`)
     DUPLICATE = "duplicate"  # sequence number not increasing, or rows already received
     INTERNAL = "internal"  # a bug in the receiver (logged); the I/O thread keeps going
 
@@ -100,6 +100,11 @@ class KVSender(abc.ABC):
     is broken: every later call raises `KVTransferError` with the first error, and the prefill
     node drops it and connects a new one. The decode side learns of the failure by its deadline.
     """
+
+    @property
+    def is_broken(self) -> bool:
+        """True once the sender failed for good (every later call raises): replace it."""
+        return False
 
     @abc.abstractmethod
     def connect(self, endpoint: str, fingerprint: dict[str, Any], timeout: float) -> None:

@@ -20,6 +20,7 @@ from engine.kv_pool import KVPool, PageTable
 from kvtransfer.interface import DropReason, KVReceiver, ReceiverStats, TransferEvent
 from kvtransfer.wire import (
     DTYPE_NAMES,
+    HeaderChecksumError,
     Hello,
     HelloAck,
     KVAbort,
@@ -165,6 +166,8 @@ class ReceiverCore(KVReceiver):
             return self._drop(DropReason.MALFORMED)
         try:
             msg = decode(frames[0])
+        except HeaderChecksumError:  # corrupted in flight: its rendezvous cannot be trusted
+            return self._drop(DropReason.BAD_CHECKSUM)
         except WireError as exc:
             if not str(exc).startswith("protocol version"):
                 return self._drop(DropReason.MALFORMED)

@@ -3,14 +3,15 @@
 Subclasses implement `_submit(item)` (deliver or queue one outgoing message) and `connect`,
 `flush`, `close`. An item is turned into wire frames by `frames_of`, on whichever thread sends
 it, so the expensive part (checksum, and a copy for non-contiguous rows) runs off the caller's
-thread in the ZeroMQ sender.
+thread in the ZeroMQ sender. Between numbering and `_submit` sits the one test hook: a sender
+whose `faults` is set (`kvtransfer.faults.inject`) hands every item to it instead.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +36,9 @@ from kvtransfer.wire import (
     fingerprint_mismatch,
 )
 
+if TYPE_CHECKING:
+    from kvtransfer.faults import FaultInjector
+
 
 @dataclass(frozen=True)
 class ChunkItem:
@@ -51,8 +55,17 @@ class ChunkItem:
         return self.rows.numel() * self.rows.element_size()
 
 
-def frames_of(item: ChunkItem | Message) -> list[Any]:
+@dataclass(frozen=True)
+class FramedItem:
+    """An item already turned into frames (a fault injector's corrupted copy): sent as is."""
+
+    frames: tuple[Any, ...]
+
+
+def frames_of(item: ChunkItem | FramedItem | Message) -> list[Any]:
     """The multipart frames of one outgoing item: [header] or [header, payload]."""
+    if isinstance(item, FramedItem):
+        return list(item.frames)
     if isinstance(item, ChunkItem):
         chunk, payload = build_chunk(
             item.rendezvous, item.seq, item.layer_start, item.token_start, item.rows
@@ -81,12 +94,26 @@ class SenderCore(KVSender):
         self._seq: dict[Rendezvous, int] = {}
         self._seq_lock = threading.Lock()
         self._error: KVTransferError | None = None  # sticky: the first failure breaks the sender
+        # Tests only: when set, every numbered item goes through it (it may drop, duplicate,
+        # delay, reorder or corrupt it) on its way to `_submit`. None costs one check a message.
+        self.faults: FaultInjector | None = None
 
     def _hello(self, fingerprint: dict[str, Any]) -> Hello:
         return Hello(sender=self.name, fingerprint=fingerprint)
 
-    def _submit(self, item: ChunkItem | Message) -> None:
+    def _submit(self, item: ChunkItem | FramedItem | Message) -> None:
         raise NotImplementedError
+
+    def _deliver(self, item: ChunkItem | Message) -> None:
+        if self.faults is None:
+            self._submit(item)
+        else:
+            self.faults.submit(item)
+
+    @property
+    def is_broken(self) -> bool:
+        """True once a failure broke the sender (every later call raises): make a new one."""
+        return self._error is not None
 
     def _check_usable(self) -> None:
         if self._error is not None:
@@ -120,7 +147,7 @@ class SenderCore(KVSender):
         if not 0 <= token_start <= MAX_TOKENS - num_tokens:
             raise ValueError(f"tokens [{token_start}, {token_start + num_tokens}) out of range")
         seq = self._next_seq(rendezvous, is_last=False)
-        self._submit(ChunkItem(rendezvous, seq, layer_start, token_start, rows))
+        self._deliver(ChunkItem(rendezvous, seq, layer_start, token_start, rows))
 
     def send_done(self, rendezvous: Rendezvous, num_tokens: int, first_token: int) -> None:
         self._check_usable()
@@ -129,9 +156,9 @@ class SenderCore(KVSender):
         if not 0 <= first_token <= MAX_TOKEN_ID:
             raise ValueError(f"first_token must be a token id, got {first_token}")
         seq = self._next_seq(rendezvous, is_last=True)
-        self._submit(KVDone(rendezvous, seq, num_tokens, first_token))
+        self._deliver(KVDone(rendezvous, seq, num_tokens, first_token))
 
     def send_abort(self, rendezvous: Rendezvous, reason: str) -> None:
         self._check_usable()
         seq = self._next_seq(rendezvous, is_last=True)
-        self._submit(KVAbort(rendezvous, seq, reason[:MAX_REASON_LEN]))
+        self._deliver(KVAbort(rendezvous, seq, reason[:MAX_REASON_LEN]))

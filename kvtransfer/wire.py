@@ -15,7 +15,10 @@ Messages (prefill = P, decode = D):
     kv_abort   P -> D  the prefill gave up on the request (the reason is one line)
 
 Each per-request message carries a sequence number (0, 1, 2, ... per rendezvous, in send order);
-the receiver drops one whose number does not increase, so a replay is never applied twice.
+the receiver drops one whose number does not increase, so a replay is never applied twice. It also
+carries `hcrc`, an XXH3-64 of its other header fields: the payload checksum does not cover the
+header, and a flipped byte in, say, kv_done's first token would otherwise decode as a valid
+message and the decode node would generate from the wrong token.
 A request is named by its `Rendezvous`: the request id plus a random 64-bit room number chosen
 by the router, so a late message of an earlier attempt with the same request id never matches.
 """
@@ -31,7 +34,7 @@ import xxhash
 
 from engine.errors import DuetError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: per-request headers carry `hcrc`
 
 # Bounds: generous for real models, tight enough that a hostile header cannot make the receiver
 # allocate or loop much.
@@ -60,6 +63,10 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 class WireError(DuetError):
     """A frame is not a valid message (the text says which field and why, in one line)."""
+
+
+class HeaderChecksumError(WireError):
+    """A well-formed per-request header whose `hcrc` does not match its fields (corrupted)."""
 
 
 class KVTransferError(DuetError):
@@ -258,6 +265,8 @@ def encode(msg: Message) -> bytes:
         head.update(kind="kv_abort", **_rdv(msg.rendezvous), seq=msg.seq, reason=msg.reason)
     else:
         raise TypeError(f"not a KV transfer message: {type(msg).__name__}")
+    if "rid" in head:
+        head["hcrc"] = header_checksum(head)
     return msgpack.packb(head, use_bin_type=True)
 
 
@@ -265,9 +274,16 @@ def _rdv(r: Rendezvous) -> dict[str, Any]:
     return {"rid": r.request_id, "room": r.room}
 
 
+def header_checksum(head: dict[str, Any]) -> int:
+    """XXH3-64 of a per-request header's fields other than `hcrc`, in key order (the values are
+    ints and strings, whose msgpack encoding is canonical, so both ends compute the same)."""
+    values = [head[k] for k in sorted(head) if k != "hcrc"]
+    return xxhash.xxh3_64_intdigest(msgpack.packb(values, use_bin_type=True))
+
+
 # ---- decode -------------------------------------------------------------------------------
 
-_RDV_KEYS = {"v", "kind", "rid", "room", "seq"}
+_RDV_KEYS = {"v", "kind", "rid", "room", "seq", "hcrc"}
 _KEYS = {
     "hello": {"v", "kind", "sender", "fp"},
     "hello_ack": {"v", "kind", "ok", "fp", "error"},
@@ -279,7 +295,8 @@ _KEYS = {
 
 def decode(frame: Any) -> Message:
     """Parse and validate one header frame (bytes-like). Raises WireError naming the bad field;
-    a header of another protocol version raises WireError starting with 'protocol version'."""
+    a header of another protocol version raises WireError starting with 'protocol version', and
+    a valid-looking per-request header whose fields do not match its `hcrc` HeaderChecksumError."""
     if len(frame) > MAX_HEADER_BYTES:
         raise WireError(f"header of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
@@ -310,16 +327,22 @@ def decode(frame: Any) -> Message:
         )
     rdv = Rendezvous(_str(head, "rid", MAX_ID_LEN), _int(head, "room", 0, U64_MAX))
     seq = _int(head, "seq", 0, U64_MAX)
+    hcrc = _int(head, "hcrc", 0, U64_MAX)
+    msg: Message
     if kind == "kv_done":
-        return KVDone(
+        msg = KVDone(
             rdv,
             seq,
             _int(head, "num_tokens", 1, MAX_TOKENS),
             _int(head, "first_token", 0, MAX_TOKEN_ID),
         )
-    if kind == "kv_abort":
-        return KVAbort(rdv, seq, _str(head, "reason", MAX_REASON_LEN, 0))
-    return _decode_chunk(head, rdv, seq)
+    elif kind == "kv_abort":
+        msg = KVAbort(rdv, seq, _str(head, "reason", MAX_REASON_LEN, 0))
+    else:
+        msg = _decode_chunk(head, rdv, seq)
+    if hcrc != header_checksum(head):  # last: every field is known to be an int or a string
+        raise HeaderChecksumError(f"{kind}: header checksum mismatch (corrupted header)")
+    return msg
 
 
 def _decode_chunk(head: dict[str, Any], rdv: Rendezvous, seq: int) -> KVChunk:

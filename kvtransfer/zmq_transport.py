@@ -4,7 +4,9 @@ Wire: every message is multipart, [header] or [header, payload] (see `wire`); th
 sent zero-copy (`copy=False` on a byte view of the contiguous rows tensor) and received
 zero-copy (the zmq frame's buffer is viewed as a tensor and copied once, into the pool).
 The ROUTER learns each DEALER's routing id from its `hello` and drops data from ids that never
-completed a handshake. Every socket wait is a poll with a timeout; `close` joins the threads
+completed a handshake. With a `security` (engine.security.CurveSecurity) both ends are CURVE:
+the ROUTER the server, each DEALER a client, and a peer without the cluster keys never gets a
+frame to the receiver. Every socket wait is a poll with a timeout; `close` joins the threads
 with a timeout; LINGER is 0 so closing never hangs on an unreachable peer.
 """
 
@@ -15,7 +17,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -23,6 +25,9 @@ from engine.kv_pool import KVPool
 from kvtransfer.receiver_core import ReceiverCore
 from kvtransfer.sender_core import ChunkItem, SenderCore, check_ack, frames_of
 from kvtransfer.wire import HelloAck, KVTransferError, Message, WireError, decode, encode
+
+if TYPE_CHECKING:
+    from engine.security import CurveSecurity
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +50,13 @@ class ZmqReceiver(ReceiverCore):
         rcvhwm: int = 64,
         max_message_bytes: int = 1 << 31,
         context: zmq.Context | None = None,
+        security: CurveSecurity | None = None,
     ):
         super().__init__(pool, fingerprint)
         self._sock = (context or zmq.Context.instance()).socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if security is not None:
+            security.server(self._sock)
         self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
         # zmq itself disconnects a peer whose frame exceeds this, before buffering it.
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
@@ -129,9 +137,11 @@ class ZmqSender(SenderCore):
         send_timeout: float = 30.0,
         sndhwm: int = 16,
         context: zmq.Context | None = None,
+        security: CurveSecurity | None = None,
     ):
         super().__init__(name)
         self._ctx = context or zmq.Context.instance()
+        self._security = security
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._send_timeout = send_timeout
         self._sndhwm = sndhwm
@@ -152,6 +162,8 @@ class ZmqSender(SenderCore):
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection: a dead peer blocks
         # A fixed routing id keeps the handshake valid across a TCP reconnect.
         sock.setsockopt(zmq.ROUTING_ID, f"{self.name}-{uuid.uuid4().hex}".encode())
+        if self._security is not None:
+            self._security.client(sock)
         try:
             sock.connect(endpoint)
             ack = self._handshake(sock, endpoint, fingerprint, time.monotonic() + timeout)
@@ -170,7 +182,10 @@ class ZmqSender(SenderCore):
         self, sock: zmq.Socket, endpoint: str, fingerprint: dict[str, Any], deadline: float
     ) -> HelloAck:
         if not sock.poll(_ms_left(deadline), zmq.POLLOUT):
-            raise KVTransferError(f"KV handshake with {endpoint}: no connection (timed out)")
+            raise KVTransferError(
+                f"KV handshake with {endpoint}: no connection (timed out; unreachable, or its "
+                "CURVE keys differ)"
+            )
         sock.send(encode(self._hello(fingerprint)), flags=zmq.NOBLOCK)
         while True:  # skip stray frames (none expected) until the ack or the deadline
             if not sock.poll(_ms_left(deadline), zmq.POLLIN):
@@ -227,8 +242,19 @@ class ZmqSender(SenderCore):
     def _run(self) -> None:
         sock = self._sock
         assert sock is not None
+        # The decode node's receiver knows us only from our hello: if the connection drops (it
+        # restarted, or died), break, so the pool connects and says hello again rather than
+        # send KV that a restarted receiver drops as coming from a stranger.
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             while not self._stop.is_set():
+                if self._error is None and monitor.poll(0, zmq.POLLIN):
+                    monitor.recv_multipart()
+                    self._error = KVTransferError(
+                        f"KV connection to {self.endpoint} dropped (the decode node restarted "
+                        "or died)"
+                    )
+                    log.warning("%s", self._error)
                 try:
                     item = self._queue.get(timeout=POLL_MS / 1000)
                 except queue.Empty:
@@ -244,6 +270,8 @@ class ZmqSender(SenderCore):
                 finally:
                     self._done_one()
         finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=0)
             with self._idle:
                 self._idle.notify_all()

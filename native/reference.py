@@ -184,10 +184,16 @@ def extend_attention(
         if new_len > 0:
             qs = q[new_start : new_start + new_len].float().transpose(0, 1)  # [H, n, Dqk]
             ks = torch.cat(
-                (k_prefix[prefix_start : prefix_start + prefix_len], k[new_start : new_start + new_len])
+                (
+                    k_prefix[prefix_start : prefix_start + prefix_len],
+                    k[new_start : new_start + new_len],
+                )
             )
             vs = torch.cat(
-                (v_prefix[prefix_start : prefix_start + prefix_len], v[new_start : new_start + new_len])
+                (
+                    v_prefix[prefix_start : prefix_start + prefix_len],
+                    v[new_start : new_start + new_len],
+                )
             )
             scores = qs @ ks.float().permute(1, 2, 0) * sm_scale  # [H, n, prefix + n]
             causal = torch.ones(new_len, new_len, dtype=torch.bool, device=q.device).tril()

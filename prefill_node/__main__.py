@@ -9,9 +9,12 @@ from engine.cluster_config import ClusterConfig, PrefillNodeConfig
 from engine.node_process import run_node_process
 
 
-def _build(cluster: ClusterConfig, cfg: PrefillNodeConfig, model, inbox, outbox):
+def _build(cluster: ClusterConfig, cfg: PrefillNodeConfig, model, inbox, outbox, security):
     from kvtransfer import ZmqSender
+    from kvtransfer.faults import inject, plan_from_env
     from prefill_node.node import PrefillNode
+
+    faults = plan_from_env()  # tests only: None unless DUET_KV_FAULTS is set (logged loudly)
 
     # A full send queue blocks the loop (back-pressure) for at most this long; beyond it the
     # decode node counts as gone. It stays inside the router's node timeout, so a dead decode
@@ -24,7 +27,9 @@ def _build(cluster: ClusterConfig, cfg: PrefillNodeConfig, model, inbox, outbox)
         cluster.timeouts,
         inbox,
         outbox,
-        sender_factory=lambda: ZmqSender(cfg.name, send_timeout=send_timeout),
+        sender_factory=lambda: inject(
+            ZmqSender(cfg.name, send_timeout=send_timeout, security=security), faults
+        ),
     )
 
 

@@ -16,7 +16,8 @@ class SenderPool:
 
     `get` connects on first use (blocking at most `handshake_timeout` seconds) and raises
     KVTransferError when the handshake fails, e.g. a fingerprint mismatch, which names the
-    differing field. A sender that broke is `drop`ped; the next `get` connects a new one.
+    differing field. A sender that broke is `drop`ped (by the caller, or by `get` itself when
+    its connection dropped); the next `get` connects a new one.
     """
 
     def __init__(
@@ -32,8 +33,10 @@ class SenderPool:
 
     def get(self, endpoint: str) -> KVSender:
         sender = self._senders.get(endpoint)
-        if sender is not None:
+        if sender is not None and not sender.is_broken:
             return sender
+        if sender is not None:  # its connection dropped: the decode node may be back, anew
+            self.drop(endpoint)
         sender = self._factory()
         try:
             sender.connect(endpoint, self._fingerprint, self._handshake_timeout)

@@ -5,7 +5,9 @@ the KV senders (`kvtransfer`), so tests run the same loop with in-process queues
 
 Every request ends in exactly one of: FirstToken to the router plus kv_done to D (finished), or
 RequestError to the router plus kv_abort to D (failed), or silence after an Abort from the router
-(plus kv_abort to D). Its pages are freed on every path before the step returns.
+(plus kv_abort to D), also when its router's lease lapses (`engine.lease`). Its pages are freed
+on every path before the step returns. SIGTERM drains: the queued requests (and any Prefill
+already on its way) are finished, for at most `drain_s`, then the loop stops.
 """
 
 from __future__ import annotations
@@ -19,15 +21,19 @@ from engine.batch import ForwardBatch
 from engine.cluster_config import PrefillNodeConfig, TimeoutConfig
 from engine.errors import DuetError
 from engine.generate import validate_prompt
+from engine.lease import RouterLease
 from engine.messaging import Inbox, Outbox, StageTimes
 from engine.model import DeepseekModel
 from engine.protocol import (
     Abort,
     FirstToken,
     Heartbeat,
+    NodeFailed,
+    NodeReady,
     Prefill,
     ProtocolError,
     RequestError,
+    RouterPing,
     Shutdown,
     sampling_from_dict,
 )
@@ -68,7 +74,10 @@ class PrefillNode:
         self.senders = SenderPool(sender_factory, self.fingerprint, handshake_s)
         self.stage_times = StageTimes()
         self.kv_bytes_sent = 0
+        self.lease = RouterLease()
         self.is_stopping = False
+        self.is_draining = False
+        self._drain_deadline = 0.0
         self._is_stalled = False  # last schedule found nothing to run although work is queued
         self._next_heartbeat = 0.0
 
@@ -81,13 +90,30 @@ class PrefillNode:
             "page_size": self.pool.page_size,
         }
 
+    def begin_drain(self) -> None:
+        """Finishes what it holds, then stops (the next heartbeat tells the router at once,
+        which sends it nothing new)."""
+        if not self.is_draining:
+            self.is_draining = True
+            self._drain_deadline = time.monotonic() + self.timeouts.drain_s
+            self._next_heartbeat = 0.0
+            log.info("draining: %d requests to finish", len(self.scheduler.requests))
+
     def run(self) -> None:
         """Steps until a Shutdown message (or `is_stopping` set from outside), then closes."""
         try:
             while not self.is_stopping:
                 self.step()
+        except Exception as exc:
+            self.report_failure(exc)
+            raise
         finally:
             self.close("the prefill node is shutting down")
+
+    def report_failure(self, exc: BaseException) -> None:
+        """NodeFailed to the router before the per-request errors of close(): the router then
+        moves this node's requests to another pair instead of failing them."""
+        self.outbox.send(NodeFailed(self.name, "prefill", f"{type(exc).__name__}: {exc}"))
 
     def step(self) -> None:
         # 1. Block when idle: wait for a control message only if there is nothing to compute.
@@ -103,6 +129,10 @@ class PrefillNode:
         now = time.monotonic()
         for request in self.scheduler.expire(now):
             self._fail(request, "prefill_queue", request.error)
+        if self.lease.lapsed(now):
+            self._orphan_all(f"no word from the router for {self.timeouts.lease_s:g} s")
+        if self.is_draining and (not self.scheduler.requests or now >= self._drain_deadline):
+            self.is_stopping = True  # close() fails what is left; the router moves it
         # 4. One forward over the scheduled chunks; rows stream out while the next one computes.
         chunks = self.scheduler.schedule(now)
         self._is_stalled = not chunks
@@ -119,10 +149,22 @@ class PrefillNode:
             request = self.scheduler.abort(msg.request_id, f"aborted: {msg.reason}")
             if request is not None:
                 self._abort_peer(request, f"aborted by the router: {msg.reason}")
+        elif isinstance(msg, RouterPing):
+            if self.lease.renew(msg.router_id, msg.lease_s, time.monotonic()):
+                self._orphan_all("the router restarted")
+                self.outbox.send(NodeReady(self.name, "prefill", self.ready_info()))
         elif isinstance(msg, Shutdown):
             self.is_stopping = True
         else:
             log.warning("prefill node ignores a %s message", type(msg).__name__)
+
+    def _orphan_all(self, reason: str) -> None:
+        """Drops every held request (no live router owns them) and tells their decode nodes."""
+        if self.scheduler.requests:
+            log.warning("aborting %d requests: %s", len(self.scheduler.requests), reason)
+        for request in list(self.scheduler.requests):
+            self.scheduler.abort(request.request_id, reason)
+            self._abort_peer(request, reason)
 
     def _on_prefill(self, msg: Prefill) -> None:
         cfg = self.model.cfg
@@ -251,7 +293,9 @@ class PrefillNode:
                 num_waiting=self.scheduler.num_waiting,
                 num_running=self.scheduler.num_running,
                 kv_bytes_sent=self.kv_bytes_sent,
+                num_malformed=self.inbox.num_malformed,
                 stage_ms=self.stage_times.means(),
+                draining=self.is_draining,
             )
         )
 

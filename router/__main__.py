@@ -1,8 +1,8 @@
 """`python -m router --config FILE [--model DIR] [--host H] [--port P]`: the HTTP gateway.
 
 Reads the cluster config (the same file every node reads), loads the tokenizer and the model's
-config.json (no weights), binds the control socket the nodes report to, and serves HTTP until
-SIGINT/SIGTERM.
+config.json (no weights), binds the control socket the nodes report to (CURVE with the cluster
+keys of [security], see engine.security), and serves HTTP until SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from pathlib import Path
 from engine.errors import DuetError
 
 
-def build_app(cfg, model_dir: str | None = None):
-    """The FastAPI app for a `ClusterConfig`, and the (host, port) it should listen on."""
+def build_app(cfg, model_dir: str | None = None, security=None):
+    """The FastAPI app for a `ClusterConfig`, and the (host, port) it should listen on.
+    `security` (an engine.security.CurveSecurity) makes the node sockets CURVE; None: plain."""
     from engine.config import ModelConfig
     from engine.tiny_model import ensure_tiny_model
     from engine.tokenizer import Tokenizer
@@ -32,6 +33,7 @@ def build_app(cfg, model_dir: str | None = None):
         eos_token_ids=list(model_cfg.eos_token_id),
         max_positions=model_cfg.max_position_embeddings,
         fingerprint=model_cfg.fingerprint(),
+        security=security,
     )
     info = ModelInfo(
         name=Path(model_dir).name,
@@ -55,12 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     import dataclasses
 
     from engine.cluster_config import ClusterConfig
+    from engine.security import cluster_security
 
     try:
         cfg = ClusterConfig.load(args.config)
         if args.port is not None:
             cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, port=args.port))
-        app, (host, port) = build_app(cfg, args.model)
+        security = cluster_security(cfg.security, args.config, "the router")
+        app, (host, port) = build_app(cfg, args.model, security)
     except DuetError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -9,6 +9,7 @@ Bodies are validated strictly: a wrong type or an unknown field is a 422 (a miss
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -18,6 +19,8 @@ from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4
+MAX_JSON_DEPTH = 64  # OpenAI bodies nest a few levels; deeper is an attack, not a request
+MAX_TOKEN_ID = 2**31 - 1  # top_k and stop_token_ids beyond int32 cannot mean anything
 
 
 class ApiError(Exception):
@@ -33,17 +36,19 @@ class ApiError(Exception):
     ):
         super().__init__(message)
         self.status = status
-        self.message = message
-        self.param = param
+        self.message = _text(message, 2000)
+        self.param = None if param is None else _text(param, 200)
         self.code = code
         self.retry_after = retry_after
 
     @property
     def type(self) -> str:
-        if self.status in (400, 422):
-            return "invalid_request_error"
         if self.status == 404:
             return "not_found_error"
+        if self.status == 429:
+            return "rate_limit_error"
+        if 400 <= self.status < 500:  # 401 too, as OpenAI does (code "invalid_api_key")
+            return "invalid_request_error"
         if self.status == 503:
             return "service_unavailable_error"
         return "server_error"
@@ -135,10 +140,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 def parse_body(raw: bytes, model: type[_Strict]) -> Any:
     """JSON bytes -> validated request model; ApiError 400 (not JSON) or 422 (bad fields)."""
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the body is not valid JSON ({exc})", code="invalid_json") from None
+    data = load_json(raw)
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
     try:
@@ -153,6 +155,74 @@ def parse_body(raw: bytes, model: type[_Strict]) -> Any:
         else:
             message = f"{param}: {err['msg']}"
         raise ApiError(422, message, param=param, code="invalid_type") from None
+
+
+def load_json(raw: bytes) -> Any:
+    """Strict JSON (RFC 8259) of a request body, or ApiError 400: UTF-8 only, no NaN or
+    Infinity, finite numbers, no unpaired surrogate escapes (no text can hold them), nesting at
+    most MAX_JSON_DEPTH deep."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        reason = f"{exc.reason} at byte {exc.start}"
+        raise _invalid_json(f"the body is not valid UTF-8 ({reason})") from None
+    try:
+        data = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise _invalid_json(f"the body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:  # JSONDecodeError, a non-finite number, a too-long integer
+        raise _invalid_json(f"the body is not valid JSON ({exc})") from None
+    _check_tree(data)
+    return data
+
+
+def _invalid_json(message: str) -> ApiError:
+    return ApiError(400, message, code="invalid_json")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite_float(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {literal[:40]} is out of range")
+    return value
+
+
+def _check_tree(data: Any) -> None:
+    """Depth and strings of a parsed document, without recursion."""
+    stack = [(data, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            _check_string(value)
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise _invalid_json(f"the body nests deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, dict):
+            for key in value:
+                _check_string(key)
+            value = value.values()
+        stack.extend((item, depth + 1) for item in value)
+
+
+def _check_string(value: str) -> None:
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _invalid_json("the body holds an unpaired UTF-16 surrogate escape") from None
+
+
+def _text(value: str, max_len: int) -> str:
+    """`value` fit for an error body: valid UTF-8, at most `max_len` characters (messages quote
+    what the client sent)."""
+    value = value.encode("utf-8", "replace").decode("utf-8")
+    return value if len(value) <= max_len else value[: max_len - 3] + "..."
 
 
 def _unsupported(param: str, why: str) -> ApiError:
@@ -214,6 +284,17 @@ def sampling_params(
             400, f"max_tokens must be in [1, {max_tokens_limit}], got {max_tokens}",
             param="max_tokens", code="invalid_value",
         )  # fmt: skip
+    if body.top_k is not None and body.top_k > MAX_TOKEN_ID:
+        raise ApiError(
+            400, f"top_k must be at most {MAX_TOKEN_ID}", param="top_k", code="invalid_value"
+        )
+    if any(not 0 <= t <= MAX_TOKEN_ID for t in body.stop_token_ids or ()):
+        raise ApiError(
+            400,
+            f"stop_token_ids: every id must be in [0, {MAX_TOKEN_ID}]",
+            param="stop_token_ids",
+            code="invalid_value",
+        )
     try:
         return SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,

@@ -3,7 +3,9 @@ or one JSON body), models, health and Prometheus metrics, over a `Router`.
 
 Every accepted request ends with a completion or an error: a failure mid-stream is sent as a
 `data: {"error": ...}` event (the openai client raises it); a client that disconnects has its
-request aborted on both nodes at once.
+request aborted on both nodes at once. API keys, per-key concurrency and the body size are
+checked in front of every route (`router.guard`); client input never gets a 5xx: a 5xx means
+the server failed (503 no node or overload, 500 a node failing mid-request).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,10 +37,14 @@ from router.api import (
     sampling_params,
     stop_strings,
 )
+from router.auth import ApiKeys, KeyLimiter
 from router.core import Router, RouterError
+from router.guard import GatewayGuard
 from router.metrics import CONTENT_TYPE
 from router.state import ErrorEvent, RouterRequest
 from router.text import TextStream
+
+log = logging.getLogger("router")
 
 
 @dataclass(frozen=True)
@@ -55,8 +62,20 @@ class RequestFailed(Exception):
 
 
 def create_app(router: Router, tokenizer: Tokenizer, model: ModelInfo) -> FastAPI:
+    """The gateway over `router`; ConfigError for a bad `[security]` key setting."""
+    security = router.cfg.security
+    keys = ApiKeys.load(security)
+    limiter = KeyLimiter(router.cfg.router.max_concurrent_per_key)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        if keys.is_open:
+            log.warning("no API keys configured: the HTTP API is open to every client")
+        else:
+            metrics_access = "needs a key" if security.metrics_need_key else "is open"
+            log.info(
+                "%d API key(s) loaded; /health is open, /metrics %s", keys.num_keys, metrics_access
+            )
         await router.start()
         try:
             yield
@@ -65,6 +84,15 @@ def create_app(router: Router, tokenizer: Tokenizer, model: ModelInfo) -> FastAP
 
     app = FastAPI(title="duet-serve router", lifespan=lifespan)
     app.state.router = router
+    app.state.limiter = limiter
+    app.add_middleware(
+        GatewayGuard,
+        keys=keys,
+        limiter=limiter,
+        metrics=router.metrics,
+        max_body_bytes=router.cfg.router.max_body_bytes,
+        metrics_need_key=security.metrics_need_key,
+    )
     serving = _Serving(router, tokenizer, model)
 
     @app.exception_handler(ApiError)
@@ -78,6 +106,11 @@ def create_app(router: Router, tokenizer: Tokenizer, model: ModelInfo) -> FastAP
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         return ApiError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception):
+        # A bug, never client input: still an OpenAI error body (the traceback is logged).
+        return ApiError(500, f"internal error ({type(exc).__name__})").response()
 
     @app.get("/health")
     async def health():
@@ -157,6 +190,7 @@ class _Serving:
             validate_prompt(prompt_ids, self.model.vocab_size, self.model.max_positions)
         except InvalidRequestError as exc:
             raise ApiError(400, str(exc), param="prompt", code="invalid_prompt") from None
+        self._check_prompt_limit(len(prompt_ids))
         max_tokens = body.max_tokens
         if chat and body.max_completion_tokens is not None:
             max_tokens = body.max_completion_tokens
@@ -178,6 +212,17 @@ class _Serving:
             stream = self._sse(request, req, text, fmt, usage)
             return StreamingResponse(stream, media_type="text/event-stream")
         return await self._complete(request, req, text, fmt)
+
+    def _check_prompt_limit(self, prompt_len: int) -> None:
+        limit = self.router.cfg.router.max_prompt_tokens
+        if limit and prompt_len > limit:
+            self.router.metrics.rejections.labels("prompt_too_long").inc()
+            raise ApiError(
+                400,
+                f"the prompt has {prompt_len} tokens; this server accepts at most {limit}",
+                param="prompt",
+                code="prompt_too_long",
+            )
 
     async def _deltas(self, req: RouterRequest, text: TextStream) -> AsyncIterator[tuple[str, Any]]:
         """(text delta, finish_reason or None) until the request ends; RequestFailed on error."""

@@ -17,6 +17,7 @@ both sides whatever happened.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -34,12 +35,14 @@ from engine.protocol import (
     RequestError,
     Reserve,
     ReserveReply,
+    RouterPing,
     Tokens,
     sampling_to_dict,
 )
 from engine.sampling import SamplingParams
+from engine.security import CurveSecurity
 from router.metrics import RouterMetrics
-from router.nodes import NodeRegistry, NodeState
+from router.nodes import NodeRegistry, NodeState, NodeStatus
 from router.policy import LeastLoadedPolicy, PairingPolicy
 from router.state import ErrorEvent, RequestState, RouterRequest, TokenEvent
 from router.transport import RouterTransport
@@ -75,6 +78,8 @@ class Router:
         max_positions: the model's context length.
         fingerprint: the model's `ModelConfig.fingerprint()`; nodes reporting another are
             refused (marked dead) at NodeReady.
+        security: the cluster's CURVE keys (`engine.security.cluster_security`) for the
+            sockets; None for plain ones.
     """
 
     def __init__(
@@ -84,25 +89,30 @@ class Router:
         max_positions: int,
         fingerprint: dict[str, Any] | None = None,
         policy: PairingPolicy | None = None,
+        security: CurveSecurity | None = None,
     ):
         self.cfg = cfg
+        self.security = security
         self.t = cfg.timeouts
         self.eos_ids = frozenset(eos_token_ids)
         self.max_positions = max_positions
         self.fingerprint = fingerprint
         self.nodes = NodeRegistry(cfg)
         self.policy = policy or LeastLoadedPolicy()
-        self.metrics = RouterMetrics(self.nodes, cfg.sla)
-        self.requests: dict[str, RouterRequest] = {}
         self.transport: RouterTransport | None = None
+        self.metrics = RouterMetrics(self.nodes, cfg.sla, self._num_bad_frames)
+        self.requests: dict[str, RouterRequest] = {}
         self._reserve_waiters: dict[str, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
+        self._moves: set[asyncio.Task] = set()  # attempts of moved requests being started
+        self._nodes_changed = asyncio.Event()  # set when a node becomes ready
         self._closing = False
+        self.router_id = secrets.token_hex(8)  # new at every start: nodes drop the old one's work
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         endpoints = {n.name: n.control_endpoint for n in self.nodes.nodes.values()}
-        self.transport = RouterTransport(self.cfg.router.control_endpoint, endpoints)
+        self.transport = RouterTransport(self.cfg.router.control_endpoint, endpoints, self.security)
         self._tasks = [
             asyncio.create_task(self._recv_loop(), name="router-recv"),
             asyncio.create_task(self._watchdog_loop(), name="router-watchdog"),
@@ -119,11 +129,14 @@ class Router:
     async def stop(self) -> None:
         """Fails every unfinished request (aborting it on its nodes) and closes the sockets."""
         self.fail_all()
-        for task in self._tasks:
+        for task in (*self._tasks, *self._moves):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._moves, return_exceptions=True)
         if self.transport is not None:
             self.transport.close()
+
+    def _num_bad_frames(self) -> int:
+        return self.transport.num_bad_frames if self.transport is not None else 0
 
     @property
     def is_serving(self) -> bool:
@@ -145,7 +158,7 @@ class Router:
                 503, f"too many unfinished requests ({limit}); retry later", "overloaded",
                 RETRY_AFTER_S,
             )  # fmt: skip
-        if not self.nodes.ready("prefill") or not self.nodes.ready("decode"):
+        if not self.is_serving and not await self._wait_for_nodes(self.t.reserve_s):
             self.metrics.rejections.labels("no_node").inc()
             raise RouterError(
                 503, "no prefill or no decode node is ready", "no_node_ready", RETRY_AFTER_S
@@ -154,7 +167,7 @@ class Router:
             frozenset() if sampling.ignore_eos else self.eos_ids
         )
         req = RouterRequest(request_id, secrets.randbits(63), prompt_ids, sampling, stop_ids)
-        self.requests[request_id] = req
+        self.requests[req.wire_id] = req
         req.advance(RequestState.RESERVING)
         try:
             await self._reserve_somewhere(req)
@@ -195,22 +208,34 @@ class Router:
 
     # ---- admission steps -------------------------------------------------------------------
     async def _reserve_somewhere(self, req: RouterRequest) -> None:
-        num_tokens = min(req.prompt_len + req.sampling.max_new_tokens, self.max_positions)
-        candidates = self.policy.rank_decode(self.nodes.ready("decode"), num_tokens)
+        """Asks the ready decode nodes in the policy's order. A node that refuses because it is
+        draining is marked so at once; when no decode node is ready at all (draining or
+        restarting), waits for one up to the reserve timeout and asks again."""
+        num_prompt = len(req.attempt_prompt_ids)
+        num_tokens = min(num_prompt + req.attempt_sampling.max_new_tokens, self.max_positions)
+        deadline = time.monotonic() + self.t.reserve_s
         refusals = []
-        for node in candidates:
-            if not node.is_ready:  # died while we waited on an earlier candidate
-                continue
-            reply = await self._reserve_on(req, node, num_tokens)
-            if req.is_done:  # failed meanwhile (node death, router shutdown)
+        while True:
+            candidates = self.policy.rank_decode(self.nodes.ready("decode"), num_tokens)
+            for node in candidates:
+                if not node.is_ready:  # died or began draining while we asked another
+                    continue
+                reply = await self._reserve_on(req, node, num_tokens)
+                if req.is_done:  # failed meanwhile (node death, router shutdown)
+                    break
+                if reply is not None and reply.ok:
+                    req.timings.reserved = time.monotonic()
+                    self.metrics.stage.labels("reserve").observe(
+                        req.timings.reserved - req.timings.arrival
+                    )
+                    return
+                if reply is not None and reply.draining:
+                    self.nodes.mark_draining(node)
+                refusals.append(f"{node.name}: {reply.reason if reply else 'no answer'}")
+            left = deadline - time.monotonic()
+            if req.is_done or self.nodes.ready("decode") or left <= 0:
                 break
-            if reply is not None and reply.ok:
-                req.timings.reserved = time.monotonic()
-                self.metrics.stage.labels("reserve").observe(
-                    req.timings.reserved - req.timings.arrival
-                )
-                return
-            refusals.append(f"{node.name}: {reply.reason if reply else 'no answer'}")
+            await self._wait_for_nodes(left)  # none ready: one is draining or restarting
         if req.is_done:
             error = req.error or ErrorEvent("reserve", "the request ended during reservation")
             self._forget(req)
@@ -225,11 +250,11 @@ class Router:
         be mistaken for the next node's."""
         self.nodes.hold_decode(req, node, node.pages_for(num_tokens))
         msg = Reserve(
-            req.request_id, req.room, req.prompt_len, sampling_to_dict(req.sampling),
-            timeout_s=self.t.transfer_s,
+            req.wire_id, req.room, len(req.attempt_prompt_ids),
+            sampling_to_dict(req.attempt_sampling), timeout_s=self.t.transfer_s,
         )  # fmt: skip
         waiter = asyncio.get_running_loop().create_future()
-        self._reserve_waiters[req.request_id] = waiter
+        self._reserve_waiters[req.wire_id] = waiter
         try:
             if not self.transport.send(node.name, msg):
                 self.nodes.release_decode(req)
@@ -244,7 +269,7 @@ class Router:
             )
             self._reject(req, message, "reserve_timeout")
         finally:
-            self._reserve_waiters.pop(req.request_id, None)
+            self._reserve_waiters.pop(req.wire_id, None)
         if reply is None or not reply.ok:
             self.nodes.release_decode(req)
         return reply
@@ -257,7 +282,7 @@ class Router:
             self._reject(req, "no prefill node is ready", "no_node_ready")
         self.nodes.hold_prefill(req, node)
         msg = Prefill(
-            req.request_id, req.room, req.prompt_ids, sampling_to_dict(req.sampling),
+            req.wire_id, req.room, req.attempt_prompt_ids, sampling_to_dict(req.attempt_sampling),
             kv_endpoint=req.kv_endpoint, timeout_s=self.t.prefill_queue_s,
         )  # fmt: skip
         if not self.transport.send(node.name, msg):
@@ -268,7 +293,8 @@ class Router:
         req.advance(RequestState.PREFILLING)
         self.metrics.dispatched.labels(node.name, "prefill").inc()
         self.metrics.dispatched.labels(req.decode_node, "decode").inc()
-        self.metrics.prompt_tokens.inc(req.prompt_len)
+        if req.attempt == 0:
+            self.metrics.prompt_tokens.inc(req.prompt_len)
 
     # ---- incoming messages -----------------------------------------------------------------
     async def _recv_loop(self) -> None:
@@ -302,6 +328,7 @@ class Router:
         if node.status == "dead" and node.error.startswith("incompatible"):
             return  # a node refused at NodeReady stays out until it restarts
         if self.nodes.on_heartbeat(node, msg):
+            self._nodes_changed.set()
             log.info("node %s (%s) is alive", node.name, node.role)
 
     def _on_node_ready(self, msg: NodeReady) -> None:
@@ -321,6 +348,7 @@ class Router:
             )
             return
         self.nodes.mark_ready(node, msg.info)
+        self._nodes_changed.set()
         log.info("node %s (%s) is ready", node.name, node.role)
 
     def _on_node_failed(self, msg: NodeFailed) -> None:
@@ -347,7 +375,8 @@ class Router:
         if req is None or not req.advance(RequestState.DECODING):
             return
         now = time.monotonic()
-        req.timings.first_token = req.timings.last_token = now
+        if req.attempt == 0:  # a moved request keeps the TTFT its client saw
+            req.timings.first_token = req.timings.last_token = now
         self.nodes.release_prefill(req)
         for stage, ms in msg.stage_ms.items():
             self.metrics.stage.labels(stage).observe(ms / 1000)
@@ -367,7 +396,17 @@ class Router:
 
     def _on_request_error(self, msg: RequestError) -> None:
         req = self.requests.get(msg.request_id)
-        if req is not None:
+        if req is None:
+            return
+        draining = [
+            self.nodes.nodes[name]
+            for name in (req.prefill_node, req.decode_node)
+            if name in self.nodes.nodes and self.nodes.nodes[name].status == NodeStatus.DRAINING
+        ]
+        if draining and req.attempt < self.cfg.router.max_migrations and not self._closing:
+            # a node whose drain timed out gave the request back: move it, unseen
+            self._move(req, msg.stage, f"{draining[0].name} stopped draining: {msg.message}")
+        else:
             self._fail(req, msg.stage, msg.message)
 
     # ---- output ----------------------------------------------------------------------------
@@ -398,7 +437,7 @@ class Router:
             return
         req.error = ErrorEvent(stage, message)
         self._abort_on_nodes(req, f"failed at {stage}")
-        waiter = self._reserve_waiters.get(req.request_id)
+        waiter = self._reserve_waiters.get(req.wire_id)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
         self.metrics.failures.labels(stage).inc()
@@ -413,23 +452,86 @@ class Router:
         raise RouterError(503, message, code, RETRY_AFTER_S)
 
     def _fail_node_requests(self, node: NodeState, what: str) -> None:
+        """The node is gone (dead, silent, restarted): each unfinished request it held moves to
+        another pair (`_move`), unseen by the client but for a pause; a request already moved
+        `max_migrations` times fails, naming the stage. A reservation waiting on the node is
+        answered "no answer", so the reservation goes on to the next decode node."""
         for req in list(self.requests.values()):
             on_decode = req.decode_node == node.name
             on_prefill = req.prefill_node == node.name and req.state <= RequestState.PREFILLING
-            if not req.is_done and (on_decode or on_prefill):
-                stage = _STAGE_OF_STATE.get(req.state, "decode")
-                self._fail(req, stage, f"{node.role} node {node.name} {what} (stage {stage})")
+            if req.is_done or not (on_decode or on_prefill):
+                continue
+            stage = _STAGE_OF_STATE.get(req.state, "decode")
+            message = f"{node.role} node {node.name} {what} (stage {stage})"
+            if req.state == RequestState.RESERVING:
+                waiter = self._reserve_waiters.get(req.wire_id)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
+            elif req.attempt < self.cfg.router.max_migrations and not self._closing:
+                self._move(req, stage, message)
+            else:
+                moved = f" after {req.attempt} migrations" if req.attempt else ""
+                self._fail(req, stage, message + moved)
+
+    def _move(self, req: RouterRequest, stage: str, why: str) -> None:
+        """Restarts `req` as a new attempt on a surviving pair: the old attempt is aborted on
+        its nodes (a live one frees its pages now, a dead one's restart starts empty), then a
+        background task reserves and dispatches anew (prompt + tokens streamed so far)."""
+        log.warning("request %s: %s; moving it to another node pair", req.request_id, why)
+        self._abort_on_nodes(req, f"moved: {why}")
+        self.nodes.release_prefill(req)
+        self.nodes.release_decode(req)
+        self.requests.pop(req.wire_id, None)
+        req.restart(secrets.randbits(63))
+        self.requests[req.wire_id] = req
+        self.metrics.migrations.labels(stage).inc()
+        task = asyncio.create_task(self._run_attempt(req, why), name=f"move-{req.wire_id}")
+        self._moves.add(task)
+        task.add_done_callback(self._moves.discard)
+
+    async def _run_attempt(self, req: RouterRequest, why: str) -> None:
+        """Reserve and dispatch a moved request; if no pair takes it within the reserve
+        timeout, it fails (stage "migration") and its client gets the error event."""
+        try:
+            if not self.is_serving:
+                await self._wait_for_nodes(self.t.reserve_s)
+            if req.is_done:  # the client left, or the router is stopping
+                return
+            await self._reserve_somewhere(req)
+            self._dispatch_prefill(req)
+        except RouterError as exc:
+            if req.error is not None and req.error.stage == "admission":  # refused: no pair
+                req.error = ErrorEvent(
+                    "migration", f"{why}; no other node pair took the request: {exc.message}"
+                )
+                self.metrics.failures.labels("migration").inc()
+                req.events.put_nowait(req.error)
+                self.metrics.requests.labels("failed").inc()
+
+    async def _wait_for_nodes(self, timeout_s: float) -> bool:
+        """Waits up to `timeout_s` for a ready prefill and a ready decode node (one may be
+        restarting or draining); True if the cluster serves."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.is_serving and not self._closing:
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            self._nodes_changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._nodes_changed.wait(), left)
+        return self.is_serving and not self._closing
 
     def _abort_on_nodes(self, req: RouterRequest, reason: str) -> None:
         for name in (req.prefill_node, req.decode_node):
             if name is not None:
-                self.transport.send(name, Abort(req.request_id, reason))
+                self.transport.send(name, Abort(req.wire_id, reason))
 
     # ---- bookkeeping ---------------------------------------------------------------------
     def _forget(self, req: RouterRequest) -> None:
         self.nodes.release_prefill(req)
         self.nodes.release_decode(req)
-        self.requests.pop(req.request_id, None)
+        self.requests.pop(req.wire_id, None)
 
     def _close(self, req: RouterRequest, outcome: str) -> None:
         """Terminal bookkeeping: free the load estimates, count the outcome, record latencies."""
@@ -444,15 +546,29 @@ class Router:
     # ---- watchdog --------------------------------------------------------------------------
     async def _watchdog_loop(self) -> None:
         period = min(0.25, self.t.heartbeat_s / 2)
+        next_ping = 0.0
         while True:
             await asyncio.sleep(period)
             try:
-                self.check_deadlines(time.monotonic())
+                now = time.monotonic()
+                self.check_deadlines(now)
+                if now >= next_ping:  # renew every node's lease on our requests
+                    next_ping = now + self.t.heartbeat_s
+                    ping = RouterPing(self.router_id, self.t.lease_s)
+                    for node in self.nodes.nodes.values():
+                        if node.is_alive:  # a dead one's queue would only fill up
+                            self.transport.send(node.name, ping)
             except Exception:
                 log.exception("watchdog error")
 
     def check_deadlines(self, now: float) -> None:
         """Declares silent nodes dead and fails requests past their stage deadline."""
+        for name in self.transport.lost_connections() if self.transport is not None else ():
+            node = self.nodes.nodes.get(name)
+            if node is not None and node.is_alive:
+                log.error("node %s (%s) closed its connection: declared dead", name, node.role)
+                self.nodes.mark_dead(node, "connection lost (the process exited)")
+                self._fail_node_requests(node, "exited (connection lost)")
         for node in self.nodes.expired(self.t.node_timeout_s, now):
             silent = now - node.last_seen
             log.error("node %s (%s) silent for %.1f s: declared dead", node.name, node.role, silent)

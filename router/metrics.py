@@ -3,11 +3,14 @@
 Request latencies are measured by the router (client-visible): TTFT, TPOT (mean per request)
 and inter-token latency histograms, per-stage timings, outcomes, rejections, failures by stage
 and the share of finished requests within the SLA. Per-node figures (queued and running
-requests, KV pages, KV bytes moved, dropped chunks) come from the nodes' latest heartbeats and
-are read at scrape time by `NodeCollector`.
+requests, KV pages, KV bytes moved, dropped chunks, malformed control frames) come from the
+nodes' latest heartbeats and are read at scrape time by `NodeCollector`, as is the count of
+malformed frames the router's own control socket dropped.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prometheus_client import (
     CollectorRegistry,
@@ -31,8 +34,11 @@ _LATENCY_BUCKETS = (
 
 
 class RouterMetrics:
-    def __init__(self, nodes: NodeRegistry, sla: SlaConfig):
+    def __init__(
+        self, nodes: NodeRegistry, sla: SlaConfig, num_bad_frames: Callable[[], int] = lambda: 0
+    ):
         self.sla = sla
+        self.num_bad_frames = num_bad_frames  # malformed frames the router's PULL dropped
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.ttft = Histogram(
@@ -67,6 +73,10 @@ class RouterMetrics:
         self.rejections = Counter(
             "duet_rejections", "Requests refused before starting, by reason", ["reason"],
             registry=r,
+        )  # fmt: skip
+        self.migrations = Counter(
+            "duet_request_migrations", "Requests moved to another node pair after a node was "
+            "lost, by the stage they were in", ["stage"], registry=r,
         )  # fmt: skip
         self.failures = Counter(
             "duet_request_failures", "Accepted requests that failed, by stage", ["stage"],
@@ -136,6 +146,9 @@ class NodeCollector:
         dropped = CounterMetricFamily(
             "duet_kv_chunks_dropped", "KV messages a decode node dropped", labels=labels
         )
+        malformed = CounterMetricFamily(
+            "duet_node_malformed_frames", "Malformed control frames a node dropped", labels=labels
+        )
         stage_ms = GaugeMetricFamily(
             "duet_node_stage_ms", "Recent per-stage latency reported by a node",
             labels=["node", "role", "stage"],
@@ -147,6 +160,7 @@ class NodeCollector:
             if hb is None:
                 continue
             queued.add_metric(lv, hb.num_waiting)
+            malformed.add_metric(lv, hb.num_malformed)
             running.add_metric(lv, hb.num_running)
             if n.role == "prefill":
                 queued_tokens.add_metric(lv, hb.queued_tokens)
@@ -158,6 +172,10 @@ class NodeCollector:
                 dropped.add_metric(lv, hb.kv_chunks_dropped)
             for stage, ms in hb.stage_ms.items():
                 stage_ms.add_metric([*lv, stage], float(ms))
+        router_malformed = CounterMetricFamily(
+            "duet_router_malformed_frames", "Malformed control frames the router dropped"
+        )
+        router_malformed.add_metric([], self.metrics.num_bad_frames())
         finished = self.metrics.num_finished
         share = GaugeMetricFamily(
             "duet_sla_attainment_ratio",
@@ -168,4 +186,4 @@ class NodeCollector:
         sla.add_metric(["ttft"], self.metrics.sla.ttft_ms / 1000)
         sla.add_metric(["tpot"], self.metrics.sla.tpot_ms / 1000)
         yield from (up, queued, running, queued_tokens, pages_used, pages_total, sent, received)
-        yield from (dropped, stage_ms, share, sla)
+        yield from (dropped, malformed, router_malformed, stage_ms, share, sla)

@@ -22,7 +22,8 @@ from router.state import RouterRequest
 class NodeStatus:
     STARTING = "starting"  # configured, never heard from
     READY = "ready"
-    DEAD = "dead"  # NodeFailed, or silent for node_timeout_s
+    DRAINING = "draining"  # finishing its requests before it stops: gets no new ones
+    DEAD = "dead"  # NodeFailed, silent for node_timeout_s, or its connection dropped
 
 
 @dataclass
@@ -45,6 +46,11 @@ class NodeState:
     @property
     def is_ready(self) -> bool:
         return self.status == NodeStatus.READY
+
+    @property
+    def is_alive(self) -> bool:
+        """Ready or draining: it still serves the requests it holds."""
+        return self.status in (NodeStatus.READY, NodeStatus.DRAINING)
 
     @property
     def free_pages(self) -> int:
@@ -94,10 +100,10 @@ class NodeRegistry:
         A heartbeat implies the node finished starting, so a router that (re)started after its
         nodes still learns about them without their NodeReady.
         """
-        revived = node.status != NodeStatus.READY
+        revived = not node.is_alive and not hb.draining
         node.heartbeat = hb
         node.last_seen = time.monotonic()
-        node.status = NodeStatus.READY
+        node.status = NodeStatus.DRAINING if hb.draining else NodeStatus.READY
         node.error = ""
         if node.role == "decode" and hb.total_pages > 0:
             node.total_pages = hb.total_pages
@@ -105,14 +111,18 @@ class NodeRegistry:
                 node.page_size = hb.page_size
         return revived
 
+    def mark_draining(self, node: NodeState) -> None:
+        if node.is_ready:
+            node.status = NodeStatus.DRAINING
+
     def mark_dead(self, node: NodeState, error: str) -> None:
         node.status = NodeStatus.DEAD
         node.error = error
 
     def expired(self, timeout_s: float, now: float | None = None) -> list[NodeState]:
-        """Ready nodes silent for longer than `timeout_s`."""
+        """Ready or draining nodes silent for longer than `timeout_s`."""
         now = time.monotonic() if now is None else now
-        return [n for n in self.nodes.values() if n.is_ready and now - n.last_seen > timeout_s]
+        return [n for n in self.nodes.values() if n.is_alive and now - n.last_seen > timeout_s]
 
     # ---- the router's load accounting (each hold is released exactly once) -----------------
     def hold_decode(self, req: RouterRequest, node: NodeState, pages: int) -> None:

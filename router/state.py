@@ -4,7 +4,11 @@
          \\____________\\____________\\___________\\--> FAILED (sticky)
 
 A request only moves to a later state; FINISHED and FAILED are terminal, so a late message
-(a token after an abort, a second error) can never revive it or end it twice. The HTTP handler
+(a token after an abort, a second error) can never revive it or end it twice. The one way back
+is `restart()`: when a node dies under a request that is not terminal, the router moves it to
+another prefill/decode pair as a new *attempt* (RESERVING again) with its own wire id, so
+messages still in flight for the old attempt find nothing; a decode-side move re-prefills the
+prompt plus the tokens already streamed, and the stream goes on where it stopped. The HTTP handler
 consumes `events`: `TokenEvent`s in output order, then exactly one terminal event (a
 `TokenEvent` with `finish_reason` set, or an `ErrorEvent`).
 """
@@ -12,6 +16,7 @@ consumes `events`: `TokenEvent`s in output order, then exactly one terminal even
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -75,7 +80,7 @@ class RouterRequest:
     """Everything the router holds for one request. Mutated only on the event loop thread."""
 
     request_id: str
-    room: int
+    room: int  # the current attempt's (a fresh one per attempt, so stale KV frames are dropped)
     prompt_ids: list[int]
     sampling: SamplingParams
     stop_ids: frozenset[int]  # tokens that end the request with "stop" (EOS + stop_token_ids)
@@ -87,6 +92,8 @@ class RouterRequest:
     holds_prefill: bool = False  # counted in the prefill node's queued tokens
     holds_decode: bool = False  # counted in the decode node's reserved pages
     num_output_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)  # every token accepted for the client
+    attempt: int = 0  # 0 for the first; +1 at each restart on another node pair
     finish_reason: str | None = None
     error: ErrorEvent | None = None
     pending_tokens: list[int] = field(default_factory=list)  # D's tokens that beat P's first
@@ -99,20 +106,53 @@ class RouterRequest:
         return len(self.prompt_ids)
 
     @property
+    def wire_id(self) -> str:
+        """The id the nodes know the current attempt by (the request id for the first)."""
+        return self.request_id if self.attempt == 0 else f"{self.request_id}~{self.attempt}"
+
+    @property
+    def attempt_prompt_ids(self) -> list[int]:
+        """What the current attempt prefills: the prompt and every token already streamed."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def attempt_sampling(self) -> SamplingParams:
+        """The sampling of the current attempt: only the tokens still to come."""
+        remaining = self.sampling.max_new_tokens - self.num_output_tokens
+        return dataclasses.replace(self.sampling, max_new_tokens=max(1, remaining))
+
+    def restart(self, room: int) -> None:
+        """Starts a new attempt (RESERVING, nodes unassigned). Only for a request that is not
+        terminal; the caller has released the old attempt's nodes."""
+        assert not self.is_done and not self.holds_prefill and not self.holds_decode
+        self.attempt += 1
+        self.room = room
+        self.state = RequestState.RESERVING
+        self.prefill_node = self.decode_node = None
+        self.kv_endpoint = ""
+        self.reserved_pages = 0
+        self.pending_tokens, self.pending_finish = [], None
+
+    @property
     def is_done(self) -> bool:
         return self.state.is_terminal
 
     def accept_tokens(self, tokens: list[int], max_positions: int) -> tuple[list[int], str | None]:
         """The router's own stop check over newly arrived tokens: the prefix up to and including
         the first stop token ("stop") or the token reaching max_new_tokens or the context end
-        ("length"), so a request ends on time even if a node's finish comes late or never."""
+        ("length"), so a request ends on time even if a node's finish comes late or never.
+        The accepted tokens are appended to `output_ids`."""
+        out, finish = list(tokens), None
         for i, token in enumerate(tokens):
             total = self.num_output_tokens + i + 1
             if token in self.stop_ids:
-                return tokens[: i + 1], "stop"
+                out, finish = tokens[: i + 1], "stop"
+                break
             if total >= self.sampling.max_new_tokens or self.prompt_len + total >= max_positions:
-                return tokens[: i + 1], "length"
-        return list(tokens), None
+                out, finish = tokens[: i + 1], "length"
+                break
+        self.output_ids.extend(out)
+        return out, finish
 
     def overdue(
         self, now: float, prefill_limit_s: float, decode_limit_s: float

@@ -4,7 +4,11 @@ messages; a frame that does not decode is dropped and counted, never raised into
 
 Sends never block the event loop: a PUSH whose queue to a node is full (the node is gone or
 stuck) refuses the message at once (`send` returns False), and the node's heartbeat timeout
-then fails its requests.
+then fails its requests. A node whose connection drops (its process died) is reported by
+`lost_connections` at once.
+
+With a `security` (engine.security.CurveSecurity) every socket is CURVE: the PULL a server that
+admits only the cluster key, each PUSH a client; `None` is plain (in-process tests).
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from engine import protocol
+from engine.security import CurveSecurity, curve_client, curve_server
 
 log = logging.getLogger("router")
 
@@ -23,20 +29,35 @@ SEND_HWM = 10_000  # messages queued per node before sends are refused
 
 
 class RouterTransport:
-    def __init__(self, bind_endpoint: str, node_endpoints: dict[str, str]):
+    def __init__(
+        self,
+        bind_endpoint: str,
+        node_endpoints: dict[str, str],
+        security: CurveSecurity | None = None,
+    ):
+        self.security = security
         self.ctx = zmq.asyncio.Context()
         self.send_ctx = zmq.Context()  # plain sockets: a NOBLOCK send raises at once
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.setsockopt(zmq.RCVHWM, 0)  # never drop node messages for lack of queue room
+        curve_server(self.pull, security)
         self.pull.bind(bind_endpoint)
         self.push: dict[str, zmq.Socket] = {}
         for name, endpoint in node_endpoints.items():
             sock = self.send_ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            curve_client(sock, security)
             sock.connect(endpoint)
             self.push[name] = sock
+        # A node process that dies closes its end of our connection at once (the kernel does
+        # it even on SIGKILL): the router hears of it here, well before the heartbeat timeout.
+        # A hung node (SIGSTOP) keeps its connection and is found by the heartbeat timeout.
+        self._monitors = {
+            name: sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            for name, sock in self.push.items()
+        }
         self.num_bad_frames = 0
         self.num_send_refused = 0
 
@@ -64,8 +85,26 @@ class RouterTransport:
             log.warning("send queue to %s is full; dropped %s", node, type(msg).__name__)
             return False
 
+    def lost_connections(self) -> list[str]:
+        """Nodes whose control connection dropped since the last call (never blocks)."""
+        lost = []
+        for name, monitor in self._monitors.items():
+            while True:
+                try:
+                    frames = monitor.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED:
+                    lost.append(name)
+        return lost
+
     def close(self) -> None:
+        for name, sock in self.push.items():
+            sock.disable_monitor()
+            self._monitors[name].close(linger=0)
         for sock in (self.pull, *self.push.values()):
             sock.close(linger=0)
+        if self.security is not None:  # the ZAP thread holds a socket of ctx: stop it first
+            self.security.release(self.ctx)
         self.ctx.term()
         self.send_ctx.term()

@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q torch==2.13.0
 python -m pip install -q -e ".[test]"
+python -m ruff check . && python -m ruff format --check .
 export DUET_CACHE_DIR="${DUET_CACHE_DIR:-$(mktemp -d)}"
 python -m pytest -q tests
 DUET_ISA=portable python -m pytest -q tests/native

@@ -59,6 +59,7 @@ class Pair:
         d_num_pages=64,
         max_batch=3,
         timeouts=None,
+        sender_factory=InprocSender,
     ):
         self.model = model
         self.timeouts = timeouts or TimeoutConfig(heartbeat_s=0.05)
@@ -74,7 +75,7 @@ class Pair:
         )
         d_cfg = DecodeNodeConfig("d", page_size=d_page_size, max_batch=max_batch)
         self.prefill = PrefillNode(
-            "p", model, p_cfg, self.timeouts, self.p_in, self.p_out, InprocSender
+            "p", model, p_cfg, self.timeouts, self.p_in, self.p_out, sender_factory
         )
         self.decode = DecodeNode(
             "d", model, d_cfg, self.timeouts, self.d_in, self.d_out, self.receiver
@@ -92,9 +93,12 @@ class Pair:
         self.seen.setdefault(rid, Seen())
         return reply, room
 
-    def submit(self, rid: str, prompt: list[int], params: SamplingParams) -> ReserveReply:
-        """Reserve on D, then (if admitted) prefill on P, as the router does."""
-        reply, room = self.reserve(rid, len(prompt), params)
+    def submit(
+        self, rid: str, prompt: list[int], params: SamplingParams, timeout_s=5.0
+    ) -> ReserveReply:
+        """Reserve on D (KV due within `timeout_s`), then (if admitted) prefill on P, as the
+        router does."""
+        reply, room = self.reserve(rid, len(prompt), params, timeout_s)
         if reply.ok:
             self.p_in.put(
                 Prefill(rid, room, prompt, sampling_to_dict(params), reply.kv_endpoint, 5.0)

@@ -1,6 +1,7 @@
-"""`python -m prefill_node` and `python -m decode_node` as real processes over loopback ZeroMQ,
-with this test playing the router: NodeReady/NodeFailed at start, one request served exactly,
-abort mid-decode returns the pages, SIGTERM stops both cleanly."""
+"""`python -m prefill_node` and `python -m decode_node` as real processes over loopback ZeroMQ
+(CURVE with a cluster key file named relative to the config), with this test playing the router:
+NodeReady/NodeFailed at start, one request served exactly, abort mid-decode returns the pages,
+SIGTERM stops both cleanly; a config with neither keys nor `insecure` exits 2 with the fix."""
 
 import signal
 import socket
@@ -27,6 +28,7 @@ from engine.protocol import (
     sampling_to_dict,
 )
 from engine.sampling import SamplingParams
+from engine.security import CurveSecurity, read_key_file, write_key_file
 
 START_TIMEOUT = 60.0  # importing torch and loading the model, on a busy machine
 TIMEOUT = 20.0
@@ -43,12 +45,16 @@ def free_ports(n):
     return ports
 
 
-def write_config(path, model_dir):
+def write_config(path, model_dir, security='curve_key_file = "cluster.key"'):
+    """The cluster config at `path`, its key file beside it (named relative to the config)."""
     router, ctl, p, d, kv = free_ports(5)
+    write_key_file(path.parent / "cluster.key", force=True)
     path.write_text(
         f"""
 model = "{model_dir}"
 dtype = "bfloat16"
+[security]
+{security}
 [router]
 port = {router}
 control_port = {ctl}
@@ -69,6 +75,11 @@ num_pages = 40
 """
     )
     return ctl, p, d
+
+
+def keys_of(config) -> CurveSecurity:
+    """What the test, playing the router, uses for its sockets: the cluster's keys."""
+    return CurveSecurity(read_key_file(config.parent / "cluster.key"))
 
 
 def start(module, config, node, *extra):
@@ -105,7 +116,8 @@ def stop(procs):
 def test_nodes_serve_a_request_and_stop_cleanly(tmp_path, tiny_dir, offline):
     config = tmp_path / "cluster.toml"
     ctl, p_port, d_port = write_config(config, tiny_dir)
-    router = PullSocket(f"tcp://127.0.0.1:{ctl}")
+    security = keys_of(config)
+    router = PullSocket(f"tcp://127.0.0.1:{ctl}", security=security)
     procs = [start("prefill_node", config, "p"), start("decode_node", config, "d")]
     try:
         ready = {}
@@ -115,8 +127,8 @@ def test_nodes_serve_a_request_and_stop_cleanly(tmp_path, tiny_dir, offline):
         assert all(isinstance(m, NodeReady) for m in ready.values()), ready
         info = ready["d"].info
         assert info["num_pages"] == 40 and info["page_size"] == 5 and info["kv_endpoint"]
-        to_p = PushSocket(f"tcp://127.0.0.1:{p_port}")
-        to_d = PushSocket(f"tcp://127.0.0.1:{d_port}")
+        to_p = PushSocket(f"tcp://127.0.0.1:{p_port}", security=security)
+        to_d = PushSocket(f"tcp://127.0.0.1:{d_port}", security=security)
 
         # One request, exactly as offline.
         params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
@@ -153,13 +165,17 @@ def test_nodes_serve_a_request_and_stop_cleanly(tmp_path, tiny_dir, offline):
     finally:
         codes = stop(procs)
         router.close()
+        security.close()
     assert codes == [0, 0], [p.stderr.read().decode()[-2000:] for p in procs]
 
 
-def test_a_node_that_cannot_start_reports_node_failed(tmp_path, tiny_dir):
+@pytest.mark.parametrize("mode", ["curve", "insecure"])
+def test_a_node_that_cannot_start_reports_node_failed(tmp_path, tiny_dir, mode):
     config = tmp_path / "cluster.toml"
-    ctl, _, _ = write_config(config, tmp_path / "no-such-model")
-    router = PullSocket(f"tcp://127.0.0.1:{ctl}")
+    insecure = {"curve": 'curve_key_file = "cluster.key"', "insecure": "insecure = true"}[mode]
+    ctl, _, _ = write_config(config, tmp_path / "no-such-model", security=insecure)
+    security = keys_of(config) if mode == "curve" else None
+    router = PullSocket(f"tcp://127.0.0.1:{ctl}", security=security)
     proc = start("decode_node", config, "d")
     try:
         msg = recv_until(router, (NodeReady, NodeFailed), START_TIMEOUT)
@@ -169,6 +185,10 @@ def test_a_node_that_cannot_start_reports_node_failed(tmp_path, tiny_dir):
     finally:
         stop([proc])
         router.close()
+        if security is not None:
+            security.close()
+    warned = "insecure = true: node d talks plain ZeroMQ" in proc.stderr.read().decode()
+    assert warned == (mode == "insecure")
 
 
 @pytest.mark.parametrize(
@@ -185,3 +205,13 @@ def test_bad_node_names_exit_2_with_one_line(tmp_path, tiny_dir, capsys, main, n
     assert main(["--config", str(config), "--node", node]) == 2
     err = capsys.readouterr().err
     assert match in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("main", [prefill_main.main, decode_main.main])
+def test_a_config_without_keys_or_insecure_exits_2_with_the_fix(tmp_path, tiny_dir, capsys, main):
+    config = tmp_path / "cluster.toml"
+    write_config(config, tiny_dir, security="")
+    node = "p" if main is prefill_main.main else "d"
+    assert main(["--config", str(config), "--node", node]) == 2
+    err = capsys.readouterr().err
+    assert "duet keygen" in err and "insecure = true" in err and err.count("\n") == 1

@@ -56,16 +56,21 @@ def free_port_pair() -> int:
 
 
 class UpProcess:
-    """`python -m deploy.cli up --port P ARGS...`, output to a log file."""
+    """`python -m deploy.cli up --port P ARGS...`, output to a log file; `env` adds variables to
+    this process's environment for it (the launcher passes its environment to every node)."""
 
-    def __init__(self, args: list[str], log_path: Path):
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "deploy.cli", "up", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
         )
         self.child_pids: dict[str, int] = {}
 
@@ -122,9 +127,11 @@ class UpProcess:
         return 0.0
 
 
-def start_cluster(args: list[str], tmp_path_factory) -> UpProcess:
+def start_cluster(
+    args: list[str], tmp_path_factory, env: dict[str, str] | None = None
+) -> UpProcess:
     log = tmp_path_factory.mktemp("duet-up") / "up.log"
-    up = UpProcess(args, log)
+    up = UpProcess(args, log, env)
     up.wait_ready()
     return up
 

@@ -2,18 +2,28 @@
 
 The decode node runs two ranks (data-parallel attention, experts split in halves). Greedy
 outputs must equal `duet generate --json` token for token; 32 concurrent streams finish and are
-spread over both ranks; killing one rank makes the node report failure and every stream end with
-an error within a few seconds."""
+spread over both ranks; killing one rank makes the node fail and restart, and its streams go on
+to the end on the restarted node."""
 
 import asyncio
+import json
 import os
 import re
 import signal
+import threading
 import time
 
 import httpx
 import pytest
-from e2e_helpers import alive, generate_reference, processes_mentioning, start_cluster
+from e2e_helpers import (
+    alive,
+    free_port,
+    generate_reference,
+    processes_mentioning,
+    start_cluster,
+)
+
+from deploy.local_cluster import dump_toml, shorthand_config
 
 ARGS = ["--prefill", "1", "--decode", "1", "--decode-ranks", "2", "--dtype", "float32"]
 MAX_NEW = 16
@@ -81,33 +91,99 @@ def test_ctrl_c_stops_every_rank(cluster):
     assert int(served["0"]) > 0 and int(served["1"]) > 0, served  # DP: both ranks got requests
 
 
-def test_killing_a_rank_fails_the_node_and_its_requests(tmp_path_factory):
-    up = start_cluster(ARGS, tmp_path_factory)
+def _dispatched(up) -> float:
+    return up.metric("duet_node_requests_total", node="prefill-0", role="prefill")
+
+
+def _streams(up, prompts: list[str], max_tokens: int):
+    """Streams the prompts concurrently in a thread: (thread, results) where results fills with
+    (text, finish_reason) or ("error", line) per prompt once the thread ends."""
+    results: list = []
+
+    async def one(c, prompt):
+        parts, finish = [], None
+        async with c.stream("POST", up.url + "/v1/completions", json={
+            "model": "tiny-model", "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True,
+        }) as r:  # fmt: skip
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return "error", event["error"]["message"]
+                parts.append(event["choices"][0]["text"])
+                finish = event["choices"][0]["finish_reason"] or finish
+        return "".join(parts), finish
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            results.extend(
+                await asyncio.wait_for(asyncio.gather(*(one(c, p) for p in prompts)), 150)
+            )
+
+    thread = threading.Thread(target=lambda: asyncio.run(run()), daemon=True)
+    thread.start()
+    return thread, results
+
+
+def _wait(cond, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_killing_a_rank_restarts_the_node_and_its_requests_move(tmp_path_factory):
+    """One rank of the only decode node is SIGKILLed while 8 streams sit on the node, none past
+    its first token (both ranks frozen once all 8 are reserved): the node reports failure,
+    the launcher restarts it, and every stream goes on on the restarted node (the router holds
+    the moved requests until it is back) with exactly `duet generate`'s greedy text."""
+    path = tmp_path_factory.mktemp("cfg") / "ranks.toml"
+    raw = shorthand_config(1, 1, port=free_port(), threads=1)
+    raw["dtype"] = "float32"
+    raw["decode"][0]["ranks"] = 2
+    raw["timeouts"] = {"reserve_s": 90.0, "heartbeat_s": 0.25, "node_timeout_s": 5.0}
+    path.write_text(dump_toml(raw))
+    up = start_cluster(["--config", str(path)], tmp_path_factory)
+    prompts = [f"Hi {i}" for i in range(8)]
+    refs = {p: generate_reference("float32", MAX_NEW, prompt=p)["text"] for p in prompts}
     try:
-        body = {"model": "tiny-model", "prompt": "Hi", "max_tokens": 400, "temperature": 0,
-                "stream": True, "ignore_eos": True}  # fmt: skip
-
-        async def one(i):
-            error = ""
-            async with httpx.AsyncClient(timeout=60) as c:
-                async with c.stream("POST", up.url + "/v1/completions",
-                                    json={**body, "prompt": f"Hi {i}"}) as r:  # fmt: skip
-                    async for line in r.aiter_lines():
-                        error = line if '"error"' in line else error
-            return error, time.monotonic()
-
-        async def run():
-            tasks = [asyncio.create_task(one(i)) for i in range(8)]
-            await asyncio.sleep(1.5)  # every stream decoding (400 tokens take far longer)
-            (rank1,) = _rank_pids(up)
-            killed = time.monotonic()
-            os.kill(rank1, signal.SIGKILL)
-            return killed, await asyncio.wait_for(asyncio.gather(*tasks), 60)
-
-        killed, results = asyncio.run(run())
-        for error, ended in results:  # the SSE error event, then [DONE]
-            assert "failed" in error, error
-            assert ended - killed < 10.0
-        assert "node decode-0 (decode) failed" in up.log()
+        prefill = up.child_pids["prefill-0"]
+        # First contact of the prefill node with each rank's KV receiver, while all are awake:
+        # with the prefill node frozen, rank 0 spreads the two reservations over both ranks.
+        os.kill(prefill, signal.SIGSTOP)
+        try:
+            thread, results = _streams(up, prompts[:2], 2)
+            assert _wait(lambda: _dispatched(up) == 2, 30)
+        finally:
+            os.kill(prefill, signal.SIGCONT)
+        thread.join(60)
+        assert all(finish == "length" for _, finish in results), results
+        ranks = [up.child_pids["decode-0"], *_rank_pids(up)]
+        os.kill(prefill, signal.SIGSTOP)
+        frozen = [prefill]
+        try:
+            thread, results = _streams(up, prompts, MAX_NEW)
+            assert _wait(lambda: _dispatched(up) == 2 + len(prompts), 30)
+            for pid in ranks:  # every reservation is made: freeze the decode node
+                os.kill(pid, signal.SIGSTOP)
+            frozen += ranks
+            os.kill(prefill, signal.SIGCONT)  # the first tokens go out, nothing more
+            frozen.remove(prefill)
+            os.kill(ranks[1], signal.SIGKILL)
+        finally:
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+        thread.join(160)
+        assert not thread.is_alive(), "a stream hung"
+        for prompt, (text, finish) in zip(prompts, results, strict=True):
+            assert (text, finish) == (refs[prompt], "length"), prompt
+        log = up.log()
+        assert "node decode-0 (decode) failed" in log or "decode-0 (decode) closed" in log
+        assert "restarted decode-0" in log
+        assert up.metric("duet_request_migrations_total", stage="decode") >= 1
     finally:
         up.stop()

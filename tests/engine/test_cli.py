@@ -36,13 +36,33 @@ def assert_one_line_error(result, needle):
 
 
 def test_generate_json(model_dir):
-    r = duet("generate", "--model", str(model_dir), "--prompt", "Hello world", "--max-new-tokens",
-             "5", "--json", "--dtype", "float32")
+    r = duet(
+        "generate",
+        "--model",
+        str(model_dir),
+        "--prompt",
+        "Hello world",
+        "--max-new-tokens",
+        "5",
+        "--json",
+        "--dtype",
+        "float32",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert 1 <= len(out["token_ids"]) <= 5 and isinstance(out["text"], str)
-    again = duet("generate", "--model", str(model_dir), "--prompt", "Hello world",
-                 "--max-new-tokens", "5", "--json", "--dtype", "float32")
+    again = duet(
+        "generate",
+        "--model",
+        str(model_dir),
+        "--prompt",
+        "Hello world",
+        "--max-new-tokens",
+        "5",
+        "--json",
+        "--dtype",
+        "float32",
+    )
     assert json.loads(again.stdout.strip().splitlines()[-1]) == out  # greedy is deterministic
 
 

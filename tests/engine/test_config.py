@@ -59,8 +59,11 @@ def test_deepseek_style_yarn():
 
 def test_transformers_style_rope_parameters_equal_deepseek_style():
     new_style = {k: v for k, v in BASE.items() if k not in ("rope_theta", "rope_scaling")}
-    new_style["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000, **{
-        k: v for k, v in BASE["rope_scaling"].items() if k != "type"}}
+    new_style["rope_parameters"] = {
+        "rope_type": "yarn",
+        "rope_theta": 10000,
+        **{k: v for k, v in BASE["rope_scaling"].items() if k != "type"},
+    }
     assert ModelConfig.from_dict(new_style).rope == ModelConfig.from_dict(BASE).rope
 
 
@@ -74,8 +77,10 @@ def test_v2_lite_defaults():
 
 
 def test_fp8_quantization_config():
-    raw = dict(BASE, quantization_config={
-        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]})
+    raw = dict(
+        BASE,
+        quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+    )
     assert ModelConfig.from_dict(raw).quant.weight_block_size == (128, 128)
 
 

@@ -3,6 +3,7 @@ every wait bounded (recv with nothing to read, send to a peer that is not readin
 
 import time
 
+import msgpack
 import zmq
 
 from engine.messaging import PullSocket, PushSocket, QueueInbox, QueueOutbox, StageTimes
@@ -31,11 +32,13 @@ def test_malformed_frames_are_dropped_and_counted():
     try:
         raw.send(b"\xc1 not msgpack")
         raw.send_multipart([b"two", b"frames"])
+        # Found by the e2e fuzzer: bytes and str field names together once raised TypeError.
+        raw.send(msgpack.packb({"type": "Abort", b"x": 1, "y": 2}, use_bin_type=True))
         raw.send(encode(Abort("ok")))  # the same pipe: it arrives after the bad frames
         msg = pull.recv(5.0)
         while msg is None:  # the bad frames come first; recv drops them and keeps waiting
             msg = pull.recv(5.0)
-        assert msg == Abort("ok") and pull.num_malformed == 2
+        assert msg == Abort("ok") and pull.num_malformed == 3
     finally:
         raw.close()
         pull.close()

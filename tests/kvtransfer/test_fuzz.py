@@ -19,7 +19,15 @@ from kv_helpers import (
 )
 
 from kvtransfer import DropReason, InprocReceiver, Rendezvous
-from kvtransfer.wire import Hello, HelloAck, KVDone, build_chunk, decode, encode
+from kvtransfer.wire import (
+    PROTOCOL_VERSION,
+    Hello,
+    HelloAck,
+    KVDone,
+    build_chunk,
+    decode,
+    encode,
+)
 
 A = Rendezvous("victim", 77)
 A_LEN = 12
@@ -38,8 +46,15 @@ def flipped(frames):
 
 def other_version(frames):
     head = msgpack.unpackb(frames[0])
-    head["v"] = 2
+    head["v"] = PROTOCOL_VERSION + 1
     return [msgpack.packb(head), frames[1]]
+
+
+def with_field(frames, **fields):
+    """The message with header fields changed and its `hcrc` left as it was (corrupted)."""
+    head = msgpack.unpackb(frames[0])
+    head.update(fields)
+    return [msgpack.packb(head), *frames[1:]]
 
 
 ROWS = random_rows(4, seed=100)
@@ -55,6 +70,12 @@ CASES = {
     "oversized payload": ([[GOOD[0], GOOD[1] + b"\0\0"]], DropReason.OVERSIZED, 0),
     "extra frame": ([GOOD + [b"x"]], DropReason.MALFORMED, 0),
     "bad checksum": ([flipped(GOOD)], DropReason.BAD_CHECKSUM, 0),
+    "corrupted chunk header": ([with_field(GOOD, seq=5)], DropReason.BAD_CHECKSUM, 0),
+    "corrupted done header": (
+        [with_field([encode(KVDone(A, 0, A_LEN, 5))], first_token=6)],
+        DropReason.BAD_CHECKSUM,
+        0,
+    ),
     "replayed chunk": ([GOOD, GOOD], DropReason.DUPLICATE, 4),
     "overlapping chunk": (
         [GOOD, chunk_frames(random_rows(4, seed=101), seq=1, token_start=2)],
@@ -186,9 +207,10 @@ def test_hello_of_another_version_gets_a_refusal():
     receiver = InprocReceiver(make_pool(page_size=3), fingerprint())
     try:
         head = msgpack.unpackb(encode(Hello("future-prefill", fingerprint())))
-        head["v"] = 2
+        head["v"] = PROTOCOL_VERSION + 1
         ack = receiver.receive([msgpack.packb(head)], is_peer_known=False)
-        assert isinstance(ack, HelloAck) and not ack.ok and "protocol version 2" in ack.error
+        assert isinstance(ack, HelloAck) and not ack.ok
+        assert f"protocol version {PROTOCOL_VERSION + 1}" in ack.error
         assert receiver.stats().dropped == {DropReason.BAD_VERSION: 1}
     finally:
         receiver.close()

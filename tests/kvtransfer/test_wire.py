@@ -20,6 +20,7 @@ from kvtransfer.wire import (
     decode,
     encode,
     fingerprint_mismatch,
+    header_checksum,
     make_fingerprint,
     payload_rows,
 )
@@ -34,7 +35,13 @@ def _chunk_head(**overrides):
         "crc": 0,
     }  # fmt: skip
     head.update(overrides)
-    return {k: v for k, v in head.items() if v is not ...}
+    head = {k: v for k, v in head.items() if v is not ...}
+    return head if "hcrc" in overrides else _sealed(head)
+
+
+def _sealed(head):
+    """`head` with the header checksum of its fields (what `encode` adds)."""
+    return {**head, "hcrc": header_checksum(head)}
 
 
 @pytest.mark.parametrize(
@@ -76,7 +83,9 @@ BAD_HEADERS = {
     "not msgpack": b"\xc1\xc1garbage",
     "not a map": msgpack.packb([1, 2, 3]),
     "empty": b"",
-    "too big": msgpack.packb({"v": 1, "kind": "hello", "sender": "x" * 70000, "fp": {}}),
+    "too big": msgpack.packb(
+        {"v": PROTOCOL_VERSION, "kind": "hello", "sender": "x" * 70000, "fp": {}}
+    ),
     "unknown kind": msgpack.packb(_chunk_head(kind="kv_teleport")),
     "missing field": msgpack.packb(_chunk_head(crc=...)),
     "extra field": msgpack.packb(_chunk_head(extra=1)),
@@ -91,33 +100,41 @@ BAD_HEADERS = {
     "kind a list": msgpack.packb(_chunk_head(kind=["kv_chunk"])),
     "zero width": msgpack.packb(_chunk_head(w=0, len=0)),
     "length not the shape": msgpack.packb(_chunk_head(len=129)),
+    "header checksum": msgpack.packb(_chunk_head(hcrc=12345)),
+    "checksum not an int": msgpack.packb(_chunk_head(hcrc="12345")),
     "empty request id": msgpack.packb(_chunk_head(rid="")),
     "bytes request id": msgpack.packb(_chunk_head(rid=b"req"), use_bin_type=True),
     "token id too big": msgpack.packb(
-        {
-            "v": 1,
-            "kind": "kv_done",
-            "rid": "r",
-            "room": 1,
-            "seq": 0,
-            "num_tokens": 4,
-            "first_token": 1 << 40,
-        }
+        _sealed(
+            {
+                "v": PROTOCOL_VERSION,
+                "kind": "kv_done",
+                "rid": "r",
+                "room": 1,
+                "seq": 0,
+                "num_tokens": 4,
+                "first_token": 1 << 40,
+            }
+        )
     ),  # fmt: skip
     "zero tokens done": msgpack.packb(
-        {
-            "v": 1,
-            "kind": "kv_done",
-            "rid": "r",
-            "room": 1,
-            "seq": 0,
-            "num_tokens": 0,
-            "first_token": 1,
-        }
+        _sealed(
+            {
+                "v": PROTOCOL_VERSION,
+                "kind": "kv_done",
+                "rid": "r",
+                "room": 1,
+                "seq": 0,
+                "num_tokens": 0,
+                "first_token": 1,
+            }
+        )
     ),  # fmt: skip
-    "fingerprint not a map": msgpack.packb({"v": 1, "kind": "hello", "sender": "p", "fp": [1]}),
+    "fingerprint not a map": msgpack.packb(
+        {"v": PROTOCOL_VERSION, "kind": "hello", "sender": "p", "fp": [1]}
+    ),
     "fingerprint nested": msgpack.packb(
-        {"v": 1, "kind": "hello", "sender": "p", "fp": {"a": {"b": 1}}}
+        {"v": PROTOCOL_VERSION, "kind": "hello", "sender": "p", "fp": {"a": {"b": 1}}}
     ),
 }
 
@@ -130,8 +147,40 @@ def test_bad_header_rejected(name):
 
 
 def test_other_protocol_version_named():
-    with pytest.raises(WireError, match="^protocol version 2"):
-        decode(msgpack.packb(_chunk_head(v=2)))
+    other = PROTOCOL_VERSION + 1
+    with pytest.raises(WireError, match=f"^protocol version {other}"):
+        decode(msgpack.packb(_chunk_head(v=other)))
+
+
+PER_REQUEST = [
+    KVChunk(RDV, 3, 0, 27, 256, 512, "bfloat16", 576, 27 * 256 * 576 * 2, 0xDEADBEEF),
+    KVDone(RDV, 9, 2048, 151_000),
+    KVAbort(RDV, 2, "client went away"),
+]
+
+
+@pytest.mark.parametrize("msg", PER_REQUEST, ids=["chunk", "done", "abort"])
+def test_every_flipped_header_byte_is_caught(msg):
+    """The payload checksum does not cover the header: without `hcrc`, a flipped byte in
+    kv_done's first token (or seq, or room) decoded as another valid message. Now a flip is
+    rejected, or gives back the very same message (an unsigned int's tag read as signed)."""
+    frame = encode(msg)
+    num_rejected = 0
+    for pos in range(len(frame)):
+        for mask in range(1, 256):
+            damaged = bytearray(frame)
+            damaged[pos] ^= mask
+            try:
+                assert decode(bytes(damaged)) == msg
+            except WireError:
+                num_rejected += 1
+    assert num_rejected > 0.99 * len(frame) * 255
+
+
+def test_header_checksum_ignores_key_order():
+    head = msgpack.unpackb(encode(PER_REQUEST[1]))
+    reordered = dict(reversed(list(head.items())))
+    assert decode(msgpack.packb(reordered)) == PER_REQUEST[1]
 
 
 def test_valid_hand_made_chunk_header():

@@ -49,7 +49,7 @@ def test_receiver_gone_breaks_the_sender_within_its_timeout():
     receiver.close()
     rdv = Rendezvous("orphan", 1)
     start = time.monotonic()
-    with pytest.raises(KVTransferError, match="no progress|full"):
+    with pytest.raises(KVTransferError, match="no progress|full|dropped"):
         for i in range(100):  # zmq buffers a few; then the sender must notice, not hang
             sender.send_chunk(rdv, 0, i, random_rows(1, seed=i))
         sender.flush(TIMEOUT)

@@ -42,6 +42,9 @@ class RecordingTransport:
     def of(self, kind):
         return [(n, m) for n, m in self.sent if isinstance(m, kind)]
 
+    def lost_connections(self):
+        return []
+
 
 def make_router(num_prefill=1, num_decode=1, **router_cfg):
     r = Router(fake_config(num_prefill, num_decode, **router_cfg), [EOS], max_positions=128)
@@ -224,8 +227,10 @@ def test_node_error_and_abort_reach_both_nodes():
 
 @pytest.mark.parametrize("how", ["silent", "failed"])
 def test_dead_decode_node_fails_its_requests(how):
+    """With migrations off (and no other pair in any case), a dead node's requests fail."""
+
     async def main():
-        r = make_router()
+        r = make_router(max_migrations=0)
         req = await submit(r)
         r.handle(FirstToken("r1", 5, 10))
         if how == "failed":
