@@ -136,6 +136,20 @@ def start_cluster(
     return up
 
 
+def wait_until(cond, timeout_s: float) -> bool:
+    """Polls `cond()` until true (True) or `timeout_s` passed (False); an HTTP error while
+    polling (a router restarting) counts as not yet."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if cond():
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
 def alive(pid: int) -> bool:
     """True if `pid` exists and is not a zombie."""
     try:

@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,6 +24,9 @@ from e2e_helpers import (
     generate_reference,
     processes_mentioning,
     start_cluster,
+)
+from e2e_helpers import (
+    wait_until as _wait,
 )
 
 from deploy.local_cluster import dump_toml, shorthand_config
@@ -179,9 +181,12 @@ def test_64_concurrent_streams_all_finish(cluster):
               for n in ("prefill-0", "prefill-1")}  # fmt: skip
     results = asyncio.run(run_all())
     assert all(finish in ("stop", "length") for _, finish in results)
-    # greedy: the same prompt gives the same text whatever it was batched with
-    for i in range(8):
-        assert len({results[j][0] for j in range(i, 64, 8)}) == 1
+    if cluster.dtype == "float32":
+        # greedy: the same prompt gives the same text whatever it was batched with. Not asked of
+        # bfloat16: its GEMMs round differently by batch size (a prompt's first token measured
+        # 348 alone and 223 in a batch of 6), and the batches here depend on arrival times.
+        for i in range(8):
+            assert len({results[j][0] for j in range(i, 64, 8)}) == 1
     served = {n: cluster.metric("duet_node_requests_total", node=n, role="prefill") - before[n]
               for n in before}  # fmt: skip
     if cluster.name == "2p1d":
@@ -190,15 +195,6 @@ def test_64_concurrent_streams_all_finish(cluster):
     else:
         assert served["prefill-0"] == 64
     assert cluster.metric("duet_ttft_seconds_count") >= 64
-
-
-def _wait(cond, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _signal_all(pids, sig) -> None:

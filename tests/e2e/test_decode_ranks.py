@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import threading
-import time
 
 import httpx
 import pytest
@@ -21,6 +20,9 @@ from e2e_helpers import (
     generate_reference,
     processes_mentioning,
     start_cluster,
+)
+from e2e_helpers import (
+    wait_until as _wait,
 )
 
 from deploy.local_cluster import dump_toml, shorthand_config
@@ -125,15 +127,6 @@ def _streams(up, prompts: list[str], max_tokens: int):
     thread = threading.Thread(target=lambda: asyncio.run(run()), daemon=True)
     thread.start()
     return thread, results
-
-
-def _wait(cond, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_killing_a_rank_restarts_the_node_and_its_requests_move(tmp_path_factory):

@@ -39,6 +39,9 @@ from tests.e2e.e2e_helpers import (
     processes_mentioning,
     start_cluster,
 )
+from tests.e2e.e2e_helpers import (
+    wait_until as _wait,
+)
 
 PROMPTS = [
     [3, 44, 18, 250, 9, 71, 130, 5, 66, 301, 12, 40, 77, 8],
@@ -336,15 +339,6 @@ def faulty_cluster(tmp_path_factory):
     )
     yield up
     up.stop()
-
-
-def _wait(cond, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 async def _one_stream(client: openai.AsyncOpenAI, prompt: str):

@@ -16,15 +16,26 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from deploy.local_cluster import dump_toml, shorthand_config
-from tests.e2e.e2e_helpers import alive, free_port, generate_reference, start_cluster
+from engine.tiny_model import make_tiny_model
+from tests.e2e.e2e_helpers import (
+    alive,
+    free_port,
+    generate_reference,
+    processes_mentioning,
+    start_cluster,
+)
+from tests.e2e.e2e_helpers import wait_until as _wait
 
 MAX_NEW = 24
 PROMPTS = [f"Request {i}: tell me about the river" for i in range(8)]
@@ -32,6 +43,7 @@ PROMPTS = [f"Request {i}: tell me about the river" for i in range(8)]
 # can wait for a restarting node.
 TIMEOUTS = {"heartbeat_s": 0.25, "node_timeout_s": 3.0, "lease_s": 3.0, "reserve_s": 60.0}
 STREAMS_BOUND_S = 120.0  # every stream ends within this, whatever the fault
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
 def _config(path, num_prefill: int, num_decode: int):
@@ -64,18 +76,6 @@ def c1p2d(tmp_path_factory):
 
 
 # ---- helpers -------------------------------------------------------------------------------
-def _wait(cond, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if cond():
-                return True
-        except httpx.HTTPError:  # the router restarting
-            pass
-        time.sleep(0.05)
-    return False
-
-
 def _pids(up) -> dict[str, int]:
     """The current pid of every child (the launcher logs each start and restart)."""
     return {name: int(pid) for name, pid in re.findall(r"started (\S+) \(pid (\d+)\)", up.log())}
@@ -199,7 +199,7 @@ def test_prefill_node_killed_before_first_token_is_retried_unseen(c2p1d, referen
     _assert_all_match(streams.join(), references)
     num_moved = up.metric("duet_request_migrations_total", stage="prefill") - moved
     assert num_moved == _dispatched(up, "prefill", "prefill-0") - on_victim >= 1
-    assert "prefill-0 exited with status -9; restarting" in up.log()
+    assert _wait(lambda: "prefill-0 exited with status -9; restarting" in up.log(), 30)
     _assert_recovered(up)
     assert _pids(up)["prefill-0"] != victim
 
@@ -235,7 +235,7 @@ def test_router_killed_under_load_leaves_no_orphan(c2p1d):
         r"decode-0 WARNING aborting 8 requests: (no word from the router|the router restarted)"
     )
     assert _wait(lambda: re.search(orphaned, up.log()), 30), up.log()[-3000:]
-    assert "router exited with status -9; restarting" in up.log()
+    assert _wait(lambda: "router exited with status -9; restarting" in up.log(), 30)
     _assert_recovered(up)
 
 
@@ -289,3 +289,56 @@ def test_hung_decode_node_is_declared_dead_and_its_requests_move(c1p2d, referenc
         os.kill(victim, signal.SIGCONT)  # back: it drops the moved requests, rejoins
     assert _pids(up)["decode-1"] == victim  # not restarted: the same process serves again
     _assert_recovered(up)
+
+
+def test_node_restarted_with_another_model_is_refused_then_rejoins(c2p1d, tmp_path):
+    """prefill-0 comes back serving another model (2 layers, not 3): the router refuses it at
+    NodeReady, naming the field, and routes nothing to it while prefill-1 keeps serving; the
+    right model under the same name then rejoins. The launcher is frozen meanwhile so that it
+    does not restart prefill-0 itself."""
+    up = c2p1d
+    assert _wait(lambda: _all_ready(up), 60)
+    other = make_tiny_model(tmp_path / "other", seed=0, overrides={"num_hidden_layers": 2})
+    config = re.search(r"config (\S+cluster\.toml)", up.log()).group(1)
+    pids = _pids(up)
+    os.kill(up.proc.pid, signal.SIGSTOP)
+    impostor = None
+    try:
+        os.kill(pids["prefill-0"], signal.SIGKILL)
+        assert _wait(lambda: _node(up, "prefill-0")["status"] == "dead", 30)
+        impostor = subprocess.Popen(
+            ["bash", str(DEPLOY / "launch_prefill.sh"), config, "prefill-0", "--model", str(other)],
+            env={**os.environ, "PYTHON": sys.executable}, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        want = "incompatible model: 'num_hidden_layers' is 2 on the node, 3 here"
+        assert _wait(lambda: want in _node(up, "prefill-0").get("error", ""), 60)
+        served = _dispatched(up, "prefill", "prefill-0")
+        for prompt in PROMPTS[:4]:  # all on prefill-1
+            out = up.client().completions.create(model="tiny-model", prompt=prompt, max_tokens=4)
+            assert out.choices[0].finish_reason in ("stop", "length")
+        assert _dispatched(up, "prefill", "prefill-0") == served
+        assert _node(up, "prefill-0")["status"] == "dead"  # its heartbeats do not revive it
+    finally:
+        if impostor is not None:
+            impostor.send_signal(signal.SIGINT)
+            impostor.wait(30)
+        os.kill(up.proc.pid, signal.SIGCONT)  # the launcher restarts the real prefill-0
+    _assert_recovered(up)
+
+
+def _node(up, name: str) -> dict:
+    return httpx.get(up.url + "/health", timeout=5).json()["nodes"][name]
+
+
+@pytest.mark.parametrize("name", ["c2p1d", "c1p2d"])
+def test_ctrl_c_after_the_faults_leaves_no_process_behind(name, request):
+    """Restarted children are the launcher's too: Ctrl-C stops them all, and nothing of the
+    cluster (its private config names every child's command line) is left."""
+    up = request.getfixturevalue(name)
+    config = re.search(r"config (\S+cluster\.toml)", up.log()).group(1)
+    pids = _pids(up)
+    assert "restarted" in up.log() and all(alive(pid) for pid in pids.values())
+    assert up.interrupt() == 0
+    assert not [n for n, pid in pids.items() if alive(pid)]
+    assert processes_mentioning(config) == []
