@@ -8,7 +8,9 @@ RequestError (failed: refused KV, timeout), or silence after an Abort from the r
 after its router's lease lapsed: `engine.lease`). SIGTERM drains: no new reservations, the held
 requests finish (for at most `drain_s`), then the loop stops. Its pages
 are freed on every path in the step that ends it; while its KV is in flight they are lent to
-the receiver, and the loop takes them back (`cancel`) before freeing them.
+the receiver, and the loop takes them back (`cancel`) before freeing them. A request given up on
+while its KV is in flight (abort, deadline, refused KV, shutdown) is also cancelled on P, by the
+receiver's kv_cancel, so P stops computing it.
 """
 
 from __future__ import annotations
@@ -249,7 +251,8 @@ class DecodeNode:
         if request is None:
             return
         if request.state == DecodeState.AWAITING_KV:
-            self.receiver.cancel(_rendezvous(request))  # take the lent pages back first
+            # Take the lent pages back first; the receiver tells P to stop (kv_cancel).
+            self.receiver.cancel(_rendezvous(request), reason)
         self.scheduler.abort(request_id, reason)
 
     # ---- compute ---------------------------------------------------------------------------

@@ -68,6 +68,7 @@ class Heartbeat:
     kv_bytes_sent: int = 0  # prefill, cumulative
     kv_bytes_received: int = 0  # decode, cumulative
     kv_chunks_dropped: int = 0  # decode, cumulative
+    num_cancelled_by_decode: int = 0  # prefill, cumulative: requests stopped by D's kv_cancel
     num_malformed: int = 0  # control frames the node dropped as malformed, cumulative
     stage_ms: dict[str, float] = field(default_factory=dict)  # recent per-stage latencies
     draining: bool = False  # SIGTERMed: finishing what it holds, takes no new requests

@@ -3,7 +3,8 @@
 A receiver registers under an endpoint name (`inproc://...`); a sender connected to that name
 hands each message straight to the receiver on the caller's thread, through the same header
 encoding, validation and `KVPool.write_rows` copy as the ZeroMQ transport. So every send is
-complete when the call returns, and `flush` has nothing to wait for.
+complete when the call returns, and `flush` has nothing to wait for. The way back is as direct:
+the receiver hands a `kv_cancel`'s frames to the sender object, which queues it at once.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ class InprocReceiver(ReceiverCore):
     def endpoint(self) -> str:
         return self._endpoint
 
+    def _send_to_peer(self, peer: Any, frames: list[bytes]) -> None:
+        if not self.is_closed and isinstance(peer, InprocSender):
+            peer._from_receiver(frames)
+
     def close(self, timeout: float = 1.0) -> None:
         with _registry_lock:
             if _registry.get(self._endpoint) is self:
@@ -68,7 +73,11 @@ class InprocSender(SenderCore):
         if receiver is None or receiver.is_closed:
             self._error = KVTransferError(f"KV receiver at {self.endpoint} is closed")
             raise self._error
-        receiver.receive(frames_of(item), is_peer_known=True)
+        receiver.receive(frames_of(item), is_peer_known=True, peer=self)
+
+    def _from_receiver(self, frames: list[bytes]) -> None:
+        if self._receiver is not None:  # closed: the peer is gone, the message with it
+            self._on_peer_frames(list(frames))
 
     def flush(self, timeout: float) -> None:
         self._check_usable()

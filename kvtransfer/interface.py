@@ -18,11 +18,19 @@ The life of one request's KV (prefill node P, decode node D, router R):
    decode); `failed` (incomplete, aborted, expired) gives them back with garbage in them (D frees
    them and fails the request; it never decodes it). Either way the expectation is gone, and any
    late message for the rendezvous is dropped as unknown.
+5. The back channel: when D gives up on a transfer still in progress (`cancel` after an abort or at
+   shutdown, its deadline passed, or `kv_done` refused as incomplete), its receiver sends
+   `kv_cancel` to the sender that sent the rendezvous's first frame: best effort, never blocking,
+   after the pages are back with D, so it changes nothing of who owns them. No frame seen yet means
+   no peer to tell (the router's Abort reaches P instead); `kv_abort` from P is not answered. P's
+   loop gets it from `KVSender.poll_cancels` and aborts the request: it stops computing it, and
+   frees its own pages (never lent) at once.
 
 Messages a receiver cannot use (malformed, truncated, oversized, bad checksum, duplicated, unknown or
 cancelled rendezvous, outside the reservation or the pool's layers, wrong dtype or row width) are
 dropped and counted by reason in `stats()`; they never raise out of the I/O thread and never
-touch any request's pages.
+touch any request's pages. Likewise a sender drops and counts (`KVSender.dropped`) any frame from
+the receiver that is not a valid `kv_cancel`.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ class DropReason:
     BAD_CHECKSUM = "bad_checksum"  # the payload's or the header's (`hcrc`)
     DUPLICATE = "duplicate"  # sequence number not increasing, or rows already received
     INTERNAL = "internal"  # a bug in the receiver (logged); the I/O thread keeps going
+    OVERFLOW = "overflow"  # sender only: a kv_cancel beyond MAX_PENDING_CANCELS not yet polled
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,7 @@ class ReceiverStats:
     chunks_written: int = 0
     num_ready: int = 0
     num_failed: int = 0
+    num_cancels_sent: int = 0  # kv_cancel messages handed to the transport (best effort)
     dropped: dict[str, int] = field(default_factory=dict)  # DropReason -> count
 
     @property
@@ -99,6 +109,7 @@ class KVSender(abc.ABC):
     overlaps the compute of chunk i+1. Once a send fails (peer gone, send timeout) the sender
     is broken: every later call raises `KVTransferError` with the first error, and the prefill
     node drops it and connects a new one. The decode side learns of the failure by its deadline.
+    The background thread also receives the decode node's `kv_cancel`s, for `poll_cancels`.
     """
 
     @property
@@ -131,6 +142,20 @@ class KVSender(abc.ABC):
     @abc.abstractmethod
     def send_abort(self, rendezvous: Rendezvous, reason: str) -> None:
         """Queue `kv_abort` (P gave up: client gone, error). D reports the request failed."""
+
+    @abc.abstractmethod
+    def poll_cancels(self) -> list[tuple[Rendezvous, str]]:
+        """The (rendezvous, reason) of each `kv_cancel` received since the last call, in arrival
+        order. Never blocks, never raises (also once broken). From the moment a cancel is
+        received, what is sent for its rendezvous is discarded before the wire (the receiver
+        would drop it); once it is returned the rendezvous is finished on the sender, like after
+        `send_done`. The caller should stop the request without any `send_abort`. A cancel may
+        name a rendezvous the caller has finished meanwhile (D refused its `kv_done`): ignore it."""
+
+    @abc.abstractmethod
+    def dropped(self) -> dict[str, int]:
+        """Frames from the receiver that were not a valid `kv_cancel`, by `DropReason` (a
+        snapshot, since the sender was created)."""
 
     @abc.abstractmethod
     def flush(self, timeout: float) -> None:
@@ -173,17 +198,19 @@ class KVReceiver(abc.ABC):
         rendezvous already expected. Never blocks."""
 
     @abc.abstractmethod
-    def cancel(self, rendezvous: Rendezvous) -> bool:
+    def cancel(self, rendezvous: Rendezvous, reason: str = "") -> bool:
         """Take the pages back before the transfer finished (request aborted on D). Blocks only
         while a write into this request's pages is in progress; when it returns no write will
         follow and no event for the rendezvous will come out of `poll` (one already queued is
-        discarded). Returns False if there was nothing to take back (the event was already
-        polled, or the rendezvous never expected)."""
+        discarded). If the transfer was still in progress and a frame of it arrived, `kv_cancel`
+        with `reason` is then queued for its sender (never blocks). Returns False if there was
+        nothing to take back (the event was already polled, or the rendezvous never expected)."""
 
     @abc.abstractmethod
     def poll(self, timeout: float = 0.0) -> list[TransferEvent]:
         """Events since the last call, in completion order; expectations past their deadline
-        are reported failed here (after any write in progress into their pages has ended).
+        are reported failed here (after any write in progress into their pages has ended), and
+        their senders get `kv_cancel` (a transfer refused at `kv_done` is told when refused).
         Waits at most `timeout` seconds for at least one event (0: never blocks)."""
 
     @abc.abstractmethod
@@ -193,4 +220,5 @@ class KVReceiver(abc.ABC):
     @abc.abstractmethod
     def close(self, timeout: float = 1.0) -> None:
         """Stop the I/O thread (joined with `timeout`) and release the socket. Expectations
-        still open are dropped without events: the decode node is shutting down."""
+        still open are dropped without events: the decode node is shutting down (it `cancel`s
+        its requests first; the kv_cancels queued by then still go out, best effort)."""

@@ -1,8 +1,10 @@
 """Transport-independent half of a KV receiver: expectations, validation, writes, events.
 
 Both receivers (in-process and ZeroMQ) subclass `ReceiverCore` and feed it whole messages (a list
-of frames: header [, payload]) through `receive`, from their I/O thread. See `KVReceiver` for
-the threading and page-ownership contract this implements.
+of frames: header [, payload]) through `receive`, from their I/O thread, naming the peer each came
+from; they implement `_send_to_peer`, through which the core sends `kv_cancel` back to the peer of
+a transfer it gives up on. See `KVReceiver` for the threading and page-ownership contract this
+implements.
 """
 
 from __future__ import annotations
@@ -20,16 +22,19 @@ from engine.kv_pool import KVPool, PageTable
 from kvtransfer.interface import DropReason, KVReceiver, ReceiverStats, TransferEvent
 from kvtransfer.wire import (
     DTYPE_NAMES,
+    MAX_REASON_LEN,
     HeaderChecksumError,
     Hello,
     HelloAck,
     KVAbort,
+    KVCancel,
     KVChunk,
     KVDone,
     Rendezvous,
     WireError,
     checksum,
     decode,
+    encode,
     fingerprint_mismatch,
     payload_rows,
     peek_kind,
@@ -48,6 +53,7 @@ class _Expectation:
     last_seq: int = -1
     first_drop: str = ""  # why the first chunk of this request was dropped, for the failure text
     is_active: bool = True  # False once handed back (ready, failed, cancelled): no more writes
+    peer: Any = None  # the transport's name for the sender of its first frame (None: none yet)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -74,6 +80,7 @@ class ReceiverCore(KVReceiver):
         self._chunks_written = 0
         self._num_ready = 0
         self._num_failed = 0
+        self._num_cancels_sent = 0
 
     # ---- decode-loop side ----------------------------------------------------------------
 
@@ -103,7 +110,7 @@ class ReceiverCore(KVReceiver):
                 raise ValueError(f"rendezvous {rendezvous} is already expected")
             self._expected[rendezvous] = exp
 
-    def cancel(self, rendezvous: Rendezvous) -> bool:
+    def cancel(self, rendezvous: Rendezvous, reason: str = "") -> bool:
         with self._lock:
             exp = self._expected.pop(rendezvous, None)
             num_events = len(self._events)
@@ -113,6 +120,7 @@ class ReceiverCore(KVReceiver):
             return had_event
         with exp.lock:  # waits for a write in progress into these pages
             exp.is_active = False
+            self._tell_peer(exp, reason or "cancelled by the decode node")
         return True
 
     def poll(self, timeout: float = 0.0) -> list[TransferEvent]:
@@ -136,6 +144,7 @@ class ReceiverCore(KVReceiver):
                 chunks_written=self._chunks_written,
                 num_ready=self._num_ready,
                 num_failed=self._num_failed,
+                num_cancels_sent=self._num_cancels_sent,
                 dropped=dict(self._dropped),
             )
 
@@ -144,22 +153,25 @@ class ReceiverCore(KVReceiver):
             late = [e for e in self._expected.values() if e.deadline < now]
         for exp in late:
             with exp.lock:
-                self._finish(exp, "failed", reason=f"KV transfer of {exp.rendezvous} timed out")
+                reason = f"KV transfer of {exp.rendezvous} timed out"
+                if self._finish(exp, "failed", reason=reason):
+                    self._tell_peer(exp, reason)
 
     # ---- I/O-thread side -----------------------------------------------------------------
 
-    def receive(self, frames: list[Any], is_peer_known: bool) -> HelloAck | None:
+    def receive(self, frames: list[Any], is_peer_known: bool, peer: Any = None) -> HelloAck | None:
         """Handle one multipart message: frames[0] the header, frames[1] the payload of a chunk
-        (bytes-like; a writable buffer avoids a copy). Returns the ack to send back for a
-        `hello`, else None. Never raises: what cannot be used is dropped and counted."""
+        (bytes-like; a writable buffer avoids a copy), from `peer` (the transport's handle for
+        `_send_to_peer`; None: not one to answer). Returns the ack to send back for a `hello`,
+        else None. Never raises: what cannot be used is dropped and counted."""
         try:
-            return self._receive(frames, is_peer_known)
+            return self._receive(frames, is_peer_known, peer)
         except Exception:  # a bug here must not kill the I/O thread; it is logged and counted
             log.exception("KV receiver: unexpected error while handling a message")
             self._drop(DropReason.INTERNAL)
             return None
 
-    def _receive(self, frames: list[Any], is_peer_known: bool) -> HelloAck | None:
+    def _receive(self, frames: list[Any], is_peer_known: bool, peer: Any) -> HelloAck | None:
         if len(frames) > 1:
             self._count_received(sum(len(f) for f in frames[1:]))
         if not frames:
@@ -178,7 +190,7 @@ class ReceiverCore(KVReceiver):
             return HelloAck(ok=False, fingerprint=self.fingerprint, error=error)
         if isinstance(msg, Hello):
             return self._hello(msg) if len(frames) == 1 else self._drop(DropReason.MALFORMED)
-        if isinstance(msg, HelloAck):
+        if isinstance(msg, (HelloAck, KVCancel)):
             return self._drop(DropReason.MALFORMED)  # only a sender receives those
         if not is_peer_known:
             return self._drop(DropReason.NO_HANDSHAKE)
@@ -187,10 +199,10 @@ class ReceiverCore(KVReceiver):
                 return self._drop(DropReason.TRUNCATED)
             if len(frames) > 2:
                 return self._drop(DropReason.MALFORMED)
-            return self._chunk(msg, frames[1])
+            return self._chunk(msg, frames[1], peer)
         if len(frames) != 1:
             return self._drop(DropReason.MALFORMED)
-        return self._end(msg)
+        return self._end(msg, peer)
 
     def _hello(self, msg: Hello) -> HelloAck:
         mismatch = fingerprint_mismatch(msg.fingerprint, self.fingerprint)
@@ -198,7 +210,7 @@ class ReceiverCore(KVReceiver):
             log.warning("KV receiver: refused %r: %s", msg.sender, mismatch)
         return HelloAck(ok=mismatch is None, fingerprint=self.fingerprint, error=mismatch or "")
 
-    def _chunk(self, chunk: KVChunk, payload: Any) -> None:
+    def _chunk(self, chunk: KVChunk, payload: Any, peer: Any) -> None:
         # Cheap checks first; the checksum (one pass over the bytes) only for rows we would write.
         if chunk.dtype != self._dtype_name:
             return self._drop(DropReason.BAD_DTYPE, chunk.rendezvous)
@@ -214,6 +226,8 @@ class ReceiverCore(KVReceiver):
         if exp is None:
             return self._drop(DropReason.UNKNOWN_RENDEZVOUS)
         with exp.lock:
+            if exp.peer is None:  # the sender of its first frame: the one a kv_cancel goes to
+                exp.peer = peer
             reason = self._check_chunk(exp, chunk, payload)
             if reason:
                 return self._drop(reason, chunk.rendezvous, exp)
@@ -248,21 +262,27 @@ class ReceiverCore(KVReceiver):
             return DropReason.BAD_CHECKSUM
         return None
 
-    def _end(self, msg: KVDone | KVAbort) -> None:
+    def _end(self, msg: KVDone | KVAbort, peer: Any) -> None:
         with self._lock:
             exp = self._expected.get(msg.rendezvous)
         if exp is None:
             return self._drop(DropReason.UNKNOWN_RENDEZVOUS)
         with exp.lock:
+            if exp.peer is None:
+                exp.peer = peer
             if not exp.is_active:
                 return self._drop(DropReason.UNKNOWN_RENDEZVOUS)
             if msg.seq <= exp.last_seq:
                 return self._drop(DropReason.DUPLICATE, msg.rendezvous, exp)
-            if isinstance(msg, KVAbort):
-                return self._finish(exp, "failed", reason=f"prefill aborted: {msg.reason}")
+            if isinstance(msg, KVAbort):  # P gave up itself: nothing to tell it
+                self._finish(exp, "failed", reason=f"prefill aborted: {msg.reason}")
+                return
             problem = self._incomplete(exp, msg.num_tokens)
             if problem:
-                return self._finish(exp, "failed", reason=f"KV of {exp.rendezvous}: {problem}")
+                reason = f"KV of {exp.rendezvous}: {problem}"
+                if self._finish(exp, "failed", reason=reason):
+                    self._tell_peer(exp, reason)
+                return
             self._finish(exp, "ready", first_token=msg.first_token)
 
     def _incomplete(self, exp: _Expectation, num_tokens: int) -> str | None:
@@ -274,12 +294,12 @@ class ReceiverCore(KVReceiver):
         why = f" (first dropped chunk: {exp.first_drop})" if exp.first_drop else ""
         return f"incomplete, layer {layer} token {token} never arrived{why}"
 
-    def _finish(self, exp: _Expectation, kind: str, first_token=None, reason: str = "") -> None:
-        """Hand the pages back with one event (caller holds exp.lock). A no-op if another path
-        (cancel, expiry, kv_done) already did."""
+    def _finish(self, exp: _Expectation, kind: str, first_token=None, reason: str = "") -> bool:
+        """Hand the pages back with one event (caller holds exp.lock); True if done here, False
+        (a no-op) if another path (cancel, expiry, kv_done) already did."""
         with self._lock:
             if not exp.is_active or self._expected.get(exp.rendezvous) is not exp:
-                return
+                return False
             del self._expected[exp.rendezvous]
             exp.is_active = False
             self._events.append(TransferEvent(kind, exp.rendezvous, first_token, reason))  # type: ignore[arg-type]
@@ -288,6 +308,27 @@ class ReceiverCore(KVReceiver):
             else:
                 self._num_failed += 1
             self._has_events.notify_all()
+        return True
+
+    def _tell_peer(self, exp: _Expectation, reason: str) -> None:
+        """Best effort `kv_cancel` to the sender of the rendezvous's first frame, so it stops
+        computing and sending it (caller holds exp.lock, which orders this after the pages came
+        back). No frame seen yet: no peer to tell."""
+        if exp.peer is None:
+            return
+        frame = encode(KVCancel(exp.rendezvous, reason[:MAX_REASON_LEN]))
+        try:
+            self._send_to_peer(exp.peer, [frame])
+        except Exception:  # the channel is best effort: never let it fail a cancel or a poll
+            log.exception("KV receiver: could not queue kv_cancel for %s", exp.rendezvous)
+            return
+        with self._lock:
+            self._num_cancels_sent += 1
+
+    def _send_to_peer(self, peer: Any, frames: list[bytes]) -> None:
+        """Queue `frames` for `peer` (what the transport passed to `receive`); never blocks, and
+        drops them silently if the peer is gone. Called from the loop or the I/O thread."""
+        raise NotImplementedError
 
     def _drop(self, reason: str, rendezvous: Rendezvous | None = None, exp=None) -> None:
         if exp is not None and not exp.first_drop:

@@ -5,17 +5,23 @@ Subclasses implement `_submit(item)` (deliver or queue one outgoing message) and
 it, so the expensive part (checksum, and a copy for non-contiguous rows) runs off the caller's
 thread in the ZeroMQ sender. Between numbering and `_submit` sits the one test hook: a sender
 whose `faults` is set (`kvtransfer.faults.inject`) hands every item to it instead.
+
+The way back: the transport hands each message from the receiver to `_on_peer_frames` (from its
+I/O thread); a valid `kv_cancel` is queued for `poll_cancels`, and from then on what is sent for
+its rendezvous is discarded before it reaches the wire. Anything else is dropped and counted.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtransfer.interface import KVSender
+from kvtransfer.interface import DropReason, KVSender
 from kvtransfer.wire import (
     DTYPE_NAMES,
     MAX_ID_LEN,
@@ -24,20 +30,31 @@ from kvtransfer.wire import (
     MAX_TOKEN_ID,
     MAX_TOKENS,
     U64_MAX,
+    HeaderChecksumError,
     Hello,
     HelloAck,
     KVAbort,
+    KVCancel,
     KVDone,
     KVTransferError,
     Message,
     Rendezvous,
+    WireError,
     build_chunk,
+    decode,
     encode,
     fingerprint_mismatch,
 )
 
 if TYPE_CHECKING:
     from kvtransfer.faults import FaultInjector
+
+log = logging.getLogger(__name__)
+
+# Bounds on what a receiver can make a sender hold: cancels not yet polled (more are dropped and
+# counted) and rendezvous remembered as cancelled (the oldest is forgotten first).
+MAX_PENDING_CANCELS = 4096
+MAX_CANCELLED = 4096
 
 
 @dataclass(frozen=True)
@@ -97,6 +114,11 @@ class SenderCore(KVSender):
         # Tests only: when set, every numbered item goes through it (it may drop, duplicate,
         # delay, reorder or corrupt it) on its way to `_submit`. None costs one check a message.
         self.faults: FaultInjector | None = None
+        # The way back (filled by the transport's I/O thread, under _cancel_lock).
+        self._cancel_lock = threading.Lock()
+        self._cancels: deque[tuple[Rendezvous, str]] = deque()  # not yet polled
+        self._cancelled: OrderedDict[Rendezvous, None] = OrderedDict()  # its sends are discarded
+        self._dropped: Counter[str] = Counter()
 
     def _hello(self, fingerprint: dict[str, Any]) -> Hello:
         return Hello(sender=self.name, fingerprint=fingerprint)
@@ -104,11 +126,72 @@ class SenderCore(KVSender):
     def _submit(self, item: ChunkItem | FramedItem | Message) -> None:
         raise NotImplementedError
 
-    def _deliver(self, item: ChunkItem | Message) -> None:
+    def _deliver(self, item: ChunkItem | KVDone | KVAbort) -> None:
+        if self._is_cancelled(item):
+            return  # the receiver gave up on it and would drop it: keep it off the wire
         if self.faults is None:
             self._submit(item)
         else:
             self.faults.submit(item)
+
+    # ---- the way back --------------------------------------------------------------------
+
+    def poll_cancels(self) -> list[tuple[Rendezvous, str]]:
+        with self._cancel_lock:
+            cancels = list(self._cancels)
+            self._cancels.clear()
+        with self._seq_lock:  # finished here, as after send_done: forget its numbering
+            for rendezvous, _ in cancels:
+                self._seq.pop(rendezvous, None)
+        return cancels
+
+    def dropped(self) -> dict[str, int]:
+        with self._cancel_lock:
+            return dict(self._dropped)
+
+    def _is_cancelled(self, item: Any) -> bool:
+        """True for an item of a rendezvous the receiver cancelled (any thread)."""
+        rendezvous = getattr(item, "rendezvous", None)  # a FramedItem has none: it goes out
+        with self._cancel_lock:
+            return rendezvous in self._cancelled
+
+    def _on_peer_frames(self, frames: list[Any]) -> None:
+        """Handle one message from the receiver (the transport's I/O thread). Never raises:
+        what is not a valid kv_cancel is dropped and counted."""
+        try:
+            reason = self._peer_message(frames)
+        except Exception:  # a bug here must not kill the I/O thread; it is logged and counted
+            log.exception("KV sender: unexpected error on a message from %s", self.endpoint)
+            reason = DropReason.INTERNAL
+        if reason is not None:
+            with self._cancel_lock:
+                self._dropped[reason] += 1
+
+    def _peer_message(self, frames: list[Any]) -> str | None:
+        """Queue the cancel in `frames`; the drop reason if they are not one."""
+        if len(frames) != 1:
+            return DropReason.MALFORMED
+        try:
+            msg = decode(frames[0])
+        except HeaderChecksumError:
+            return DropReason.BAD_CHECKSUM
+        except WireError as exc:
+            is_version = str(exc).startswith("protocol version")
+            return DropReason.BAD_VERSION if is_version else DropReason.MALFORMED
+        if not isinstance(msg, KVCancel):
+            return DropReason.MALFORMED  # a stray hello_ack, or a message meant for a receiver
+        with self._cancel_lock:
+            if msg.rendezvous in self._cancelled:
+                return None  # told twice: once is enough
+            if len(self._cancels) >= MAX_PENDING_CANCELS:
+                return DropReason.OVERFLOW
+            self._cancels.append((msg.rendezvous, msg.reason))
+            self._cancelled[msg.rendezvous] = None
+            while len(self._cancelled) > MAX_CANCELLED:
+                self._cancelled.popitem(last=False)
+        return None
+
+    # ---- sending -------------------------------------------------------------------------
 
     @property
     def is_broken(self) -> bool:

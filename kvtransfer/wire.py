@@ -13,6 +13,8 @@ Messages (prefill = P, decode = D):
                        frame: [l1-l0, t1-t0, W] contiguous values of `dtype`, XXH3-checked
     kv_done    P -> D  all chunks sent: total token count and the first sampled token
     kv_abort   P -> D  the prefill gave up on the request (the reason is one line)
+    kv_cancel  D -> P  the decode node gave up on the request (aborted, expired, refused KV):
+                       stop computing and sending it (the reason is one line)
 
 Each per-request message carries a sequence number (0, 1, 2, ... per rendezvous, in send order);
 the receiver drops one whose number does not increase, so a replay is never applied twice. It also
@@ -21,6 +23,11 @@ header, and a flipped byte in, say, kv_done's first token would otherwise decode
 message and the decode node would generate from the wrong token.
 A request is named by its `Rendezvous`: the request id plus a random 64-bit room number chosen
 by the router, so a late message of an earlier attempt with the same request id never matches.
+
+`kv_cancel` is the one message that travels back on the KV connection (besides `hello_ack`). It
+carries `hcrc` but no sequence number: acting on it twice is the same as once. It needs no new
+protocol version: a sender that predates it never reads its socket after the handshake (zmq drops
+what it does not read, past the high-water mark), and a receiver that predates it never sends it.
 """
 
 from __future__ import annotations
@@ -146,7 +153,16 @@ class KVAbort:
     version: int = PROTOCOL_VERSION
 
 
-Message = Hello | HelloAck | KVChunk | KVDone | KVAbort
+@dataclass(frozen=True)
+class KVCancel:
+    """D -> P: the decode node no longer wants this rendezvous's KV (see `KVSender.poll_cancels`)."""
+
+    rendezvous: Rendezvous
+    reason: str
+    version: int = PROTOCOL_VERSION
+
+
+Message = Hello | HelloAck | KVChunk | KVDone | KVAbort | KVCancel
 
 
 # ---- fingerprints -------------------------------------------------------------------------
@@ -263,6 +279,8 @@ def encode(msg: Message) -> bytes:
         )  # fmt: skip
     elif isinstance(msg, KVAbort):
         head.update(kind="kv_abort", **_rdv(msg.rendezvous), seq=msg.seq, reason=msg.reason)
+    elif isinstance(msg, KVCancel):
+        head.update(kind="kv_cancel", **_rdv(msg.rendezvous), reason=msg.reason)
     else:
         raise TypeError(f"not a KV transfer message: {type(msg).__name__}")
     if "rid" in head:
@@ -290,6 +308,7 @@ _KEYS = {
     "kv_chunk": _RDV_KEYS | {"l0", "l1", "t0", "t1", "dtype", "w", "len", "crc"},
     "kv_done": _RDV_KEYS | {"num_tokens", "first_token"},
     "kv_abort": _RDV_KEYS | {"reason"},
+    "kv_cancel": (_RDV_KEYS - {"seq"}) | {"reason"},
 }
 
 
@@ -326,10 +345,12 @@ def decode(frame: Any) -> Message:
             error=_str(head, "error", MAX_REASON_LEN, 0),
         )
     rdv = Rendezvous(_str(head, "rid", MAX_ID_LEN), _int(head, "room", 0, U64_MAX))
-    seq = _int(head, "seq", 0, U64_MAX)
     hcrc = _int(head, "hcrc", 0, U64_MAX)
+    seq = _int(head, "seq", 0, U64_MAX) if "seq" in head else 0
     msg: Message
-    if kind == "kv_done":
+    if kind == "kv_cancel":
+        msg = KVCancel(rdv, _str(head, "reason", MAX_REASON_LEN, 0))
+    elif kind == "kv_done":
         msg = KVDone(
             rdv,
             seq,

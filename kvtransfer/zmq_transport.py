@@ -8,15 +8,22 @@ completed a handshake. With a `security` (engine.security.CurveSecurity) both en
 the ROUTER the server, each DEALER a client, and a peer without the cluster keys never gets a
 frame to the receiver. Every socket wait is a poll with a timeout; `close` joins the threads
 with a timeout; LINGER is 0 so closing never hangs on an unreachable peer.
+
+The way back: the ROUTER sends `kv_cancel` to the routing id a rendezvous's first frame came from.
+The socket belongs to the I/O thread, so the loop thread queues it and wakes that thread through a
+socket pair; the send is NOBLOCK, and a ROUTER drops what is meant for a peer that is gone or
+full. Each DEALER's send thread reads those frames between sends (within POLL_MS when idle).
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import time
 import uuid
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -24,7 +31,15 @@ import zmq
 from engine.kv_pool import KVPool
 from kvtransfer.receiver_core import ReceiverCore
 from kvtransfer.sender_core import ChunkItem, SenderCore, check_ack, frames_of
-from kvtransfer.wire import HelloAck, KVTransferError, Message, WireError, decode, encode
+from kvtransfer.wire import (
+    MAX_HEADER_BYTES,
+    HelloAck,
+    KVTransferError,
+    Message,
+    WireError,
+    decode,
+    encode,
+)
 
 if TYPE_CHECKING:
     from engine.security import CurveSecurity
@@ -32,6 +47,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_MS = 50  # how often blocked loops look at their stop flag
+# A receiver that sent kv_cancels just before it was closed keeps its socket this long: a DEALER
+# (IMMEDIATE) discards what it had not read yet when its connection drops.
+CLOSE_GRACE_S = 0.2
+INBOUND_HWM = 256  # messages a DEALER buffers from its receiver before zmq drops more
 
 
 class ZmqReceiver(ReceiverCore):
@@ -72,6 +91,14 @@ class ZmqReceiver(ReceiverCore):
             port = self._endpoint.rsplit(":", 1)[1]
             self._endpoint = f"tcp://{advertise_host}:{port}"
         self._peers: set[bytes] = set()  # routing ids with a successful handshake
+        # kv_cancels for the I/O thread to send: (routing id, frames). The lock guards the queue
+        # and the wake-up pair against `_run` closing it; it is never held for a socket wait.
+        self._outbox: deque[tuple[bytes, list[bytes]]] = deque()
+        self._outbox_lock = threading.Lock()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._is_closed = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-receiver", daemon=True)
         self._thread.start()
@@ -85,12 +112,29 @@ class ZmqReceiver(ReceiverCore):
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
+    def _send_to_peer(self, peer: Any, frames: list[bytes]) -> None:
+        with self._outbox_lock:
+            if self._is_closed:
+                return
+            self._outbox.append((peer, frames))
+            try:
+                self._wake_w.send(b"\0")
+            except OSError:  # the pair is full: a wake-up is pending anyway
+                pass
+
     def _run(self) -> None:
         # The socket belongs to this thread from here on (zmq sockets are not thread-safe).
         sock = self._sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        last_sent = -float("inf")  # time.monotonic() of the last kv_cancel sent
         try:
             while not self._stop.is_set():
-                if not sock.poll(POLL_MS, zmq.POLLIN):
+                ready = dict(poller.poll(POLL_MS))
+                if self._send_outbox(sock):
+                    last_sent = time.monotonic()
+                if sock not in ready:
                     continue
                 for _ in range(64):  # drain a burst before looking at the stop flag again
                     try:
@@ -98,14 +142,42 @@ class ZmqReceiver(ReceiverCore):
                     except zmq.Again:
                         break
                     self._on_message(sock, frames)
+            # The node cancels its requests just before closing us: give those a chance.
+            if self._send_outbox(sock):
+                last_sent = time.monotonic()
+            time.sleep(max(0.0, last_sent + CLOSE_GRACE_S - time.monotonic()))
         except zmq.ZMQError as exc:  # the context was terminated under us: nothing to serve
             log.error("KV receiver at %s stopped: %s", self._endpoint, exc)
         finally:
+            with self._outbox_lock:
+                self._is_closed = True
+                self._outbox.clear()
+                self._wake_r.close()
+                self._wake_w.close()
             sock.close(linger=0)
+
+    def _send_outbox(self, sock: zmq.Socket) -> int:
+        """Send the queued kv_cancels (I/O thread); how many. Wake-ups are cleared first, so one
+        that comes while sending is seen at the next poll."""
+        with self._outbox_lock:
+            try:
+                while self._wake_r.recv(4096):
+                    pass
+            except OSError:  # BlockingIOError: nothing (more) to clear
+                pass
+            items = list(self._outbox)
+            self._outbox.clear()
+        for peer, frames in items:
+            try:  # a ROUTER never blocks: a message for a peer that is gone or full is dropped
+                sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                log.debug("KV receiver: dropped a kv_cancel (its peer is not reading)")
+        return len(items)
 
     def _on_message(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
         peer = frames[0].bytes
-        ack = self.receive([f.buffer for f in frames[1:]], is_peer_known=peer in self._peers)
+        is_known = peer in self._peers
+        ack = self.receive([f.buffer for f in frames[1:]], is_known, peer=peer)
         if ack is None:
             return
         if ack.ok:
@@ -160,6 +232,9 @@ class ZmqSender(SenderCore):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, self._sndhwm)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection: a dead peer blocks
+        # What comes back is small (hello_ack, kv_cancel): zmq disconnects a peer sending more.
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES)
+        sock.setsockopt(zmq.RCVHWM, INBOUND_HWM)
         # A fixed routing id keeps the handshake valid across a TCP reconnect.
         sock.setsockopt(zmq.ROUTING_ID, f"{self.name}-{uuid.uuid4().hex}".encode())
         if self._security is not None:
@@ -255,6 +330,7 @@ class ZmqSender(SenderCore):
                         "or died)"
                     )
                     log.warning("%s", self._error)
+                self._recv_inbound(sock)
                 try:
                     item = self._queue.get(timeout=POLL_MS / 1000)
                 except queue.Empty:
@@ -262,7 +338,9 @@ class ZmqSender(SenderCore):
                 if item is _STOP:
                     break
                 try:
-                    if self._error is None:  # once broken, drain the queue without sending
+                    # Once broken, drain the queue without sending; and what the receiver
+                    # cancelled meanwhile it would drop: skip it.
+                    if self._error is None and not self._is_cancelled(item):
                         self._send(sock, frames_of(item))
                 except Exception as exc:  # any failure breaks the sender, loudly
                     self._error = KVTransferError(f"KV send to {self.endpoint} failed: {exc}")
@@ -276,6 +354,18 @@ class ZmqSender(SenderCore):
             with self._idle:
                 self._idle.notify_all()
 
+    def _recv_inbound(self, sock: zmq.Socket) -> None:
+        """Hand what the receiver sent (kv_cancels) to the core, a bounded burst at a time."""
+        for _ in range(64):
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:  # a dead socket: the next send breaks the sender
+                log.warning("KV sender: cannot read from %s: %s", self.endpoint, exc)
+                return
+            self._on_peer_frames(frames)
+
     def _send(self, sock: zmq.Socket, frames: list[Any]) -> None:
         deadline = time.monotonic() + self._send_timeout
         while True:
@@ -287,6 +377,7 @@ class ZmqSender(SenderCore):
                     return
                 except zmq.Again:
                     pass
+            self._recv_inbound(sock)  # the receiver is slow: it may be cancelling
             if time.monotonic() > deadline:
                 raise KVTransferError(
                     f"no progress for {self._send_timeout:g}s (decode node gone or not reading)"

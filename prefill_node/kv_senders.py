@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from kvtransfer import KVSender, KVTransferError
+from kvtransfer import KVSender, KVTransferError, Rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,15 @@ class SenderPool:
             raise KVTransferError(f"KV handshake with {endpoint} failed: {exc}") from None
         self._senders[endpoint] = sender
         return sender
+
+    def poll_cancels(self) -> list[tuple[str, Rendezvous, str]]:
+        """(endpoint, rendezvous, reason) of every kv_cancel the decode nodes sent since the
+        last call (`KVSender.poll_cancels`; never blocks)."""
+        return [
+            (endpoint, rendezvous, reason)
+            for endpoint, sender in self._senders.items()
+            for rendezvous, reason in sender.poll_cancels()
+        ]
 
     def peek(self, endpoint: str) -> KVSender | None:
         """The connected sender for `endpoint`, or None (never connects)."""

@@ -5,7 +5,8 @@ the KV senders (`kvtransfer`), so tests run the same loop with in-process queues
 
 Every request ends in exactly one of: FirstToken to the router plus kv_done to D (finished), or
 RequestError to the router plus kv_abort to D (failed), or silence after an Abort from the router
-(plus kv_abort to D), also when its router's lease lapses (`engine.lease`). Its pages are freed
+(plus kv_abort to D), also when its router's lease lapses (`engine.lease`), or silence after a
+kv_cancel from D (D gave up on it, and has told the router, or heard from it). Its pages are freed
 on every path before the step returns. SIGTERM drains: the queued requests (and any Prefill
 already on its way) are finished, for at most `drain_s`, then the loop stops.
 """
@@ -74,6 +75,7 @@ class PrefillNode:
         self.senders = SenderPool(sender_factory, self.fingerprint, handshake_s)
         self.stage_times = StageTimes()
         self.kv_bytes_sent = 0
+        self.num_cancelled_by_decode = 0  # requests stopped by a kv_cancel
         self.lease = RouterLease()
         self.is_stopping = False
         self.is_draining = False
@@ -119,12 +121,14 @@ class PrefillNode:
         # 1. Block when idle: wait for a control message only if there is nothing to compute.
         is_busy = self.scheduler.has_work() and not self._is_stalled
         wait = 0.0 if is_busy else min(0.05, self.timeouts.heartbeat_s)
-        # 2. Drain inputs: prefill requests, aborts, shutdown.
+        # 2. Drain inputs: prefill requests, aborts, shutdown; and the decode nodes' cancels.
         msg, num_handled = self.inbox.recv(wait), 0
         while msg is not None:  # bounded, so a flood of messages cannot starve compute
             self._handle(msg)
             num_handled += 1
             msg = self.inbox.recv(0.0) if num_handled < MAX_DRAIN else None
+        for endpoint, rendezvous, reason in self.senders.poll_cancels():
+            self._on_cancel(endpoint, rendezvous, reason)
         # 3. Fail requests that waited too long for their turn.
         now = time.monotonic()
         for request in self.scheduler.expire(now):
@@ -157,6 +161,17 @@ class PrefillNode:
             self.is_stopping = True
         else:
             log.warning("prefill node ignores a %s message", type(msg).__name__)
+
+    def _on_cancel(self, endpoint: str, rendezvous: Rendezvous, reason: str) -> None:
+        """D gave up on the request (aborted, expired, refused its KV): stop computing it and
+        free its pages. No word to anyone: D has told the router already (RequestError), or
+        acts on the router's own Abort; and D wants no kv_abort for it."""
+        request = self.scheduler.get(rendezvous.request_id)
+        if request is None or request.room != rendezvous.room or request.kv_endpoint != endpoint:
+            return  # finished, failed or retried meanwhile: nothing of it left to stop
+        log.info("request %s: cancelled by the decode node (%s)", request.request_id, reason)
+        self.scheduler.abort(request.request_id, f"cancelled by the decode node: {reason}")
+        self.num_cancelled_by_decode += 1
 
     def _orphan_all(self, reason: str) -> None:
         """Drops every held request (no live router owns them) and tells their decode nodes."""
@@ -293,6 +308,7 @@ class PrefillNode:
                 num_waiting=self.scheduler.num_waiting,
                 num_running=self.scheduler.num_running,
                 kv_bytes_sent=self.kv_bytes_sent,
+                num_cancelled_by_decode=self.num_cancelled_by_decode,
                 num_malformed=self.inbox.num_malformed,
                 stage_ms=self.stage_times.means(),
                 draining=self.is_draining,

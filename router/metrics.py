@@ -149,6 +149,12 @@ class NodeCollector:
         malformed = CounterMetricFamily(
             "duet_node_malformed_frames", "Malformed control frames a node dropped", labels=labels
         )
+        cancelled = CounterMetricFamily(
+            "duet_prefill_cancelled_by_decode",
+            "Prefills a prefill node stopped because the decode node gave up on the KV",
+            labels=labels,
+        )
+        draining = GaugeMetricFamily("duet_node_draining", "1 while the node drains", labels=labels)
         stage_ms = GaugeMetricFamily(
             "duet_node_stage_ms", "Recent per-stage latency reported by a node",
             labels=["node", "role", "stage"],
@@ -162,9 +168,11 @@ class NodeCollector:
             queued.add_metric(lv, hb.num_waiting)
             malformed.add_metric(lv, hb.num_malformed)
             running.add_metric(lv, hb.num_running)
+            draining.add_metric(lv, 1.0 if hb.draining else 0.0)
             if n.role == "prefill":
                 queued_tokens.add_metric(lv, hb.queued_tokens)
                 sent.add_metric(lv, hb.kv_bytes_sent)
+                cancelled.add_metric(lv, hb.num_cancelled_by_decode)
             else:
                 pages_used.add_metric(lv, hb.total_pages - hb.free_pages)
                 pages_total.add_metric(lv, hb.total_pages)
@@ -186,4 +194,5 @@ class NodeCollector:
         sla.add_metric(["ttft"], self.metrics.sla.ttft_ms / 1000)
         sla.add_metric(["tpot"], self.metrics.sla.tpot_ms / 1000)
         yield from (up, queued, running, queued_tokens, pages_used, pages_total, sent, received)
-        yield from (dropped, malformed, router_malformed, stage_ms, share, sla)
+        yield from (dropped, malformed, router_malformed, cancelled, draining, stage_ms)
+        yield from (share, sla)

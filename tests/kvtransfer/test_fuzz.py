@@ -23,6 +23,7 @@ from kvtransfer.wire import (
     PROTOCOL_VERSION,
     Hello,
     HelloAck,
+    KVCancel,
     KVDone,
     build_chunk,
     decode,
@@ -105,6 +106,7 @@ CASES = {
         DropReason.MALFORMED,
         0,
     ),
+    "kv_cancel sent to a receiver": ([[encode(KVCancel(A, "stop"))]], DropReason.MALFORMED, 0),
 }
 
 

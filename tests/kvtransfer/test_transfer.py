@@ -11,6 +11,8 @@ import torch
 from kv_helpers import (
     NUM_LAYERS,
     TIMEOUT,
+    chunk_frames,
+    done_frames,
     fingerprint,
     make_pool,
     random_rows,
@@ -126,14 +128,11 @@ def test_deadline_fails_and_later_chunks_are_dropped(make_link):
     link.sender.send_chunk(rdv, 0, 0, random_rows(4, seed=7))
     event = poll_one(link.receiver)
     assert not event.is_ready and "timed out" in event.reason
-    link.sender.send_chunk(rdv, 0, 4, random_rows(4, seed=8))
-    link.sender.send_done(rdv, 8, 1)
-    link.sender.flush(TIMEOUT)
-    late = lambda: link.receiver.stats().dropped.get("unknown_rendezvous", 0) >= 2  # noqa: E731
-    deadline = time.monotonic() + TIMEOUT
-    while not late() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert late() and link.receiver.poll() == []
+    # The sender was told (kv_cancel: it sends nothing more, test_cancel.py); late frames that
+    # were already on their way are dropped.
+    link.raw_send(chunk_frames(rdv, 1, 4, random_rows(4, seed=8)))
+    link.raw_send(done_frames(rdv, 2, 8, 1))
+    assert link.dropped().get("unknown_rendezvous") == 2 and link.receiver.poll() == []
     assert not link.pool.read_rows(table, 0, NUM_LAYERS, 4, 8).any()  # never written
 
 
@@ -156,9 +155,9 @@ def test_cancel_mid_transfer_stops_writes(make_link):
     link.sender.send_chunk(rdv, 0, 0, random_rows(4, seed=10))
     wait_until(lambda: link.receiver.stats().chunks_written == 1, "the first chunk")
     assert link.receiver.cancel(rdv) is True
-    link.sender.send_chunk(rdv, 0, 4, random_rows(4, seed=11))
-    link.sender.send_done(rdv, 8, 1)
-    wait_until(lambda: link.receiver.stats().dropped.get("unknown_rendezvous") == 2, "drops")
+    link.raw_send(chunk_frames(rdv, 1, 4, random_rows(4, seed=11)))  # already on their way
+    link.raw_send(done_frames(rdv, 2, 8, 1))
+    assert link.dropped() == {"unknown_rendezvous": 2}
     assert link.receiver.poll() == []
     assert not link.pool.read_rows(table, 0, NUM_LAYERS, 4, 8).any()
 

@@ -12,6 +12,7 @@ from kvtransfer.wire import (
     Hello,
     HelloAck,
     KVAbort,
+    KVCancel,
     KVChunk,
     KVDone,
     Rendezvous,
@@ -39,6 +40,17 @@ def _chunk_head(**overrides):
     return head if "hcrc" in overrides else _sealed(head)
 
 
+def _cancel_head(**fields):
+    return {
+        "v": PROTOCOL_VERSION,
+        "kind": "kv_cancel",
+        "rid": "r",
+        "room": 1,
+        "reason": "",
+        **fields,
+    }
+
+
 def _sealed(head):
     """`head` with the header checksum of its fields (what `encode` adds)."""
     return {**head, "hcrc": header_checksum(head)}
@@ -52,6 +64,8 @@ def _sealed(head):
         KVChunk(RDV, 3, 0, 27, 256, 512, "bfloat16", 576, 27 * 256 * 576 * 2, 0xDEADBEEF),
         KVDone(RDV, 9, 2048, 151_000),
         KVAbort(RDV, 2, "client went away"),
+        KVCancel(RDV, "aborted: the client went away"),
+        KVCancel(RDV, ""),
     ],
 )
 def test_round_trip(msg):
@@ -130,6 +144,9 @@ BAD_HEADERS = {
             }
         )
     ),  # fmt: skip
+    "cancel with a seq": msgpack.packb(_sealed(_cancel_head(seq=0))),
+    "cancel without hcrc": msgpack.packb(_cancel_head()),
+    "cancel reason too long": msgpack.packb(_sealed(_cancel_head(reason="x" * 1025))),
     "fingerprint not a map": msgpack.packb(
         {"v": PROTOCOL_VERSION, "kind": "hello", "sender": "p", "fp": [1]}
     ),
@@ -156,10 +173,11 @@ PER_REQUEST = [
     KVChunk(RDV, 3, 0, 27, 256, 512, "bfloat16", 576, 27 * 256 * 576 * 2, 0xDEADBEEF),
     KVDone(RDV, 9, 2048, 151_000),
     KVAbort(RDV, 2, "client went away"),
+    KVCancel(RDV, "KV transfer timed out"),
 ]
 
 
-@pytest.mark.parametrize("msg", PER_REQUEST, ids=["chunk", "done", "abort"])
+@pytest.mark.parametrize("msg", PER_REQUEST, ids=["chunk", "done", "abort", "cancel"])
 def test_every_flipped_header_byte_is_caught(msg):
     """The payload checksum does not cover the header: without `hcrc`, a flipped byte in
     kv_done's first token (or seq, or room) decoded as another valid message. Now a flip is
