@@ -3,7 +3,8 @@
 from kvtransfer.inproc import InprocReceiver, InprocSender
 from kvtransfer.interface import DropReason, KVReceiver, KVSender, ReceiverStats, TransferEvent
 from kvtransfer.wire import KVTransferError, Rendezvous, WireError, make_fingerprint
-from kvtransfer.zmq_transport import ZmqReceiver, ZmqSender
+from kvtransfer.zmq_receiver import ZmqReceiver
+from kvtransfer.zmq_sender import ZmqSender
 
 __all__ = [
     "DropReason",

@@ -1,4 +1,4 @@
-"""The two sides of a KV transfer, as small abstract classes (implementations: `inproc`, `zmq_transport`).
+"""The two sides of a KV transfer, as small abstract classes (implementations: `inproc`, `zmq_receiver` + `zmq_sender`).
 
 The life of one request's KV (prefill node P, decode node D, router R):
 

@@ -182,3 +182,14 @@ class RouterRequest:
         if new.is_terminal:
             self.timings.finished = time.monotonic()
         return True
+
+
+class RouterError(Exception):
+    """A request refused before it started; the HTTP layer turns it into an error response."""
+
+    def __init__(self, status: int, message: str, code: str, retry_after: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.retry_after = retry_after
