@@ -22,7 +22,9 @@ def _build(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, inbox, outbox, 
     fingerprint = make_fingerprint(
         mcfg.fingerprint(), mcfg.num_hidden_layers, mcfg.kv_row_width, model.dtype
     )
-    receiver = ZmqReceiver(pool, fingerprint, cfg.kv_endpoint, security=security)
+    receiver = ZmqReceiver(
+        pool, fingerprint, cfg.kv_bind_endpoint, advertise_host=cfg.host, security=security
+    )
     return DecodeNode(cfg.name, model, cfg, cluster.timeouts, inbox, outbox, receiver)
 
 
@@ -36,18 +38,17 @@ class _Rank0:
         p.add_argument("--model")
         self.args, _ = p.parse_known_args(argv)
         self.children: list = []
-        self.port = 0
+        self.listener = None  # the ranks' rendezvous: rank 0 serves the group's store on it
 
     def load(self, cluster: ClusterConfig, cfg: DecodeNodeConfig, model_dir: str | None):
         if cfg.ranks == 1:
             return load_model(cluster, cfg, model_dir)
-        from decode_node.ranks import free_port, shard_of, spawn_ranks
+        from decode_node.ranks import rendezvous_listener, shard_of, spawn_ranks
 
         shard = shard_of(cluster, cfg, model_dir, 0)  # refuses too many ranks before spawning
-        self.port = free_port(cfg.host)
-        self.children = spawn_ranks(
-            self.args.config, cfg.name, cfg.ranks, self.port, self.args.model
-        )
+        self.listener = rendezvous_listener(cfg)
+        where = self.listener.getsockname()[:2]
+        self.children = spawn_ranks(self.args.config, cfg.name, cfg.ranks, where, self.args.model)
         return load_model(cluster, cfg, model_dir, expert_range=shard)
 
     def build(self, cluster: ClusterConfig, cfg: DecodeNodeConfig, model, inbox, outbox, security):
@@ -57,7 +58,7 @@ class _Rank0:
 
         try:
             return build_rank(
-                cluster, cfg, model, 0, self.port, inbox, outbox, self.children, security
+                cluster, cfg, model, 0, self.listener, inbox, outbox, self.children, security
             )
         except BaseException:
             for proc in self.children:

@@ -25,9 +25,11 @@ from decode_node.scheduler import DecodeRequest, DecodeScheduler, DecodeState, S
 from engine.batch import ForwardBatch
 from engine.cluster_config import DecodeNodeConfig, TimeoutConfig
 from engine.errors import DuetError
+from engine.generate import validate_prompt
 from engine.lease import RouterLease
 from engine.messaging import Inbox, Outbox, StageTimes
 from engine.model import DeepseekModel
+from engine.penalties import TokenCounts
 from engine.protocol import (
     Abort,
     Heartbeat,
@@ -41,7 +43,8 @@ from engine.protocol import (
     Tokens,
     sampling_from_dict,
 )
-from engine.sampling import SamplingParams, sample
+from engine.sampling import SamplingParams, sample, skip_draw
+from engine.version import package_version
 from kvtransfer import KVReceiver, Rendezvous, TransferEvent, make_fingerprint
 
 log = logging.getLogger(__name__)
@@ -79,6 +82,7 @@ class DecodeNode:
         self.scheduler = DecodeScheduler(
             self.pool, cfg.max_batch, mcfg.max_position_embeddings, frozenset(mcfg.eos_token_id)
         )
+        self.token_counts = TokenCounts(cfg.max_batch, mcfg.vocab_size)  # by batch slot
         self.fingerprint = make_fingerprint(
             mcfg.fingerprint(), mcfg.num_hidden_layers, mcfg.kv_row_width, model.dtype
         )
@@ -98,6 +102,7 @@ class DecodeNode:
             "ranks": self.num_ranks,
             "fingerprint": self.fingerprint,
             "dtype": self.fingerprint["dtype"],
+            "version": package_version(),
         }
 
     def begin_drain(self) -> None:
@@ -193,7 +198,7 @@ class DecodeNode:
         if self.is_stopping or self.is_draining:
             return refuse("the decode node is draining", draining=True)
         try:
-            params = sampling_from_dict(msg.sampling)
+            params = self._check_sampling(msg)
         except (DuetError, ValueError, TypeError) as exc:
             return refuse(f"bad sampling parameters: {exc}")
         now = time.monotonic()
@@ -203,6 +208,7 @@ class DecodeNode:
         if request is None:
             return refuse(reason)
         request.generator = _continued_generator(params, self.model.cfg.vocab_size)
+        request.prompt_ids = list(msg.prompt_ids)
         timeout = msg.timeout_s if msg.timeout_s > 0 else self.timeouts.transfer_s
         try:
             self.receiver.expect(_rendezvous(request), request.table, msg.prompt_len, now + timeout)
@@ -214,6 +220,16 @@ class DecodeNode:
                 msg.request_id, ok=True, kv_endpoint=self.receiver.endpoint, rank=self.rank
             )
         )
+
+    def _check_sampling(self, msg: Reserve) -> SamplingParams:
+        cfg = self.model.cfg
+        params = sampling_from_dict(msg.sampling)
+        params.check_vocab(cfg.vocab_size)
+        if params.uses_prompt:  # the repetition penalty reads the prompt: it must be the one
+            if len(msg.prompt_ids) != msg.prompt_len:
+                raise ValueError(f"repetition_penalty needs the {msg.prompt_len} prompt ids")
+            validate_prompt(msg.prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
+        return params
 
     def _on_transfer(self, event: TransferEvent) -> None:
         request = self.scheduler.get(event.rendezvous.request_id)
@@ -250,6 +266,7 @@ class DecodeNode:
         request = self.scheduler.get(request_id)
         if request is None:
             return
+        log.info("request %s: aborted (%s)", request_id, reason)
         if request.state == DecodeState.AWAITING_KV:
             # Take the lent pages back first; the receiver tells P to stop (kv_cancel).
             self.receiver.cancel(_rendezvous(request), reason)
@@ -275,15 +292,34 @@ class DecodeNode:
                 self.scheduler.abort(request.request_id)
                 self._error(request.request_id, "decode", f"decode forward failed: {exc}")
             return
-        tokens = sample(logits, [r.params for r in batch], [r.generator for r in batch])
+        tokens = self._sample(logits, batch)
         self.stage_times.add("decode_step", time.monotonic() - started)
         self._emit(self.scheduler.update(batch, tokens))
+
+    def _sample(self, logits: torch.Tensor, batch: list[DecodeRequest]) -> list[int]:
+        """The step's tokens. The penalties read the output counts kept by batch slot: a row is
+        set when its request joins the batch and grows by each token sampled."""
+        counts, params = self.token_counts, [r.params for r in batch]
+        joined = [r for r in batch if r.is_joining]
+        counts.start(
+            [r.slot for r in joined],
+            [r.params for r in joined],
+            [r.prompt_ids for r in joined],
+            [r.output_ids for r in joined],
+        )
+        slots = [r.slot for r in batch]
+        num_generated = [len(r.output_ids) for r in batch]
+        past = counts.past(slots, params, num_generated, [r.stop_ids for r in batch])
+        tokens = sample(logits, params, [r.generator for r in batch], past)
+        counts.add(slots, tokens)
+        return tokens
 
     def _emit(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
             self.outbox.send(Tokens(out.request_id, out.token_ids, out.finish_reason))
 
     def _error(self, request_id: str, stage: str, message: str) -> None:
+        log.warning("request %s: failed at %s: %s", request_id, stage, message)
         self.outbox.send(RequestError(request_id, stage, message))
 
     def _maybe_heartbeat(self) -> None:
@@ -325,10 +361,8 @@ def _rendezvous(request: DecodeRequest) -> Rendezvous:
 
 def _continued_generator(params: SamplingParams, vocab_size: int) -> torch.Generator | None:
     """The request's random stream as it stands after P drew the first token: seeded the same
-    way and advanced by one draw over the vocabulary (CPU multinomial of one sample consumes
-    the same amount of the stream whatever the probabilities), so seeded sampling reproduces
-    offline generation."""
+    way and advanced past one draw over the vocabulary (a draw consumes the same amount of the
+    stream whatever the probabilities), so seeded sampling reproduces offline generation."""
     generator = params.make_generator()
-    if generator is not None:
-        torch.multinomial(torch.ones(vocab_size), 1, generator=generator)
+    skip_draw(generator, vocab_size)
     return generator

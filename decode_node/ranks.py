@@ -2,12 +2,17 @@
 
 Rank 0 is the process the router knows (`python -m decode_node`): it binds the control socket,
 starts ranks 1..R-1 as child processes (`python -m decode_node.ranks ... --rank r`), and the
-ranks join a gloo group through a TCP store on a free loopback port rank 0 picked.
+ranks join a gloo group through a TCP store rank 0 serves on a free port. The store and the
+group's own sockets listen on one address, the node's `group_host` (its bound address, or its
+`host` when it binds every interface; see `rendezvous_listener`), which rank 0 passes to the
+others: torch alone would bind the store to every interface and gloo to whatever the machine's
+hostname resolves to (often 127.0.0.1).
 
 Every rank owns its own KV pool and ZmqReceiver (rank 0 at the config's `kv_port`, the others on
-free ports: `kv_port + r` could be another node's port), its own scheduler, and a PUSH socket to
-the router for its ReserveReply / Tokens / RequestError messages (they carry the request id,
-not the sender). One step, on every rank in lockstep:
+free ports: `kv_port + r` could be another node's port; all bound on `bind_host` and advertised
+at `host`), its own scheduler, and a PUSH socket to the router for its ReserveReply / Tokens /
+RequestError messages (they carry the request id, not the sender). One step, on every rank in
+lockstep:
 1. control: rank 0 drains the router's messages and broadcasts them as msgpack (protocol
    frames, no pickle), each Reserve tagged with the rank it chose (fewest context tokens in
    flight among the ranks with room for it), Aborts for every rank, and the stop flag;
@@ -48,6 +53,7 @@ from engine.protocol import Abort, Heartbeat, NodeFailed, Reserve
 log = logging.getLogger(__name__)
 
 RENDEZVOUS_TIMEOUT_S = 600.0  # ranks load their shards in parallel; the slowest must make it
+GLOO_BACKEND = "duet_gloo"  # gloo bound to the node's group_host (`_gloo_on`)
 # Per-rank stats gathered every step (int64).
 BATCH, FREE_PAGES, IN_FLIGHT, AWAITING, READY, RUNNING, KV_BYTES, DROPPED = range(8)
 NUM_STATS = 8
@@ -59,17 +65,27 @@ def collective_timeout_s(node_timeout_s: float) -> float:
 
 
 class RankGroup:
-    """The node's gloo group: tiny control collectives on top of `torch.distributed`."""
+    """The node's gloo group: tiny control collectives on top of `torch.distributed`.
 
-    def __init__(self, rank: int, world: int, host: str, port: int, timeout_s: float):
-        store = dist.TCPStore(
-            host, port, world, is_master=rank == 0,
-            timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
-        )  # fmt: skip
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )  # fmt: skip
+    `rendezvous` is, on rank 0, the listening socket of the group's store (`rendezvous_listener`;
+    the store takes it over), on the other ranks its (host, port). Every rank's gloo sockets
+    listen on that host too."""
+
+    def __init__(
+        self, rank: int, world: int, rendezvous: socket.socket | tuple[str, int], timeout_s: float
+    ):
+        wait = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+        if rank == 0:
+            (host, port), fd = rendezvous.getsockname()[:2], rendezvous.detach()
+            store = dist.TCPStore(
+                host, port, world, is_master=True, timeout=wait, master_listen_fd=fd
+            )
+        else:
+            host, port = rendezvous
+            store = dist.TCPStore(host, port, world, is_master=False, timeout=wait)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        backend = _gloo_on(host)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         self.rank, self.world = rank, world
 
     def broadcast_bytes(self, payload: bytes | None) -> bytes:
@@ -258,15 +274,34 @@ class RankDecodeNode(DecodeNode):
                 proc.wait(timeout=5)
 
 
+def _gloo_on(host: str) -> str:
+    """The name of a `torch.distributed` backend that is gloo with its sockets on `host`,
+    registered in this process. Plain "gloo" listens wherever the machine's hostname resolves
+    (127.0.0.1 on many hosts, a public address on others), and takes no address but an
+    interface name in GLOO_SOCKET_IFNAME; this one is the same ProcessGroupGloo on a device
+    made for `host`."""
+
+    def create(store, rank: int, world: int, timeout: datetime.timedelta):
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        return dist.ProcessGroupGloo(store, rank, world, options)
+
+    dist.Backend.register_backend(GLOO_BACKEND, create, devices=["cpu"])
+    return GLOO_BACKEND
+
+
 # ---- building a rank -------------------------------------------------------------------------
-def build_rank(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, rank: int, port: int,
-               inbox, outbox, children=None, security=None) -> RankDecodeNode:  # fmt: skip
-    """Joins the group, installs expert parallelism, binds this rank's KV receiver (CURVE with
-    `security`, an engine.security.CurveSecurity; plain with None)."""
+def build_rank(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, rank: int,
+               rendezvous: socket.socket | tuple[str, int], inbox, outbox, children=None,
+               security=None) -> RankDecodeNode:  # fmt: skip
+    """Joins the group (`rendezvous` as in RankGroup), installs expert parallelism, binds this
+    rank's KV receiver (CURVE with `security`, an engine.security.CurveSecurity; plain with
+    None)."""
     from kvtransfer import ZmqReceiver, make_fingerprint
 
     timeout = collective_timeout_s(cluster.timeouts.node_timeout_s)
-    group = RankGroup(rank, cfg.ranks, cfg.host, port, timeout)
+    group = RankGroup(rank, cfg.ranks, rendezvous, timeout)
     try:
         ep = ExpertParallel(model, rank, cfg.ranks)
         mcfg = model.cfg
@@ -274,8 +309,10 @@ def build_rank(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, rank: int, 
         fingerprint = make_fingerprint(
             mcfg.fingerprint(), mcfg.num_hidden_layers, mcfg.kv_row_width, model.dtype
         )
-        endpoint = cfg.kv_endpoint if rank == 0 else f"tcp://{cfg.host}:0"
-        receiver = ZmqReceiver(pool, fingerprint, endpoint, security=security)
+        endpoint = cfg.kv_bind_endpoint if rank == 0 else f"tcp://{cfg.listen_host}:0"
+        receiver = ZmqReceiver(
+            pool, fingerprint, endpoint, advertise_host=cfg.host, security=security
+        )
     except Exception:
         group.close()
         raise
@@ -293,16 +330,39 @@ def shard_of(cluster: ClusterConfig, cfg: DecodeNodeConfig, model_dir: str | Non
     return expert_shard(mcfg.n_routed_experts, rank, cfg.ranks)
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def rendezvous_listener(cfg: DecodeNodeConfig) -> socket.socket:
+    """Rank 0's listening socket for the group's store, on a free port of `cfg.group_host`.
+
+    A node that binds every interface may name in `host` an address that is not this machine's
+    (a load balancer's, a DNS name that does not resolve yet): its ranks, all on this machine,
+    then meet on 127.0.0.1 (logged). A `bind_host` that is not this machine's is a ConfigError."""
+    hosts = [cfg.group_host, *(["127.0.0.1"] if cfg.binds_every_interface else [])]
+    errors = []
+    for host in hosts:
+        sock = socket.socket()
+        try:
+            sock.bind((host, 0))
+        except OSError as exc:  # socket.gaierror too: a name that does not resolve
+            sock.close()
+            errors.append(f"{host}: {exc.strerror or exc}")
+            continue
+        if errors:
+            log.warning("the decode ranks meet on %s (cannot listen on %s)", host, errors[0])
+        sock.listen(2 * cfg.ranks)
+        return sock
+    raise ConfigError(
+        f"node {cfg.name}: the decode ranks cannot listen on {'; '.join(errors)}; set bind_host "
+        f"to this machine's address on the cluster network"
+    )
 
 
-def spawn_ranks(config: str, node: str, world: int, port: int, model_dir: str | None):
-    """Starts ranks 1..world-1 as children that get SIGTERM if this process dies."""
+def spawn_ranks(config: str, node: str, world: int, rendezvous: tuple[str, int],
+                model_dir: str | None):  # fmt: skip
+    """Starts ranks 1..world-1 as children that get SIGTERM if this process dies; they join the
+    group at rank 0's `rendezvous` (host, port)."""
+    host, port = rendezvous
     cmd = [sys.executable, "-m", "decode_node.ranks", "--config", config, "--node", node,
-           "--dist-port", str(port)]  # fmt: skip
+           "--dist-host", host, "--dist-port", str(port)]  # fmt: skip
     if model_dir:
         cmd += ["--model", model_dir]
     return [
@@ -326,7 +386,8 @@ def _die_with_parent() -> None:
 
 # ---- ranks 1..R-1 ----------------------------------------------------------------------------
 def worker_main(argv: list[str] | None = None) -> int:
-    """`python -m decode_node.ranks --config F --node N --rank R --dist-port P [--model DIR]`
+    """`python -m decode_node.ranks --config F --node N --rank R --dist-host H --dist-port P
+    [--model DIR]`
     (started by rank 0; 0 after a clean stop, 1 on failure, reported to the router)."""
     from engine.messaging import PushSocket
     from engine.node_process import load_model
@@ -336,6 +397,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True)
     p.add_argument("--node", required=True)
     p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--dist-host", required=True)
     p.add_argument("--dist-port", type=int, required=True)
     p.add_argument("--model")
     args = p.parse_args(argv)
@@ -359,8 +421,9 @@ def worker_main(argv: list[str] | None = None) -> int:
     try:
         shard = shard_of(cluster, cfg, args.model, args.rank)
         model = load_model(cluster, cfg, args.model, expert_range=shard)
+        rendezvous = (args.dist_host, args.dist_port)
         node = build_rank(
-            cluster, cfg, model, args.rank, args.dist_port, None, outbox, security=security
+            cluster, cfg, model, args.rank, rendezvous, None, outbox, security=security
         )
         log.info("rank %d ready: experts %s, KV %s", args.rank, shard, node.receiver.endpoint)
         node.run()

@@ -7,6 +7,8 @@ Admission reserves pages for the prompt plus every token the request may still g
 (clipped to the context), so an admitted request always finishes without waiting for pages.
 Requests join the running batch at every step (oldest ready first, up to `max_batch`) and
 leave it the step they finish; their pages are freed at once, as they are on abort and failure.
+A running request holds a batch slot in [0, max_batch) (the row of the node's per-slot sampling
+state, `engine.penalties.TokenCounts`), given back the same way.
 
 A request's state only moves forward: AWAITING_KV -> READY -> RUNNING -> FINISHED, and any
 state -> FAILED (sticky; abort included). While AWAITING_KV its pages are lent to the KV
@@ -44,6 +46,8 @@ class DecodeRequest:
     arrival: float
     stop_ids: frozenset[int]
     generator: Any = None  # torch.Generator for seeded/random sampling; None when greedy
+    prompt_ids: list[int] = field(default_factory=list)  # only when the sampling reads them
+    slot: int = -1  # batch slot while RUNNING
     state: DecodeState = DecodeState.AWAITING_KV
     output_ids: list[int] = field(default_factory=list)  # the first token (from P) included
     decode_deadline: float = float("inf")
@@ -55,6 +59,11 @@ class DecodeRequest:
     def next_position(self) -> int:
         """Position of the last output token, which the next decode step feeds."""
         return self.prompt_len + len(self.output_ids) - 1
+
+    @property
+    def is_joining(self) -> bool:
+        """In its first decode step: the only output so far is P's first token."""
+        return self.state == DecodeState.RUNNING and len(self.output_ids) == 1
 
     def advance(self, state: DecodeState) -> None:
         if self.state == DecodeState.FAILED or state < self.state:
@@ -79,10 +88,12 @@ class DecodeScheduler:
     eos_ids: frozenset[int]
     max_requests: int = 0  # reserved + ready + running at most; 0 = 4 * max_batch
     _requests: OrderedDict[str, DecodeRequest] = field(default_factory=OrderedDict)
+    _free_slots: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.max_requests <= 0:
             self.max_requests = 4 * self.max_batch
+        self._free_slots = list(range(self.max_batch - 1, -1, -1))
 
     # ---- queries ---------------------------------------------------------------------------
     def get(self, request_id: str) -> DecodeRequest | None:
@@ -129,9 +140,15 @@ class DecodeScheduler:
             need = -(-num_tokens // self.pool.page_size)
             free = self.pool.allocator.num_free
             return None, f"no room: needs {need} KV pages, {free} free"
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
         request = DecodeRequest(
-            request_id, room, prompt_len, params, table, num_tokens, now, frozenset(stop_ids)
+            request_id,
+            room,
+            prompt_len,
+            params,
+            table,
+            num_tokens,
+            now,
+            params.stop_ids(self.eos_ids),
         )
         self._requests[request_id] = request
         return request, ""
@@ -162,6 +179,7 @@ class DecodeScheduler:
         request = self._requests.pop(request_id, None)
         if request is not None:
             self.pool.release(request.table)
+            self._free_slot(request)
             request.error = reason
             request.state = DecodeState.FAILED
         return request
@@ -189,6 +207,7 @@ class DecodeScheduler:
                 break
             if request.state == DecodeState.READY:
                 request.advance(DecodeState.RUNNING)
+                request.slot = self._free_slots.pop()
                 batch.append(request)
         return batch
 
@@ -227,4 +246,10 @@ class DecodeScheduler:
         request.advance(DecodeState.FINISHED)
         request.finish_reason = reason
         self.pool.release(request.table)
+        self._free_slot(request)
         del self._requests[request.request_id]
+
+    def _free_slot(self, request: DecodeRequest) -> None:
+        if request.slot >= 0:
+            self._free_slots.append(request.slot)
+            request.slot = -1

@@ -17,8 +17,18 @@ def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers: {text!r}") from None
+
+
+def _parse_logit_bias(text: str) -> tuple[tuple[int, float], ...]:
+    try:
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError
+        return tuple((int(k), float(v)) for k, v in raw.items())
+    except (ValueError, TypeError):
         raise argparse.ArgumentTypeError(
-            f"--prompt-ids must be comma-separated integers: {text!r}"
+            f'--logit-bias must be a JSON object {{"token id": bias, ...}}: {text!r}'
         ) from None
 
 
@@ -33,6 +43,16 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument(
+        "--logit-bias", type=_parse_logit_bias, default=(), help='JSON: {"token id": bias, ...}'
+    )
+    p.add_argument("--stop-token-ids", type=_parse_ids, default=[], help="comma-separated ids")
+    p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--page-size", type=int, default=16)
@@ -66,6 +86,14 @@ def _run_generate(args) -> int:
         top_k=args.top_k,
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,
+        stop_token_ids=tuple(args.stop_token_ids),
+        ignore_eos=args.ignore_eos,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        min_p=args.min_p,
+        min_tokens=args.min_tokens,
+        logit_bias=args.logit_bias,
     )
     dtype = getattr(torch, args.dtype)
     model = DeepseekModel.from_pretrained(model_dir, dtype=dtype, progress=not args.json)
@@ -156,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub, "make-bench-model", "random V2-Lite-shaped checkpoint", "engine.bench_model:main"
     )
     _add_passthrough(sub, "up", "run a whole cluster on this machine", "deploy.local_cluster:main")
+    _add_passthrough(sub, "status", "every node as the router sees it", "deploy.status:main")
+    _add_passthrough(sub, "k8s", "Kubernetes manifests of a cluster", "deploy.k8s_render:main")
     return parser
 
 

@@ -3,14 +3,21 @@
     model = ""                # checkpoint dir; empty = the built-in tiny model
     dtype = "bfloat16"
     [sla]       ttft_ms = 1000, tpot_ms = 50
-    [router]    host, port (HTTP), control_port (ZeroMQ PULL for node messages), limits
+    [router]    host, bind_host, port (HTTP), control_port (ZeroMQ PULL for node messages), limits
     [timeouts]  reserve_s, prefill_queue_s, transfer_s, decode_s, heartbeat_s, node_timeout_s,
                 drain_s, lease_s
     [security]  curve_key_file (ZeroMQ CURVE on every inter-node socket), insecure,
                 api_key_file / api_keys (HTTP Bearer keys), metrics_need_key
-    [[prefill]] name, host, control_port, threads, page_size, chunk_size, replicas, device
-    [[decode]]  name, host, control_port, kv_port, threads, page_size, num_pages, max_batch,
-                ranks, replicas, device
+    [[prefill]] name, host, bind_host, control_port, threads, page_size, chunk_size, replicas,
+                device
+    [[decode]]  name, host, bind_host, control_port, kv_port, threads, page_size, num_pages,
+                max_batch, ranks, replicas, device
+
+Addresses: `host` is where the other roles (and, for the router, HTTP clients) reach a role; it
+is the address in every endpoint the role names, e.g. a decode node's `kv_endpoint`. `bind_host`
+is what its sockets bind: empty (the default) means `host`, "0.0.0.0" every interface. So a role
+behind an address it does not own (NAT), or one listening on every interface, sets both; `host`
+itself is never a wildcard.
 
 The xPyD ratio is the number of [[prefill]] and [[decode]] entries after `replicas` expansion
 (replica i of "p" is named "p-i" and takes ports + i). Everything is validated here, once.
@@ -19,6 +26,7 @@ The xPyD ratio is the number of [[prefill]] and [[decode]] entries after `replic
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +37,36 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
+
+
+WILDCARD_HOSTS = ("0.0.0.0",)  # binds every interface; never an address to connect to
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.\-_]*")  # a host name or an IPv4 address
+
+
+class _Addresses:
+    """`host` (what peers connect to) and `bind_host` (what the sockets bind, "" = `host`) of a
+    role; the endpoints built from them."""
+
+    host: str
+    bind_host: str
+    control_port: int
+
+    @property
+    def listen_host(self) -> str:
+        return self.bind_host or self.host
+
+    @property
+    def binds_every_interface(self) -> bool:
+        return self.listen_host in WILDCARD_HOSTS
+
+    @property
+    def control_endpoint(self) -> str:
+        """Where peers send this role's control messages."""
+        return f"tcp://{self.host}:{self.control_port}"
+
+    @property
+    def control_bind_endpoint(self) -> str:
+        return f"tcp://{self.listen_host}:{self.control_port}"
 
 
 @dataclass(frozen=True)
@@ -50,8 +88,9 @@ class TimeoutConfig:
 
 
 @dataclass(frozen=True)
-class RouterConfig:
-    host: str = "127.0.0.1"
+class RouterConfig(_Addresses):
+    host: str = "127.0.0.1"  # nodes connect here, HTTP clients too (the URL's host)
+    bind_host: str = ""  # HTTP and the control socket bind this; "" = host, "0.0.0.0" = all
     port: int = 8000
     control_port: int = 7000
     max_queued_requests: int = 512  # beyond this many unfinished requests: 503
@@ -61,15 +100,12 @@ class RouterConfig:
     max_concurrent_per_key: int = 0  # 0: unlimited; more unfinished requests per key get 429
     max_migrations: int = 2  # a request moves to another node pair at most this often
 
-    @property
-    def control_endpoint(self) -> str:
-        return f"tcp://{self.host}:{self.control_port}"
-
 
 @dataclass(frozen=True)
-class PrefillNodeConfig:
+class PrefillNodeConfig(_Addresses):
     name: str
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the router connects here
+    bind_host: str = ""  # the control socket binds this; "" = host, "0.0.0.0" = all
     control_port: int = 7100
     device: str = "cpu"
     threads: int = 1
@@ -78,15 +114,12 @@ class PrefillNodeConfig:
     num_pages: int = 4096
     max_batch_tokens: int = 512  # token budget of one prefill forward (chunks of several requests)
 
-    @property
-    def control_endpoint(self) -> str:
-        return f"tcp://{self.host}:{self.control_port}"
-
 
 @dataclass(frozen=True)
-class DecodeNodeConfig:
+class DecodeNodeConfig(_Addresses):
     name: str
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the router and the prefill nodes (KV) connect here
+    bind_host: str = ""  # control and every rank's KV socket bind this; "" = host, "0.0.0.0" = all
     control_port: int = 7200
     kv_port: int = 7300
     device: str = "cpu"
@@ -97,12 +130,20 @@ class DecodeNodeConfig:
     ranks: int = 1
 
     @property
-    def control_endpoint(self) -> str:
-        return f"tcp://{self.host}:{self.control_port}"
+    def kv_endpoint(self) -> str:
+        """Rank 0's KV receiver as the prefill nodes reach it (in NodeReady and ReserveReply)."""
+        return f"tcp://{self.host}:{self.kv_port}"
 
     @property
-    def kv_endpoint(self) -> str:
-        return f"tcp://{self.host}:{self.kv_port}"
+    def kv_bind_endpoint(self) -> str:
+        return f"tcp://{self.listen_host}:{self.kv_port}"
+
+    @property
+    def group_host(self) -> str:
+        """Where the ranks' gloo group listens (ranks > 1; all ranks share one machine): the
+        bound address, or `host` when the node binds every interface (127.0.0.1 if `host` turns
+        out not to be this machine's: `decode_node.ranks.rendezvous_listener`)."""
+        return self.host if self.binds_every_interface else self.listen_host
 
 
 @dataclass(frozen=True)
@@ -242,6 +283,9 @@ def _validate(cfg: ClusterConfig) -> None:
     names = [n.name for n in (*cfg.prefill, *cfg.decode)]
     if len(set(names)) != len(names):
         raise ConfigError(f"node names must be unique, got {names}")
+    _check_addresses("[router]", cfg.router)
+    for node in (*cfg.prefill, *cfg.decode):
+        _check_addresses(f"node {node.name}", node)
     endpoints = [(cfg.router.host, cfg.router.port), (cfg.router.host, cfg.router.control_port)]
     for node in cfg.prefill:
         endpoints.append((node.host, node.control_port))
@@ -275,3 +319,18 @@ def _validate(cfg: ClusterConfig) -> None:
         raise ConfigError("[timeouts] node_timeout_s and lease_s must exceed heartbeat_s")
     if cfg.sla.ttft_ms <= 0 or cfg.sla.tpot_ms <= 0:
         raise ConfigError("[sla] ttft_ms and tpot_ms must be positive")
+
+
+def _check_addresses(where: str, role: _Addresses) -> None:
+    for key, value in (("host", role.host), ("bind_host", role.bind_host or role.host)):
+        if not _HOST.fullmatch(value):  # IPv6 too: the ZeroMQ sockets are IPv4 only
+            raise ConfigError(
+                f"{where}: {key} must be a host name or an IPv4 address (no scheme, port or "
+                f'IPv6; "0.0.0.0" binds every interface), got {value!r}'
+            )
+    if role.host in WILDCARD_HOSTS:
+        raise ConfigError(
+            f"{where}: host = {role.host!r} is the address the other roles connect to, so it "
+            f'cannot be a wildcard; to listen on every interface set bind_host = "0.0.0.0" and '
+            f"host to the address they reach this machine at"
+        )

@@ -11,6 +11,7 @@ from engine.batch import ForwardBatch
 from engine.errors import InvalidRequestError
 from engine.kv_pool import PageTable
 from engine.model import DeepseekModel
+from engine.penalties import PastTokens, TokenCounts
 from engine.sampling import SamplingParams, sample
 
 
@@ -63,19 +64,26 @@ class OfflineGenerator:
         return self.model.forward(batch, self.pool)[0]
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        """The first token as the prefill node samples it (the prompt is all its past), the
+        rest as the decode node does (output counts kept in a one-slot TokenCounts)."""
         cfg = self.model.cfg
         validate_prompt(prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
-        stop_ids = set(params.stop_token_ids) | (
-            set() if params.ignore_eos else set(cfg.eos_token_id)
-        )
+        params.check_vocab(cfg.vocab_size)
+        stop_ids = params.stop_ids(cfg.eos_token_id)
         generator = params.make_generator()
+        counts = TokenCounts(1, cfg.vocab_size)
         table = self.pool.new_table()
         try:
             logits = self.prefill(table, prompt_ids)
+            past = PastTokens.of_prompts([prompt_ids], [params], cfg.eos_token_id, cfg.vocab_size)
             tokens: list[int] = []
             while True:
-                token = sample(logits[None], [params], [generator])[0]
+                token = sample(logits[None], [params], [generator], past)[0]
                 tokens.append(token)
+                if len(tokens) == 1:
+                    counts.start([0], [params], [prompt_ids], [tokens])
+                else:
+                    counts.add([0], [token])
                 if token in stop_ids:
                     return GenerationResult(prompt_ids, tokens, "stop")
                 position = len(prompt_ids) + len(tokens) - 1
@@ -85,5 +93,6 @@ class OfflineGenerator:
                 ):
                     return GenerationResult(prompt_ids, tokens, "length")
                 logits = self.decode(table, token, position)
+                past = counts.past([0], [params], [len(tokens)], [stop_ids])
         finally:
             self.pool.release(table)

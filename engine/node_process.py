@@ -79,7 +79,7 @@ def run_node_process(
     router = PushSocket(cluster.router.control_endpoint, security=security)
     inbox = None
     try:
-        inbox = PullSocket(cfg.control_endpoint, bind=True, security=security)
+        inbox = PullSocket(cfg.control_bind_endpoint, bind=True, security=security)
         node = build(cluster, cfg, load(cluster, cfg, args.model), inbox, router, security)
     except KeyboardInterrupt:
         _close(router, inbox)

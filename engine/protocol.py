@@ -88,6 +88,8 @@ class Reserve:
     prompt_len: int
     sampling: dict[str, Any]  # SamplingParams fields
     timeout_s: float
+    # The prompt's ids, only when the sampling reads them (repetition_penalty); else empty.
+    prompt_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,7 @@ MESSAGE_TYPES: dict[str, type] = {
 def sampling_to_dict(params: SamplingParams) -> dict[str, Any]:
     out = dataclasses.asdict(params)
     out["stop_token_ids"] = list(params.stop_token_ids)
+    out["logit_bias"] = [[token, bias] for token, bias in params.logit_bias]
     return out
 
 
@@ -196,7 +199,19 @@ def sampling_from_dict(raw: dict[str, Any]) -> SamplingParams:
         raise ProtocolError(f"unknown sampling fields {sorted(unknown)}")
     raw = dict(raw)
     raw["stop_token_ids"] = tuple(raw.get("stop_token_ids", ()))
+    raw["logit_bias"] = tuple(_bias_pair(pair) for pair in raw.get("logit_bias", ()))
     return SamplingParams(**raw)
+
+
+def _bias_pair(pair: Any) -> tuple[int, float]:
+    if (
+        not isinstance(pair, list)
+        or len(pair) != 2
+        or not _type_ok(pair[0], int)
+        or not _type_ok(pair[1], float)
+    ):
+        raise ProtocolError("logit_bias must be a list of [token id, bias] pairs")
+    return pair[0], float(pair[1])
 
 
 def encode(msg: Any) -> bytes:

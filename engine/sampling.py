@@ -1,17 +1,29 @@
-"""Sampling parameters and the batched sampler (greedy, temperature, top-k, top-p, seeds)."""
+"""Sampling parameters and the batched sampler.
+
+One step's rows go through, as vLLM orders it: logit_bias and min_tokens, then the penalties
+(`engine.penalties`); greedy rows take the argmax there, the others divide by their temperature,
+keep their top-k, top-p and min-p tokens and draw from their own random stream.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.penalties import PastTokens, process_logits
+
+MAX_PENALTY = 2.0  # presence and frequency penalties, as OpenAI bounds them
+MAX_BIAS = 100.0  # logit_bias values, as OpenAI bounds them
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling; temperature 0 means greedy. Defaults follow the OpenAI API."""
+    """Per-request sampling; temperature 0 means greedy. Defaults follow the OpenAI API and mean
+    "off" for vLLM's extensions (top_k, min_p, repetition_penalty, min_tokens)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -20,6 +32,12 @@ class SamplingParams:
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # logit -= presence * (token in the output)
+    frequency_penalty: float = 0.0  # logit -= frequency * (times the token is in the output)
+    repetition_penalty: float = 1.0  # over prompt and output: logit / p if logit > 0 else * p
+    min_p: float = 0.0  # drop tokens whose probability < min_p * the largest one
+    min_tokens: int = 0  # the stop tokens (EOS included unless ignore_eos) wait for this many
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
@@ -32,10 +50,58 @@ class SamplingParams:
             raise InvalidRequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequestError(f"seed must be in [0, 2^63), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}")
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise InvalidRequestError(
+                f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}"
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be in [0, max_tokens = {self.max_new_tokens}], "
+                f"got {self.min_tokens}"
+            )
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise InvalidRequestError(f"logit_bias: token id {token} is negative")
+            if not -MAX_BIAS <= bias <= MAX_BIAS:
+                raise InvalidRequestError(
+                    f"logit_bias: the bias of token {token} must be in [-100, 100], got {bias}"
+                )
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Reads the output token counts (and the prompt, for the repetition penalty)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def uses_prompt(self) -> bool:
+        """The sampling node must know the prompt's token ids (repetition_penalty)."""
+        return self.repetition_penalty != 1.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """InvalidRequestError for a logit_bias token outside [0, vocab_size)."""
+        bad = [token for token, _ in self.logit_bias if token >= vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+            )
+
+    def stop_ids(self, eos_ids: Iterable[int]) -> frozenset[int]:
+        """The tokens that end the request (and that min_tokens holds back)."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else set(eos_ids))
 
     def make_generator(self) -> torch.Generator | None:
         """The request's own random stream: a fixed seed gives the same tokens in any batch."""
@@ -46,34 +112,83 @@ class SamplingParams:
         return gen
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """logits: [V] (already divided by temperature) -> logits with excluded tokens at -inf."""
-    if 0 < top_k < logits.shape[0]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        remove = probs.cumsum(-1) - probs >= top_p
-        logits = logits.clone()
-        logits[order[remove]] = float("-inf")
-    return logits
+def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each random row draws from: logits [R, V] -> probs [R, V] (not
+    renormalized; excluded tokens at 0) after temperature, top-k, top-p, then min-p."""
+    vocab_size = logits.shape[1]
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)  # [R]
+    logits = logits / temperature[:, None]  # a new tensor: filter_probs never writes its input
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    if any(k < vocab_size for k in top_k) or any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)  # [R]
+        logits = _top_k_top_p(logits, torch.tensor(top_k), top_p)
+    probs = logits.softmax(-1)  # [R, V]
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)  # [R]
+        # Ratios to the top token do not change when top-k/top-p renormalize: no second softmax.
+        threshold = min_p[:, None] * probs.amax(-1, keepdim=True)  # [R, 1]
+        # keep = 1 where probs >= threshold, else 0, in the scaled logits' memory (no longer
+        # needed): arithmetic in place is several times faster on CPU than a bool mask over
+        # [R, V] (torch.where, masked_fill) and a fresh tensor.
+        keep = torch.sub(probs, threshold, out=logits).sign_().add_(1.0).clamp_(max=1.0)
+        probs.mul_(keep)
+    return probs
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits [R, V]; top_k [R] (V = no limit), top_p [R] (1 = no limit) -> logits with the
+    excluded tokens at -inf. Top-k keeps ties with the k-th logit; top-p then keeps the smallest
+    prefix (by logit) whose mass reaches top_p, the first token always."""
+    sorted_logits, order = logits.sort(-1, descending=True)  # [R, V]
+    kth = sorted_logits.gather(-1, (top_k - 1)[:, None])  # [R, 1]
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    remove = (probs.cumsum(-1) - probs >= top_p[:, None]) & (top_p < 1.0)[:, None]  # [R, V]
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    past: PastTokens | None = None,
 ) -> list[int]:
-    """logits: [B, V] fp32 -> one token id per row."""
-    greedy_ids = logits.argmax(-1).tolist()
-    out = []
-    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if p.is_greedy:
-            out.append(greedy_ids[row])
-            continue
-        scaled = _filter_top_k_top_p(logits[row].float() / p.temperature, p.top_k, p.top_p)
-        probs = scaled.softmax(-1)
-        out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
-    return out
+    """logits: [B, V] fp32 -> one token id per row.
+
+    `past` (rows aligned with `logits`) is what the penalties and min_tokens read; it may be
+    None when no row uses them. The math is tensor ops over all rows at once; only the random
+    numbers are drawn row by row, since each row has its own generator (its seed's stream)."""
+    logits = process_logits(logits.float(), params, past)  # [B, V]
+    out = torch.empty(len(params), dtype=torch.long)
+    greedy = [i for i, p in enumerate(params) if p.is_greedy]
+    if greedy:
+        out[greedy] = _take_rows(logits, greedy).argmax(-1)
+    rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if rows:
+        probs = filter_probs(_take_rows(logits, rows), [params[i] for i in rows])  # [R, V]
+        out[rows] = draw(probs, [generators[i] for i in rows])
+    return out.tolist()
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """probs [R, V] (unnormalized, >= 0) -> [R] token ids, row r drawn with probability
+    proportional to probs[r] from generators[r]: the exponential race argmax(p / E), E ~ Exp(1)
+    per token, which is also how torch.multinomial draws one sample (the same tokens from the
+    same stream), without its per-call checks. Each row consumes V draws of its stream, whatever
+    its probabilities (`skip_draw`)."""
+    race = torch.empty_like(probs)
+    for row, generator in enumerate(generators):
+        race[row].exponential_(generator=generator)
+    return torch.div(probs, race, out=race).argmax(-1)
+
+
+def skip_draw(generator: torch.Generator | None, vocab_size: int) -> None:
+    """Advances `generator` past one `draw` over `vocab_size` tokens (the decode node continues
+    the stream the prefill node drew the first token from)."""
+    if generator is not None:
+        torch.empty(vocab_size).exponential_(generator=generator)
+
+
+def _take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    return t if len(rows) == t.shape[0] else t[rows]

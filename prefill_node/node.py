@@ -25,6 +25,7 @@ from engine.generate import validate_prompt
 from engine.lease import RouterLease
 from engine.messaging import Inbox, Outbox, StageTimes
 from engine.model import DeepseekModel
+from engine.penalties import PastTokens
 from engine.protocol import (
     Abort,
     FirstToken,
@@ -39,6 +40,7 @@ from engine.protocol import (
     sampling_from_dict,
 )
 from engine.sampling import sample
+from engine.version import package_version
 from kvtransfer import KVSender, KVTransferError, Rendezvous, make_fingerprint
 from prefill_node.kv_senders import SenderPool
 from prefill_node.scheduler import Chunk, PrefillRequest, PrefillScheduler, PrefillState
@@ -90,6 +92,7 @@ class PrefillNode:
             "dtype": self.fingerprint["dtype"],
             "num_pages": self.pool.num_pages,
             "page_size": self.pool.page_size,
+            "version": package_version(),
         }
 
     def begin_drain(self) -> None:
@@ -152,6 +155,7 @@ class PrefillNode:
         elif isinstance(msg, Abort):
             request = self.scheduler.abort(msg.request_id, f"aborted: {msg.reason}")
             if request is not None:
+                log.info("request %s: aborted by the router (%s)", msg.request_id, msg.reason)
                 self._abort_peer(request, f"aborted by the router: {msg.reason}")
         elif isinstance(msg, RouterPing):
             if self.lease.renew(msg.router_id, msg.lease_s, time.monotonic()):
@@ -178,6 +182,7 @@ class PrefillNode:
         if self.scheduler.requests:
             log.warning("aborting %d requests: %s", len(self.scheduler.requests), reason)
         for request in list(self.scheduler.requests):
+            log.info("request %s: aborted (%s)", request.request_id, reason)
             self.scheduler.abort(request.request_id, reason)
             self._abort_peer(request, reason)
 
@@ -185,6 +190,7 @@ class PrefillNode:
         cfg = self.model.cfg
         try:
             params = sampling_from_dict(msg.sampling)
+            params.check_vocab(cfg.vocab_size)
             validate_prompt(msg.token_ids, cfg.vocab_size, cfg.max_position_embeddings)
             if not msg.kv_endpoint:
                 raise ProtocolError("the Prefill message names no kv_endpoint")
@@ -232,7 +238,11 @@ class PrefillNode:
         finished = self.scheduler.update(chunks)
         if finished:
             rows = logits[[row_of[id(r)] for r in finished]]
-            tokens = sample(rows, [r.params for r in finished], [r.generator for r in finished])
+            params, cfg = [r.params for r in finished], self.model.cfg
+            past = PastTokens.of_prompts(
+                [r.token_ids for r in finished], params, cfg.eos_token_id, cfg.vocab_size
+            )
+            tokens = sample(rows, params, [r.generator for r in finished], past)
             for request, token in zip(finished, tokens, strict=True):
                 self._finish(request, token)
 
@@ -281,6 +291,7 @@ class PrefillNode:
 
     def _fail(self, request: PrefillRequest, stage: str, message: str) -> None:
         """Frees the request (if still held), tells D to drop it and the router why."""
+        log.warning("request %s: failed at %s: %s", request.request_id, stage, message)
         self.scheduler.abort(request.request_id, message)
         self._abort_peer(request, message)
         self.outbox.send(RequestError(request.request_id, stage, message))

@@ -1,8 +1,9 @@
-"""`python -m router --config FILE [--model DIR] [--host H] [--port P]`: the HTTP gateway.
+"""`python -m router --config FILE [--model DIR] [--port P] [--log-level L]`: the HTTP gateway.
 
 Reads the cluster config (the same file every node reads), loads the tokenizer and the model's
 config.json (no weights), binds the control socket the nodes report to (CURVE with the cluster
-keys of [security], see engine.security), and serves HTTP until SIGINT/SIGTERM.
+keys of [security], see engine.security), and serves HTTP until SIGINT/SIGTERM (a graceful
+shutdown, then exit status 0).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from engine.errors import DuetError
 
 
 def build_app(cfg, model_dir: str | None = None, security=None):
-    """The FastAPI app for a `ClusterConfig`, and the (host, port) it should listen on.
+    """The FastAPI app for a `ClusterConfig`, and the (host, port) it should listen on (the
+    router's `bind_host`, else its `host`).
     `security` (an engine.security.CurveSecurity) makes the node sockets CURVE; None: plain."""
     from engine.config import ModelConfig
     from engine.tiny_model import ensure_tiny_model
@@ -41,7 +43,7 @@ def build_app(cfg, model_dir: str | None = None, security=None):
         vocab_size=model_cfg.vocab_size,
         max_positions=model_cfg.max_position_embeddings,
     )
-    return create_app(router, tokenizer, info), (cfg.router.host, cfg.router.port)
+    return create_app(router, tokenizer, info), (cfg.router.listen_host, cfg.router.port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s router %(levelname)s %(message)s"
     )
+    from router import request_log
+
+    request_log.configure()  # one bare JSON line per request end
     import dataclasses
 
     from engine.cluster_config import ClusterConfig
@@ -82,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(
         app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
     )
-    Server(config).run()
+    try:
+        Server(config).run()
+    except KeyboardInterrupt:  # uvicorn re-raises SIGINT once it has shut down: a clean stop
+        pass
     return 0
 
 

@@ -1,22 +1,28 @@
 """OpenAI request bodies (strict pydantic models) and OpenAI-style error responses.
 
-Bodies are validated strictly: a wrong type or an unknown field is a 422 (a misspelt
-`max_token` silently ignored would matter); a well-formed request the server cannot honour
-(n > 1, max_tokens out of range, a prompt longer than the context) is a 400. Both carry
-`{"error": {"message", "type", "param", "code"}}`.
+Known fields are validated strictly: a wrong type is a 422, and so is an unknown field inside a
+nested object (a message, `stream_options`). An unknown top-level field is ignored, as vLLM
+ignores it, and named in the `x-duet-ignored-fields` response header, unless ignoring it would
+change the result (`router.unknown_fields`): that is a 400, like a well-formed request the
+server cannot honour (n > 1, max_tokens out of range, a prompt longer than the context). All
+carry `{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
+from router.unknown_fields import CHAT, GENERATION_KINDS, PROMPT, ignored_fields_headers, refusal
+
+log = logging.getLogger("router")
 
 MAX_STOP_STRINGS = 4
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest a few levels; deeper is an attack, not a request
@@ -40,6 +46,7 @@ class ApiError(Exception):
         self.param = None if param is None else _text(param, 200)
         self.code = code
         self.retry_after = retry_after
+        self.headers: dict[str, str] = {}  # more response headers (the ignored fields)
 
     @property
     def type(self) -> str:
@@ -64,12 +71,18 @@ class ApiError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        headers = dict(self.headers)
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+    # Kinds of unknown top-level fields refused rather than ignored (router.unknown_fields).
+    refused_kinds: ClassVar[frozenset[str]] = frozenset()
+    # What a union field must be: its 422 says so, not which member failed first.
+    type_hints: ClassVar[dict[str, str]] = {}
 
 
 class StreamOptions(_Strict):
@@ -78,7 +91,10 @@ class StreamOptions(_Strict):
 
 
 class _SamplingFields(_Strict):
-    """Fields shared by both endpoints. The last three are extensions (vLLM's names)."""
+    """Fields shared by both endpoints. The last six are extensions (vLLM's names)."""
+
+    refused_kinds = GENERATION_KINDS
+    type_hints = {"stop": "a string or a list of strings"}
 
     model: str | None = None
     max_tokens: int | None = None
@@ -96,11 +112,21 @@ class _SamplingFields(_Strict):
     user: str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str]
+    """`prompt`: a text, token ids, or a batch of either (each prompt its own choice)."""
+
+    type_hints = {
+        **_SamplingFields.type_hints,
+        "prompt": "a string, a list of token ids, a list of strings or a list of token-id lists",
+    }
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # the OpenAI default for completions
+    add_special_tokens: bool = True  # vLLM's: bos first (when the tokenizer adds one)
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -129,7 +155,10 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    refused_kinds = GENERATION_KINDS | {CHAT}
+
     messages: list[ChatMessage] = Field(min_length=1)
+    add_special_tokens: bool = False  # vLLM's: the template writes its own bos
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -138,23 +167,89 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
 
 
-def parse_body(raw: bytes, model: type[_Strict]) -> Any:
-    """JSON bytes -> validated request model; ApiError 400 (not JSON) or 422 (bad fields)."""
+class TokenizeCompletionRequest(_Strict):
+    """vLLM's `POST /tokenize` of a raw prompt."""
+
+    refused_kinds = frozenset({PROMPT})
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    """vLLM's `POST /tokenize` of a chat: the ids `/v1/chat/completions` would prefill."""
+
+    refused_kinds = frozenset({PROMPT, CHAT})
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's `POST /detokenize`."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_body(raw: bytes, model: type[_Strict]) -> tuple[Any, list[str]]:
+    """JSON bytes -> (validated request model, names of the unknown top-level fields ignored);
+    ApiError 400 (not JSON, or an unknown field that cannot be ignored) or 422 (bad fields).
+    Every error raised after the unknown fields are known carries their header too."""
+    return validate_body(load_object(raw), model)
+
+
+def parse_tokenize_body(raw: bytes) -> tuple[TokenizeCompletionRequest | TokenizeChatRequest, list]:
+    """A `/tokenize` body: a chat when it has `messages`, else a raw prompt."""
+    data = load_object(raw)
+    model = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
+    return validate_body(data, model)
+
+
+def load_object(raw: bytes) -> dict[str, Any]:
     data = load_json(raw)
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    return data
+
+
+def validate_body(data: dict[str, Any], model: type[_Strict]) -> tuple[Any, list[str]]:
+    known = {name for name in data if name in model.model_fields}
+    ignored = [name for name in data if name not in known]
+    headers = ignored_fields_headers(ignored)
+    if ignored:
+        log.debug("ignored unknown request fields: %s", ", ".join(map(repr, ignored[:50])))
+    for name in ignored:
+        why = refusal(name, data[name], model.refused_kinds)
+        if why is not None:
+            raise _with_headers(ApiError(400, why, param=name, code="unsupported"), headers)
     try:
-        return model.model_validate(data)
+        body = model.model_validate({name: data[name] for name in known})
     except ValidationError as exc:
         err = exc.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) or None
-        if err["type"] == "extra_forbidden":
+        hint = model.type_hints.get(err["loc"][0]) if err["loc"] else None
+        if hint is not None and err["type"] != "missing":
+            param, message = str(err["loc"][0]), f"{err['loc'][0]}: must be {hint}"
+        elif err["type"] == "extra_forbidden":
             message = f"unknown field '{param}'"
         elif err["type"] == "missing":
             message = f"missing required field '{param}'"
         else:
             message = f"{param}: {err['msg']}"
-        raise ApiError(422, message, param=param, code="invalid_type") from None
+        error = ApiError(422, message, param=param, code="invalid_type")
+        raise _with_headers(error, headers) from None
+    return body, ignored
+
+
+def _with_headers(error: ApiError, headers: dict[str, str]) -> ApiError:
+    error.headers.update(headers)
+    return error
 
 
 def load_json(raw: bytes) -> Any:
@@ -233,10 +328,6 @@ def check_common(body: _SamplingFields) -> None:
     """Values the schema accepts but this server does not support: 400."""
     if body.n != 1:
         raise _unsupported("n", "only n=1 is supported")
-    if body.presence_penalty != 0.0 or body.frequency_penalty != 0.0:
-        raise _unsupported("presence_penalty", "penalties are not supported")
-    if body.logit_bias:
-        raise _unsupported("logit_bias", "logit_bias is not supported")
     if isinstance(body, CompletionRequest):
         if body.echo:
             raise _unsupported("echo", "echo is not supported")
@@ -270,11 +361,14 @@ def sampling_params(
     prompt_len: int,
     max_positions: int,
     max_tokens_limit: int,
+    vocab_size: int,
 ) -> SamplingParams:
     """The request's SamplingParams; `max_tokens` None means "up to the context end".
 
     max_tokens must be in [1, max_tokens_limit]; it is then clipped to the room left in the
-    context (the request ends with finish_reason "length" there, as the nodes do).
+    context (the request ends with finish_reason "length" there, as the nodes do), and so is
+    min_tokens, which must not exceed max_tokens. logit_bias keys must be token ids in
+    [0, vocab_size).
     """
     room = max_positions - prompt_len
     if max_tokens is None:
@@ -295,15 +389,46 @@ def sampling_params(
             param="stop_token_ids",
             code="invalid_value",
         )
+    if body.min_tokens > max_tokens:
+        raise ApiError(
+            400, f"min_tokens must be at most max_tokens ({max_tokens}), got {body.min_tokens}",
+            param="min_tokens", code="invalid_value",
+        )  # fmt: skip
+    max_new_tokens = max(1, min(max_tokens, room))
     try:
-        return SamplingParams(
+        params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=-1 if body.top_k is None else body.top_k,
             seed=body.seed,
-            max_new_tokens=max(1, min(max_tokens, room)),
+            max_new_tokens=max_new_tokens,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            min_p=0.0 if body.min_p is None else body.min_p,
+            min_tokens=min(body.min_tokens, max_new_tokens),
+            logit_bias=_logit_bias(body.logit_bias or {}, vocab_size),
         )
+        params.check_vocab(vocab_size)
     except InvalidRequestError as exc:
-        raise ApiError(400, str(exc), code="invalid_value") from None
+        name = str(exc).split(" ", 1)[0].rstrip(":")  # the messages start with the field
+        param = name if name in _SamplingFields.model_fields else None
+        raise ApiError(400, str(exc), param=param, code="invalid_value") from None
+    return params
+
+
+def _logit_bias(raw: dict[str, float], vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} -> (id, bias) pairs; the values are checked by
+    SamplingParams."""
+    pairs = []
+    for key, bias in raw.items():
+        if not (key.isascii() and key.isdigit()):
+            raise ApiError(
+                400, f"logit_bias: the key {key!r} is not a token id (a decimal integer)",
+                param="logit_bias", code="invalid_value",
+            )  # fmt: skip
+        # A key longer than any id is outside the vocabulary (and int() of it could be slow).
+        pairs.append((int(key) if len(key) <= 12 else vocab_size, bias))
+    return tuple(pairs)

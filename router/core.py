@@ -43,6 +43,7 @@ from router.metrics import RouterMetrics
 from router.nodes import NodeRegistry, NodeState, NodeStatus
 from router.policy import LeastLoadedPolicy, PairingPolicy
 from router.recovery import STAGE_OF_STATE, NodeLossRecovery
+from router.request_log import log_request_end
 from router.state import ErrorEvent, RequestState, RouterError, RouterRequest, TokenEvent
 from router.transport import RouterTransport
 
@@ -94,7 +95,8 @@ class Router(NodeLossRecovery):
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         endpoints = {n.name: n.control_endpoint for n in self.nodes.nodes.values()}
-        self.transport = RouterTransport(self.cfg.router.control_endpoint, endpoints, self.security)
+        bind = self.cfg.router.control_bind_endpoint  # nodes connect to control_endpoint
+        self.transport = RouterTransport(bind, endpoints, self.security)
         self._tasks = [
             asyncio.create_task(self._recv_loop(), name="router-recv"),
             asyncio.create_task(self._watchdog_loop(), name="router-watchdog"),
@@ -148,6 +150,8 @@ class Router(NodeLossRecovery):
         stop_ids = frozenset(sampling.stop_token_ids) | (
             frozenset() if sampling.ignore_eos else self.eos_ids
         )
+        if request_id in self.requests:  # a client-chosen id (x-request-id) still running
+            raise RouterError(400, f"request id {request_id!r} is in use", "duplicate_request_id")
         req = RouterRequest(request_id, secrets.randbits(63), prompt_ids, sampling, stop_ids)
         self.requests[req.wire_id] = req
         req.advance(RequestState.RESERVING)
@@ -231,9 +235,11 @@ class Router(NodeLossRecovery):
         fails the request (stage reserve) rather than trying another, so a late reply can never
         be mistaken for the next node's."""
         self.nodes.hold_decode(req, node, node.pages_for(num_tokens))
+        sampling = req.attempt_sampling
         msg = Reserve(
-            req.wire_id, req.room, len(req.attempt_prompt_ids),
-            sampling_to_dict(req.attempt_sampling), timeout_s=self.t.transfer_s,
+            req.wire_id, req.room, len(req.attempt_prompt_ids), sampling_to_dict(sampling),
+            timeout_s=self.t.transfer_s,
+            prompt_ids=list(req.attempt_prompt_ids) if sampling.uses_prompt else [],
         )  # fmt: skip
         waiter = asyncio.get_running_loop().create_future()
         self._reserve_waiters[req.wire_id] = waiter
@@ -431,6 +437,7 @@ class Router(NodeLossRecovery):
         req.advance(RequestState.FAILED)
         req.error = ErrorEvent("admission", message)
         self._forget(req)
+        log_request_end(req, "rejected")
         raise RouterError(503, message, code, RETRY_AFTER_S)
 
     def _abort_on_nodes(self, req: RouterRequest, reason: str) -> None:
@@ -448,6 +455,7 @@ class Router(NodeLossRecovery):
         """Terminal bookkeeping: free the load estimates, count the outcome, record latencies."""
         self._forget(req)
         self.metrics.requests.labels(outcome).inc()
+        log_request_end(req, outcome)
         if outcome == "finished" and req.timings.first_token:
             t = req.timings
             self.metrics.observe_finished(

@@ -117,9 +117,13 @@ class RouterRequest:
 
     @property
     def attempt_sampling(self) -> SamplingParams:
-        """The sampling of the current attempt: only the tokens still to come."""
-        remaining = self.sampling.max_new_tokens - self.num_output_tokens
-        return dataclasses.replace(self.sampling, max_new_tokens=max(1, remaining))
+        """The sampling of the current attempt: only the tokens still to come. (The tokens
+        already streamed are prompt to it: the repetition penalty still sees them, the presence
+        and frequency penalties no longer do.)"""
+        done = self.num_output_tokens
+        remaining = max(1, self.sampling.max_new_tokens - done)
+        min_tokens = min(remaining, max(0, self.sampling.min_tokens - done))
+        return dataclasses.replace(self.sampling, max_new_tokens=remaining, min_tokens=min_tokens)
 
     def restart(self, room: int) -> None:
         """Starts a new attempt (RESERVING, nodes unassigned). Only for a request that is not

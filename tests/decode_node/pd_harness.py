@@ -85,9 +85,12 @@ class Pair:
         self._rooms = iter(range(1000, 10**6))
 
     # ---- the router's moves ------------------------------------------------------------------
-    def reserve(self, rid: str, prompt_len: int, params: SamplingParams, timeout_s=5.0):
+    def reserve(self, rid: str, prompt_len: int, params: SamplingParams, timeout_s=5.0, prompt=()):
+        """`prompt`: its ids, sent as the router sends them (when the sampling reads them)."""
         room = next(self._rooms)
-        self.d_in.put(Reserve(rid, room, prompt_len, sampling_to_dict(params), timeout_s))
+        prompt_ids = list(prompt) if params.uses_prompt else []
+        sampling = sampling_to_dict(params)
+        self.d_in.put(Reserve(rid, room, prompt_len, sampling, timeout_s, prompt_ids))
         self.decode.step()
         (reply,) = self.d_out.take(ReserveReply)
         self.seen.setdefault(rid, Seen())
@@ -98,7 +101,7 @@ class Pair:
     ) -> ReserveReply:
         """Reserve on D (KV due within `timeout_s`), then (if admitted) prefill on P, as the
         router does."""
-        reply, room = self.reserve(rid, len(prompt), params, timeout_s)
+        reply, room = self.reserve(rid, len(prompt), params, timeout_s, prompt)
         if reply.ok:
             self.p_in.put(
                 Prefill(rid, room, prompt, sampling_to_dict(params), reply.kv_endpoint, 5.0)

@@ -173,3 +173,28 @@ def test_state_only_moves_forward():
     sched.abort("a")
     with pytest.raises(RuntimeError):
         request.advance(DecodeState.RUNNING)
+
+
+def test_running_requests_hold_distinct_slots_given_back_on_every_path():
+    """The slot is the row of the node's per-slot sampling state: never shared while running,
+    free again after finish, abort or expiry, and `is_joining` only in the first step."""
+    sched = make_scheduler(max_batch=3, num_pages=64)
+    for rid in "abc":
+        admit(sched, rid, max_new=3)
+    batch = sched.schedule()
+    assert sorted(r.slot for r in batch) == [0, 1, 2] and all(r.is_joining for r in batch)
+    sched.update(batch, [11, 12, 13])
+    assert not any(r.is_joining for r in sched.schedule())
+    b, c = sched.get("b"), sched.get("c")
+    sched.abort("a")  # its slot back
+    admit(sched, "d", max_new=5)
+    d = next(r for r in sched.schedule() if r.request_id == "d")
+    assert d.slot not in (b.slot, c.slot) and d.is_joining
+    sched.update(sched.schedule(), [14, 15, 16])  # b and c finish by length
+    assert b.slot == c.slot == -1 and sched.get("b") is None
+    admit(sched, "e", now=0.0)
+    admit(sched, "f", now=0.0)
+    running = sched.schedule()
+    assert len({r.slot for r in running}) == 3 and all(0 <= r.slot < 3 for r in running)
+    assert [r.request_id for r in sched.expire(1000.0)] == ["d", "e", "f"]
+    assert sorted(sched._free_slots) == [0, 1, 2]

@@ -1,7 +1,8 @@
 """`python -m prefill_node` and `python -m decode_node` as real processes over loopback ZeroMQ
 (CURVE with a cluster key file named relative to the config), with this test playing the router:
-NodeReady/NodeFailed at start, one request served exactly, abort mid-decode returns the pages,
-SIGTERM stops both cleanly; a config with neither keys nor `insecure` exits 2 with the fix."""
+NodeReady/NodeFailed at start (the decode node advertises its `host`, not the address it bound),
+one request served exactly, abort mid-decode returns the pages, SIGTERM stops both cleanly; a
+config with neither keys nor `insecure` exits 2 with the fix."""
 
 import signal
 import socket
@@ -46,7 +47,8 @@ def free_ports(n):
 
 
 def write_config(path, model_dir, security='curve_key_file = "cluster.key"'):
-    """The cluster config at `path`, its key file beside it (named relative to the config)."""
+    """The cluster config at `path`, its key file beside it (named relative to the config). The
+    decode node binds 127.0.0.1 and is reached (advertises itself) at "localhost"."""
     router, ctl, p, d, kv = free_ports(5)
     write_key_file(path.parent / "cluster.key", force=True)
     path.write_text(
@@ -68,13 +70,15 @@ max_batch_tokens = 8
 page_size = 3
 [[decode]]
 name = "d"
+host = "localhost"
+bind_host = "127.0.0.1"
 control_port = {d}
 kv_port = {kv}
 page_size = 5
 num_pages = 40
 """
     )
-    return ctl, p, d
+    return ctl, p, d, kv
 
 
 def keys_of(config) -> CurveSecurity:
@@ -115,7 +119,7 @@ def stop(procs):
 
 def test_nodes_serve_a_request_and_stop_cleanly(tmp_path, tiny_dir, offline):
     config = tmp_path / "cluster.toml"
-    ctl, p_port, d_port = write_config(config, tiny_dir)
+    ctl, p_port, d_port, kv = write_config(config, tiny_dir)
     security = keys_of(config)
     router = PullSocket(f"tcp://127.0.0.1:{ctl}", security=security)
     procs = [start("prefill_node", config, "p"), start("decode_node", config, "d")]
@@ -126,7 +130,8 @@ def test_nodes_serve_a_request_and_stop_cleanly(tmp_path, tiny_dir, offline):
             ready[msg.node] = msg
         assert all(isinstance(m, NodeReady) for m in ready.values()), ready
         info = ready["d"].info
-        assert info["num_pages"] == 40 and info["page_size"] == 5 and info["kv_endpoint"]
+        assert info["num_pages"] == 40 and info["page_size"] == 5
+        assert info["kv_endpoint"] == f"tcp://localhost:{kv}"  # its host, not what it bound
         to_p = PushSocket(f"tcp://127.0.0.1:{p_port}", security=security)
         to_d = PushSocket(f"tcp://127.0.0.1:{d_port}", security=security)
 
@@ -173,7 +178,7 @@ def test_nodes_serve_a_request_and_stop_cleanly(tmp_path, tiny_dir, offline):
 def test_a_node_that_cannot_start_reports_node_failed(tmp_path, tiny_dir, mode):
     config = tmp_path / "cluster.toml"
     insecure = {"curve": 'curve_key_file = "cluster.key"', "insecure": "insecure = true"}[mode]
-    ctl, _, _ = write_config(config, tmp_path / "no-such-model", security=insecure)
+    ctl, *_ = write_config(config, tmp_path / "no-such-model", security=insecure)
     security = keys_of(config) if mode == "curve" else None
     router = PullSocket(f"tcp://127.0.0.1:{ctl}", security=security)
     proc = start("decode_node", config, "d")

@@ -108,3 +108,21 @@ def test_unknown_model_type(model_dir, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     r = duet("generate", "--model", str(bad), "--prompt", "hi")
     assert_one_line_error(r, "model_type")
+
+
+def test_sampling_flags(model_dir):
+    """The API's sampling parameters as flags (what the e2e tests compare the cluster with)."""
+    base = ["generate", "--model", str(model_dir), "--prompt-ids", "5,6,7", "--json"]
+    base += ["--max-new-tokens", "4", "--dtype", "float32"]
+    r = duet(*base, "--logit-bias", '{"42": 100}', "--temperature", "1", "--seed", "1")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] == [42] * 4
+    flags = "--presence-penalty 0.5 --frequency-penalty 0.5 --repetition-penalty 1.2 --min-p 0.1"
+    flags += " --min-tokens 4 --stop-token-ids 3,4 --ignore-eos"
+    r = duet(*base, *flags.split())
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout.strip().splitlines()[-1])["token_ids"]) == 4  # min_tokens
+    assert_one_line_error(duet(*base, "--presence-penalty", "3"), "presence_penalty must be in")
+    assert_one_line_error(duet(*base, "--logit-bias", '{"9999": 1}'), "outside the vocabulary")
+    r = duet(*base, "--logit-bias", "[1, 2]")
+    assert r.returncode == 2 and "--logit-bias must be a JSON object" in r.stderr

@@ -3,6 +3,7 @@
 The expected text of a request is the tokenizer's own decode of the tokens the fakes produce
 (the oracle); the official `openai` client is the HTTP client where it fits."""
 
+import json
 import threading
 import time
 
@@ -153,11 +154,15 @@ def test_tokens_before_first_token_keep_order(make_cluster, tok):
     [
         (b"{not json", 400, None),
         ({"prompt": "x", "max_tokens": "5"}, 422, "max_tokens"),
-        ({"prompt": "x", "max_token": 5}, 422, "max_token"),
+        (
+            {"prompt": "x", "stream_options": {"include_usag": True}},
+            422,
+            "stream_options.include_usag",
+        ),
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
         ({"prompt": "x", "n": 2}, 400, "n"),
-        ({"prompt": "x", "temperature": -1}, 400, None),
+        ({"prompt": "x", "temperature": -1}, 400, "temperature"),
         ({"prompt": "word " * 600}, 400, "prompt"),
         ({"prompt": ""}, 400, "prompt"),
         ({"max_tokens": 5}, 422, "prompt"),
@@ -287,3 +292,26 @@ def test_concurrent_requests_spread_over_prefill_nodes(make_cluster, tok):
         == (fakes.prefill_count["p0"])
     )
     assert metric(server, "duet_sla_attainment_ratio") > 0
+
+
+def test_a_bug_while_streaming_still_ends_with_an_error_event(make_cluster, monkeypatch):
+    """An unexpected exception in the router's own streaming code (here the detokenizer) ends
+    the stream with an error event, not a cut connection, and the request is aborted."""
+    from router.text import TextStream
+
+    fakes, server = make_cluster()
+
+    def broken(self, ids, is_last=False):
+        raise RuntimeError("detokenizer bug")
+
+    monkeypatch.setattr(TextStream, "push", broken)
+    body = {"model": "tiny-model", "prompt": "hi", "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=20) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2][6:])["error"]
+    assert error["message"] == "internal error while streaming" and error["type"] == "server_error"
+    deadline = time.monotonic() + 10
+    while fakes.used_pages("d0") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert fakes.used_pages("d0") == 0 and not server.router.requests

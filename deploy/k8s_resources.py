@@ -1,0 +1,87 @@
+"""CPU and memory a node's pod asks Kubernetes for, computed from the model and the node config.
+
+    memory = (weights + KV pool) * MARGIN + processes * RUNTIME_BYTES      (rounded up to MiB)
+    cpu    = threads * processes
+
+- weights: every tensor of the checkpoint (`engine.weight_names.checkpoint_shapes`, from the
+  model's config.json) at the cluster dtype, the router gate and bias in float32 as loaded
+  (`engine.weights.keeps_fp32`); FP8 checkpoints are dequantized at load, so they count at the
+  cluster dtype too. A decode node of `ranks` R runs R processes, each with the full attention,
+  dense and shared-expert weights and its own shard of the routed experts
+  (`decode_node.expert_parallel.expert_shard`).
+- KV pool: `num_layers * num_pages * page_size * kv_row_width * dtype bytes` per process (each
+  prefill node and each decode rank allocates its own pool of the node's `num_pages`).
+- MARGIN covers the load peak (a matrix's raw and prepacked copies are held together for a
+  moment), activations and allocator slack; RUNTIME_BYTES is Python, torch and ZeroMQ of one
+  process (about 250 MiB resident measured for a tiny-model node; twice that is asked).
+
+The pod's memory limit equals its request (a node that outgrows it is OOM-killed and restarted,
+its requests moved, instead of starving its neighbours); CPU has a request and no limit, since
+CFS throttling would stall the kernels' worker threads mid-step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from decode_node.expert_parallel import expert_shard
+from engine.cluster_config import DecodeNodeConfig, PrefillNodeConfig
+from engine.config import ModelConfig
+from engine.weight_names import checkpoint_shapes
+from engine.weights import keeps_fp32
+
+MIB = 1 << 20
+RUNTIME_BYTES = 512 * MIB  # per process: interpreter, torch, ZeroMQ (measured ~250 MiB)
+MARGIN = 1.25  # on weights + KV: load peak, activations, allocator slack
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+ROUTER_CPU = 1  # one event loop (tokenizing, SSE)
+ROUTER_MEMORY_BYTES = 1024 * MIB  # tokenizer + config.json, no weights (measured ~250 MiB)
+
+
+@dataclass(frozen=True)
+class PodResources:
+    cpu: int  # cores requested
+    memory_bytes: int  # requested and the limit
+    weight_bytes: int = 0
+    kv_bytes: int = 0
+
+    def k8s(self) -> dict[str, dict[str, str]]:
+        """The container's `resources` field."""
+        memory = f"{math.ceil(self.memory_bytes / MIB)}Mi"
+        return {"requests": {"cpu": str(self.cpu), "memory": memory}, "limits": {"memory": memory}}
+
+
+ROUTER_RESOURCES = PodResources(cpu=ROUTER_CPU, memory_bytes=ROUTER_MEMORY_BYTES)
+
+
+def weight_bytes(model: ModelConfig, dtype: str, experts: range | None = None) -> int:
+    """Bytes of the weights one process holds; `experts` limits the routed experts (a rank)."""
+    keep = None if experts is None else (lambda e: e in experts)
+    size = DTYPE_BYTES[dtype]
+    return sum(
+        math.prod(shape) * (4 if keeps_fp32(name) else size)
+        for name, shape in checkpoint_shapes(model, keep).items()
+    )
+
+
+def kv_pool_bytes(model: ModelConfig, dtype: str, num_pages: int, page_size: int) -> int:
+    """Bytes of one KV pool: [layers, num_pages, page_size, kv_lora_rank + rope_dim]."""
+    rows = model.num_hidden_layers * num_pages * page_size
+    return rows * model.kv_row_width * DTYPE_BYTES[dtype]
+
+
+def node_resources(
+    model: ModelConfig, dtype: str, node: PrefillNodeConfig | DecodeNodeConfig
+) -> PodResources:
+    """What the pod of `node` asks for (ConfigError if a decode node has more ranks than the
+    model has routed experts, as the node itself would refuse)."""
+    ranks = getattr(node, "ranks", 1)
+    if ranks == 1:
+        weights = weight_bytes(model, dtype)
+    else:
+        shards = (expert_shard(model.n_routed_experts, r, ranks) for r in range(ranks))
+        weights = sum(weight_bytes(model, dtype, shard) for shard in shards)
+    kv = ranks * kv_pool_bytes(model, dtype, node.num_pages, node.page_size)
+    memory = math.ceil((weights + kv) * MARGIN) + ranks * RUNTIME_BYTES
+    return PodResources(node.threads * ranks, memory, weights, kv)

@@ -1,0 +1,91 @@
+"""`GET /v1/cluster`: every configured node as the router sees it, for operators (`duet status`).
+
+One entry per node of the cluster config, in config order (prefill nodes first), heard from or
+not. Each joins three sources:
+  - the config: control address, decode KV address, device, threads, page size, ranks;
+  - the node's NodeReady info (dtype, ranks, page size, version) and its latest Heartbeat
+    (queue, KV pages, draining), so these figures lag by up to one heartbeat interval;
+  - the router's own state: status, error, `last_heartbeat_s` (seconds since the node was last
+    heard from: a heartbeat or its NodeReady), `active` (the router's unfinished requests on it).
+
+`quantization`: the config has no quantization setting yet. Weights run in the cluster dtype
+(FP8 checkpoints are dequantized at load), so it names that dtype: "bf16" or "fp32" weights.
+`version` is the router's package version at the top, each node's own (from its NodeReady) per
+node; None for a node not heard from since the router started.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from engine.cluster_config import ClusterConfig, DecodeNodeConfig, PrefillNodeConfig
+from engine.version import package_version
+from router.nodes import NodeRegistry, NodeState
+
+_SHORT_DTYPE = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+
+
+def cluster_view(
+    cfg: ClusterConfig, nodes: NodeRegistry, is_serving: bool, now: float | None = None
+) -> dict[str, Any]:
+    """The JSON body of `GET /v1/cluster`. `now`: monotonic seconds (default: now)."""
+    now = time.monotonic() if now is None else now
+    return {
+        "object": "cluster",
+        "version": package_version(),
+        "ratio": cfg.ratio,
+        "model": cfg.model,
+        "dtype": cfg.dtype,
+        "is_serving": is_serving,
+        "router": {
+            "url": f"http://{cfg.router.host}:{cfg.router.port}",
+            "control_endpoint": cfg.router.control_endpoint,
+        },
+        "nodes": [
+            node_view(node, nodes.nodes[node.name], cfg.dtype, now)
+            for node in (*cfg.prefill, *cfg.decode)
+        ],
+    }
+
+
+def node_view(
+    node: PrefillNodeConfig | DecodeNodeConfig, state: NodeState, cluster_dtype: str, now: float
+) -> dict[str, Any]:
+    """One node's entry; heartbeat figures are None until its first heartbeat."""
+    hb, info = state.heartbeat, state.info
+    dtype = str(info.get("dtype", cluster_dtype))
+    is_decode = isinstance(node, DecodeNodeConfig)
+    return {
+        "name": node.name,
+        "role": state.role,
+        "status": state.status,
+        "error": state.error or None,
+        "address": node.control_endpoint,
+        "kv_endpoint": str(info.get("kv_endpoint", node.kv_endpoint)) if is_decode else None,
+        "device": node.device,
+        "threads": node.threads,
+        "dtype": dtype,
+        "quantization": _SHORT_DTYPE.get(dtype, dtype),
+        "page_size": state.page_size if is_decode else node.page_size,
+        "ranks": int(info.get("ranks", node.ranks)) if is_decode else 1,
+        "kv_pages": _kv_pages(state) if is_decode else None,
+        "queue": {
+            "waiting": hb.num_waiting if hb else None,
+            "running": hb.num_running if hb else None,
+            "queued_tokens": hb.queued_tokens if hb and not is_decode else None,
+        },
+        "active": state.num_active,  # the router's unfinished requests on it
+        "last_heartbeat_s": round(now - state.last_seen, 3) if state.last_seen else None,
+        "draining": bool(hb.draining) if hb else state.status == "draining",
+        "version": info.get("version"),
+    }
+
+
+def _kv_pages(state: NodeState) -> dict[str, int | None]:
+    """Used/free from the node's heartbeat (its own count); total from the heartbeat, else its
+    NodeReady or the config."""
+    hb = state.heartbeat
+    if hb is None or hb.total_pages <= 0:
+        return {"used": None, "free": None, "total": state.total_pages}
+    return {"used": hb.total_pages - hb.free_pages, "free": hb.free_pages, "total": hb.total_pages}

@@ -1,0 +1,435 @@
+"""Serving one completion or chat request: prompts in, router requests out, the OpenAI response
+back (one JSON body, or SSE chunks).
+
+A completion request may hold a batch of prompts (`["a", "b"]` or `[[1, 2], [3]]`): each prompt
+becomes its own router request, all submitted at once (as vLLM does), and its choice carries
+`index` = the prompt's position; streamed chunks of all prompts are interleaved as they come,
+`usage` is summed. All start or none does: when the router refuses one, the ones already started
+are aborted and the refusal is the response. Every started request ends with a completion or an
+error: the first error, or the client going away, aborts every request still running, so no
+node decodes for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.errors import ConfigError, InvalidRequestError
+from engine.generate import validate_prompt
+from engine.sampling import SamplingParams
+from engine.tokenizer import Tokenizer
+from router.api import (
+    ApiError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    check_common,
+    sampling_params,
+    stop_strings,
+)
+from router.core import Router, RouterError
+from router.state import ErrorEvent, RouterRequest
+from router.text import TextStream
+
+log = logging.getLogger("router")
+
+REQUEST_ID_HEADER = "x-request-id"
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # no "~": it marks a wire id's attempt
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str  # the id clients pass as `model`
+    path: str
+    vocab_size: int
+    max_positions: int
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """The token ids of a request's prompts, and whether they came as a list of prompts (then
+    error messages name the prompt by its index: `prompt[2]: ...`)."""
+
+    token_ids: list[list[int]]
+    is_batch: bool = False
+
+    def where(self, index: int) -> str:
+        return f"prompt[{index}]: " if self.is_batch else ""
+
+
+class RequestFailed(Exception):
+    """Prompt `index`'s router request ended with `event`."""
+
+    def __init__(self, index: int, event: ErrorEvent):
+        super().__init__(event.message)
+        self.index = index
+        self.event = event
+
+
+@dataclass
+class _Sub:
+    """One prompt of the request: its router request and its output text."""
+
+    index: int
+    req: RouterRequest
+    text: TextStream
+
+
+class Serving:
+    """Turns a validated body into router requests and their HTTP response."""
+
+    def __init__(self, router: Router, tokenizer: Tokenizer, model: ModelInfo):
+        self.router = router
+        self.tokenizer = tokenizer
+        self.model = model
+
+    # ---- model and prompts ------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in (self.model.name, self.model.path):
+            raise ApiError(
+                404,
+                f"the model '{name}' does not exist (this server has '{self.model.name}')",
+                param="model",
+                code="model_not_found",
+            )
+
+    def encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        """With `add_special_tokens`, exactly as `duet generate --prompt` tokenizes (bos first
+        when the tokenizer adds one), so outputs compare; without, the text's ids alone."""
+        if add_special_tokens:
+            return self.tokenizer.encode_prompt(text)
+        return self.tokenizer.encode(text)
+
+    def completion_prompts(self, body: CompletionRequest) -> Prompts:
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ApiError(400, "the prompt is empty", param="prompt")
+            return Prompts([self.encode_text(prompt, body.add_special_tokens)])
+        if not prompt:  # [] (any of the list forms)
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        if isinstance(prompt[0], int):
+            return Prompts([list(prompt)])
+        limit = self.router.cfg.router.max_queued_requests  # a larger batch can never start
+        if len(prompt) > limit:
+            raise ApiError(
+                400,
+                f"prompt: a request holds at most {limit} prompts (the router's "
+                f"max_queued_requests), got {len(prompt)}",
+                param="prompt",
+                code="too_many_prompts",
+            )
+        if isinstance(prompt[0], list):
+            return Prompts([list(p) for p in prompt], is_batch=True)
+        for i, text in enumerate(prompt):
+            if not text:
+                raise ApiError(400, f"prompt[{i}]: the prompt is empty", param="prompt")
+        ids = [self.encode_text(text, body.add_special_tokens) for text in prompt]
+        return Prompts(ids, is_batch=True)
+
+    def chat_prompt(
+        self, messages: list[ChatMessage], add_generation_prompt: bool, add_special_tokens: bool
+    ) -> list[int]:
+        """The ids of the rendered chat (bos first only if `add_special_tokens`: the template
+        writes its own)."""
+        dicts = [m.as_template_dict() for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(dicts, add_generation_prompt)
+        except (ValueError, ConfigError) as exc:
+            raise ApiError(400, f"messages: {exc}", param="messages") from None
+        return self.encode_text(text, add_special_tokens)
+
+    # ---- one request ------------------------------------------------------------------------
+    async def run(
+        self, request: Request, body: CompletionRequest | ChatCompletionRequest, prompts: Prompts
+    ) -> Response:
+        """The response to one completion or chat request, with its id in `x-request-id`
+        (error responses too, once the id is known)."""
+        request_id = request_id_for(request.headers, isinstance(body, ChatCompletionRequest))
+        headers = {REQUEST_ID_HEADER: request_id}
+        try:
+            response = await self._run(request, body, prompts, request_id)
+        except ApiError as exc:
+            exc.headers.update(headers)
+            raise
+        response.headers.update(headers)
+        return response
+
+    async def _run(
+        self,
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        prompts: Prompts,
+        request_id: str,
+    ) -> Response:
+        chat = isinstance(body, ChatCompletionRequest)
+        self.check_model(body.model)
+        check_common(body)
+        stop = stop_strings(body)
+        max_tokens = body.max_tokens
+        if chat and body.max_completion_tokens is not None:
+            max_tokens = body.max_completion_tokens
+        jobs = []
+        for i, ids in enumerate(prompts.token_ids):
+            self._check_prompt(ids, prompts.where(i))
+            limit = self.router.cfg.router.max_tokens_limit
+            sampling = sampling_params(
+                body, max_tokens, len(ids), self.model.max_positions, limit, self.model.vocab_size
+            )
+            sub_id = f"{request_id}-{i}" if prompts.is_batch else request_id
+            jobs.append((sub_id, ids, sampling))
+        reqs = await self._submit_all(jobs, prompts)
+        subs = [_Sub(i, req, TextStream(self.tokenizer, stop)) for i, req in enumerate(reqs)]
+        prompt_lens = tuple(len(ids) for ids in prompts.token_ids)
+        fmt = _Format(request_id, self.model.name, chat, prompt_lens, prompts.is_batch)
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            stream = self._sse(request, subs, fmt, usage)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        return JSONResponse(await self._complete(request, subs, fmt))
+
+    def _check_prompt(self, ids: list[int], where: str) -> None:
+        try:
+            validate_prompt(ids, self.model.vocab_size, self.model.max_positions)
+        except InvalidRequestError as exc:
+            raise ApiError(400, f"{where}{exc}", param="prompt", code="invalid_prompt") from None
+        limit = self.router.cfg.router.max_prompt_tokens
+        if limit and len(ids) > limit:
+            self.router.metrics.rejections.labels("prompt_too_long").inc()
+            raise ApiError(
+                400,
+                f"{where}the prompt has {len(ids)} tokens; this server accepts at most {limit}",
+                param="prompt",
+                code="prompt_too_long",
+            )
+
+    async def _submit_all(
+        self, jobs: list[tuple[str, list[int], SamplingParams]], prompts: Prompts
+    ) -> list[RouterRequest]:
+        """Submits every prompt at once; all requests started, or ApiError with the first
+        refusal (in prompt order) after the started ones are aborted."""
+        tasks = [asyncio.ensure_future(self.router.submit(*job)) for job in jobs]
+        try:
+            await asyncio.wait(tasks)
+        except BaseException:  # cancelled: a pending submit aborts its own request
+            for task in tasks:
+                task.cancel()
+            self._abort_all(_started(tasks), "the request was cancelled")
+            raise
+        started = _started(tasks)
+        errors = [(i, t.exception()) for i, t in enumerate(tasks) if t.exception() is not None]
+        if not errors:
+            return started
+        self._abort_all(started, "another prompt of the request was refused")
+        index, exc = errors[0]
+        if not isinstance(exc, RouterError):
+            raise exc
+        raise ApiError(
+            exc.status,
+            f"{prompts.where(index)}{exc.message}",
+            code=exc.code,
+            retry_after=exc.retry_after,
+        ) from None
+
+    def _abort_all(self, reqs: list[RouterRequest], reason: str) -> None:
+        for req in reqs:
+            if not req.is_done:
+                self.router.abort(req, reason)
+
+    # ---- output -----------------------------------------------------------------------------
+    async def _deltas(self, sub: _Sub) -> AsyncIterator[tuple[str, str | None]]:
+        """(text delta, finish_reason or None) until the request ends; RequestFailed on error."""
+        req, text = sub.req, sub.text
+        async for event in self.router.events(req):
+            if isinstance(event, ErrorEvent):
+                raise RequestFailed(sub.index, event)
+            ids = event.token_ids
+            if event.finish_reason == "stop" and ids and ids[-1] in req.stop_ids:
+                ids = ids[:-1]  # the stop token's own text is not output (OpenAI semantics)
+            delta = text.push(ids, is_last=event.finish_reason is not None)
+            if text.stopped:
+                self.router.finish_early(req, "stop")
+                yield delta, "stop"
+                return
+            yield delta, event.finish_reason
+
+    async def _merged(self, subs: list[_Sub]) -> AsyncIterator[tuple[int, str, str | None]]:
+        """(prompt index, text delta, finish_reason or None) of every prompt, in the order they
+        arrive, until every prompt has finished; RequestFailed at the first error. One reader
+        task per prompt; closing the generator cancels them (the caller aborts what runs)."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def read(sub: _Sub) -> None:
+            try:
+                async for delta, finish in self._deltas(sub):
+                    queue.put_nowait((sub.index, delta, finish))
+                queue.put_nowait(None)  # this prompt is done
+            except Exception as exc:  # RequestFailed, or a bug: raised to the consumer
+                queue.put_nowait(exc)
+
+        readers = [asyncio.create_task(read(sub)) for sub in subs]
+        try:
+            num_open = len(subs)
+            while num_open:
+                item = await queue.get()
+                if item is None:
+                    num_open -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for reader in readers:
+                reader.cancel()
+
+    async def _sse(self, request: Request, subs: list[_Sub], fmt: _Format, usage: bool):
+        watcher = asyncio.create_task(self._abort_on_disconnect(request, subs))
+        try:
+            if fmt.chat:
+                yield _sse_event(fmt.chunk(0, {"role": "assistant", "content": ""}, None))
+            async with contextlib.aclosing(self._merged(subs)) as events:
+                async for index, delta, finish in events:
+                    if delta or finish:
+                        yield _sse_event(fmt.chunk(index, delta, finish))
+            if usage:
+                yield _sse_event(fmt.usage_chunk([s.req.num_output_tokens for s in subs]))
+        except RequestFailed as exc:
+            # The others are aborted before the client hears of the error, not after it read it.
+            self._abort_all([s.req for s in subs], "another prompt of the request failed")
+            yield _sse_event(fmt.error(exc).body())
+        except Exception:  # a bug here still ends the stream with an error event, never silence
+            log.exception("streaming %s failed", fmt.request_id)
+            self._abort_all([s.req for s in subs], "the router failed while streaming")
+            yield _sse_event(ApiError(500, "internal error while streaming").body())
+        finally:
+            watcher.cancel()
+            self._abort_all([s.req for s in subs], "client disconnected")
+        yield "data: [DONE]\n\n"
+
+    async def _complete(self, request: Request, subs: list[_Sub], fmt: _Format) -> dict[str, Any]:
+        watcher = asyncio.create_task(self._abort_on_disconnect(request, subs))
+        reason = "client disconnected"
+        parts: list[list[str]] = [[] for _ in subs]
+        finishes: list[str | None] = [None] * len(subs)
+        try:
+            async with contextlib.aclosing(self._merged(subs)) as events:
+                async for index, delta, finish in events:
+                    parts[index].append(delta)
+                    finishes[index] = finish or finishes[index]
+        except RequestFailed as exc:
+            reason = "another prompt of the request failed"
+            raise fmt.error(exc) from None
+        finally:
+            watcher.cancel()
+            self._abort_all([s.req for s in subs], reason)
+        texts = ["".join(p) for p in parts]
+        return fmt.full(texts, finishes, [s.req.num_output_tokens for s in subs])
+
+    async def _abort_on_disconnect(self, request: Request, subs: list[_Sub]) -> None:
+        """Waits for the client to go away (the body is already read, so the next ASGI message
+        is the disconnect) and aborts every prompt's request on both nodes."""
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                self._abort_all([s.req for s in subs], "client disconnected")
+                return
+
+
+def request_id_for(headers: Mapping[str, str], chat: bool) -> str:
+    """The id of a new completion (`chat`: chat completion), as vLLM makes it: `cmpl-` + the
+    client's `x-request-id` when it sent one, else + a fresh uuid (`router.request_log`).
+    ApiError 400 for a header that is not a valid id."""
+    prefix = "chatcmpl" if chat else "cmpl"
+    client_id = headers.get(REQUEST_ID_HEADER)
+    if client_id is None:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    if not _CLIENT_ID.fullmatch(client_id):
+        raise ApiError(
+            400,
+            f"the {REQUEST_ID_HEADER} header must be 1 to 128 characters of A-Z a-z 0-9 . _ : -",
+            code="invalid_request_id",
+        )
+    return f"{prefix}-{client_id}"
+
+
+def _started(tasks: list[asyncio.Future]) -> list[RouterRequest]:
+    """The requests of the submit tasks that succeeded (every exception is retrieved)."""
+    done = [t for t in tasks if t.done() and not t.cancelled()]
+    return [t.result() for t in done if t.exception() is None]
+
+
+def _sse_event(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+@dataclass(frozen=True)
+class _Format:
+    """The OpenAI response shapes of one request; choice `index` = prompt position."""
+
+    request_id: str
+    model: str
+    chat: bool
+    prompt_lens: tuple[int, ...]
+    is_batch: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))  # the same in every chunk
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+        }
+
+    def usage(self, num_outputs: list[int]) -> dict[str, int]:
+        num_prompt, num_output = sum(self.prompt_lens), sum(num_outputs)
+        return {
+            "prompt_tokens": num_prompt,
+            "completion_tokens": num_output,
+            "total_tokens": num_prompt + num_output,
+        }
+
+    def chunk(self, index: int, delta: str | dict[str, str], finish: str | None) -> dict[str, Any]:
+        if self.chat:
+            content = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
+            choice = {"index": index, "delta": content, "logprobs": None, "finish_reason": finish}
+            return {**self._base("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": index, "text": delta, "logprobs": None, "finish_reason": finish}
+        return {**self._base("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, num_outputs: list[int]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._base(obj), "choices": [], "usage": self.usage(num_outputs)}
+
+    def full(
+        self, texts: list[str], finishes: list[str | None], num_outputs: list[int]
+    ) -> dict[str, Any]:
+        if self.chat:
+            message = {"role": "assistant", "content": texts[0]}
+            choice = {"index": 0, "message": message, "logprobs": None}
+            choices = [{**choice, "finish_reason": finishes[0]}]
+            base = self._base("chat.completion")
+        else:
+            choices = [
+                {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+                for i, (text, finish) in enumerate(zip(texts, finishes, strict=True))
+            ]
+            base = self._base("text_completion")
+        return {**base, "choices": choices, "usage": self.usage(num_outputs)}
+
+    def error(self, exc: RequestFailed) -> ApiError:
+        where = f"prompt[{exc.index}]: " if self.is_batch else ""
+        message = f"{where}{exc.event.message}"
+        return ApiError(500, message, code=f"failed_at_{exc.event.stage}")

@@ -1,0 +1,109 @@
+"""Pod requests sized from the model (deploy/k8s_resources.py): weight bytes against the tiny
+checkpoint's own tensors, the bench model's shapes (DeepSeek-V2-Lite layers) against the count
+the README states, KV pool bytes by hand, decode ranks sharing the routed experts, and the
+rendered manifests carrying exactly these numbers."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors import safe_open
+
+from deploy.k8s_render import render_tree
+from deploy.k8s_resources import (
+    MARGIN,
+    MIB,
+    RUNTIME_BYTES,
+    kv_pool_bytes,
+    node_resources,
+    weight_bytes,
+)
+from engine.bench_model import bench_config
+from engine.cluster_config import ClusterConfig, DecodeNodeConfig, PrefillNodeConfig
+from engine.config import ModelConfig
+from engine.errors import ConfigError
+from engine.tiny_model import ensure_tiny_model
+from engine.weight_names import checkpoint_shapes
+from engine.weights import keeps_fp32
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> ModelConfig:
+    return ModelConfig.from_model_dir(ensure_tiny_model())
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModelConfig:
+    return ModelConfig.from_dict(bench_config(4, 32000, 1, 2))
+
+
+def test_tiny_weight_bytes_are_the_checkpoints_tensors(tiny):
+    expected = {"bfloat16": 0, "float32": 0}
+    with safe_open(str(ensure_tiny_model() / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        for name in names:
+            numel = math.prod(f.get_slice(name).get_shape())
+            expected["bfloat16"] += numel * (4 if keeps_fp32(name) else 2)
+            expected["float32"] += numel * 4
+    assert names == set(checkpoint_shapes(tiny))
+    for dtype, num_bytes in expected.items():
+        assert weight_bytes(tiny, dtype) == num_bytes
+
+
+def test_bench_model_shapes(bench):
+    shapes = checkpoint_shapes(bench)
+    num_params = sum(math.prod(s) for s in shapes.values())
+    assert round(num_params / 1e9, 2) == 1.97  # the README's "4 layers, 1.97 B parameters"
+    num_fp32 = sum(math.prod(s) for n, s in shapes.items() if keeps_fp32(n))
+    assert num_fp32 == 3 * (64 * 2048 + 64)  # three MoE layers' gate and correction bias
+    assert weight_bytes(bench, "bfloat16") == 2 * num_params + 2 * num_fp32
+    # [layers, pages, page_size, kv_lora_rank + rope_dim] in bf16
+    assert kv_pool_bytes(bench, "bfloat16", 2048, 16) == 4 * 2048 * 16 * (512 + 64) * 2
+
+
+def test_prefill_node_request(bench):
+    node = PrefillNodeConfig(name="p", threads=8, num_pages=4096, page_size=16)
+    res = node_resources(bench, "bfloat16", node)
+    weights, kv = weight_bytes(bench, "bfloat16"), kv_pool_bytes(bench, "bfloat16", 4096, 16)
+    assert (res.weight_bytes, res.kv_bytes, res.cpu) == (weights, kv, 8)
+    assert res.memory_bytes == math.ceil((weights + kv) * MARGIN) + RUNTIME_BYTES
+    assert 4.5e9 < res.memory_bytes < 6.5e9  # ~3.9 GB of bf16 weights, 0.3 GB of KV
+    memory = f"{math.ceil(res.memory_bytes / MIB)}Mi"
+    assert res.k8s() == {"requests": {"cpu": "8", "memory": memory}, "limits": {"memory": memory}}
+
+
+def test_decode_ranks_share_the_routed_experts(bench):
+    node = DecodeNodeConfig(name="d", threads=3, ranks=2, num_pages=2048, page_size=16)
+    res = node_resources(bench, "bfloat16", node)
+    full = weight_bytes(bench, "bfloat16")
+    experts = 3 * 64 * 3 * 2048 * 1408 * 2  # MoE layers x routed experts x 3 matrices, bf16
+    # Each rank: everything but the routed experts, plus its half of them.
+    assert res.weight_bytes == 2 * (full - experts) + experts
+    assert res.kv_bytes == 2 * kv_pool_bytes(bench, "bfloat16", 2048, 16)  # a pool per rank
+    assert res.cpu == 6
+    expected = math.ceil((res.weight_bytes + res.kv_bytes) * MARGIN) + 2 * RUNTIME_BYTES
+    assert res.memory_bytes == expected
+
+
+def test_more_ranks_than_experts_is_refused_as_the_node_would(tiny):
+    node = DecodeNodeConfig(name="d", ranks=tiny.n_routed_experts + 1)
+    with pytest.raises(ConfigError, match="routed experts"):
+        node_resources(tiny, "bfloat16", node)
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "bench"])
+def test_manifests_carry_the_computed_requests(request, model_name):
+    model = request.getfixturevalue(model_name)
+    cluster = ClusterConfig.load(ROOT / "deploy" / "configs" / "1p1d-2rank.toml")
+    tree = render_tree(cluster, model, name="r")
+    nodes = {"prefill": cluster.prefill[0], "decode": cluster.decode[0]}
+    for role, node in nodes.items():
+        docs = list(yaml.safe_load_all(tree[f"overlays/r/{role}.yaml"]))
+        (sts,) = [d for d in docs if d["kind"] == "StatefulSet"]
+        (container,) = sts["spec"]["template"]["spec"]["containers"]
+        assert container["resources"] == node_resources(model, cluster.dtype, node).k8s()

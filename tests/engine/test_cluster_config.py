@@ -1,0 +1,102 @@
+"""Cluster config addresses: `host` (what peers connect to, advertised in every endpoint) and
+`bind_host` (what the sockets bind, default `host`), and the errors for addresses that cannot
+work (a wildcard peers would connect to, IPv6, a URL)."""
+
+from pathlib import Path
+
+import pytest
+
+from engine.cluster_config import ClusterConfig
+from engine.errors import ConfigError
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def _cfg(router=None, prefill=None, decode=None) -> ClusterConfig:
+    return ClusterConfig.from_dict(
+        {
+            "router": router or {},
+            "prefill": [{"name": "p", **(prefill or {})}],
+            "decode": [{"name": "d", **(decode or {})}],
+        }
+    )
+
+
+def test_without_bind_host_every_socket_binds_host():
+    cfg = _cfg(
+        {"host": "10.1.0.1", "control_port": 7000},
+        {"host": "10.1.0.2", "control_port": 7100},
+        {"host": "10.1.0.3", "control_port": 7200, "kv_port": 7300},
+    )
+    r, p, d = cfg.router, cfg.prefill[0], cfg.decode[0]
+    assert r.listen_host == r.host == "10.1.0.1"
+    assert r.control_endpoint == r.control_bind_endpoint == "tcp://10.1.0.1:7000"
+    assert p.control_endpoint == p.control_bind_endpoint == "tcp://10.1.0.2:7100"
+    assert d.kv_endpoint == d.kv_bind_endpoint == "tcp://10.1.0.3:7300"
+    assert d.group_host == "10.1.0.3"
+
+
+def test_a_wildcard_bind_still_advertises_host():
+    wild = {"bind_host": "0.0.0.0"}
+    cfg = _cfg(
+        {"host": "10.1.0.1", **wild},
+        {"host": "10.1.0.2", **wild},
+        {"host": "10.1.0.3", "ranks": 2, **wild},
+    )
+    r, p, d = cfg.router, cfg.prefill[0], cfg.decode[0]
+    assert r.listen_host == "0.0.0.0" and r.binds_every_interface
+    assert r.control_endpoint == "tcp://10.1.0.1:7000"  # what the nodes connect to
+    assert r.control_bind_endpoint == "tcp://0.0.0.0:7000"
+    assert p.control_endpoint == "tcp://10.1.0.2:7100"
+    assert p.control_bind_endpoint == "tcp://0.0.0.0:7100"
+    assert d.kv_endpoint == "tcp://10.1.0.3:7300"  # in NodeReady and ReserveReply
+    assert d.kv_bind_endpoint == "tcp://0.0.0.0:7300"
+    assert d.group_host == "10.1.0.3"  # the ranks' group: the node's address, not every one
+
+
+def test_a_specific_bind_host_is_where_the_ranks_listen_too():
+    d = _cfg(decode={"host": "203.0.113.5", "bind_host": "10.1.0.3", "ranks": 2}).decode[0]
+    assert d.kv_endpoint == "tcp://203.0.113.5:7300"  # behind NAT: peers use the public one
+    assert d.kv_bind_endpoint == "tcp://10.1.0.3:7300"
+    assert d.group_host == "10.1.0.3" and not d.binds_every_interface
+
+
+def test_replicas_keep_host_and_bind_host():
+    raw = {
+        "prefill": [{"name": "p", "host": "10.1.0.2", "bind_host": "0.0.0.0", "replicas": 2}],
+        "decode": [{"name": "d"}],
+    }
+    nodes = ClusterConfig.from_dict(raw).prefill
+    assert [n.control_bind_endpoint for n in nodes] == ["tcp://0.0.0.0:7100", "tcp://0.0.0.0:7101"]
+    assert [n.control_endpoint for n in nodes] == ["tcp://10.1.0.2:7100", "tcp://10.1.0.2:7101"]
+
+
+@pytest.mark.parametrize("name", ["1p1d.toml", "2p1d.toml"])
+def test_shipped_configs_stay_on_loopback(name):
+    cfg = ClusterConfig.load(DEPLOY / "configs" / name)
+    for role in (cfg.router, *cfg.prefill, *cfg.decode):
+        assert role.host == role.listen_host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    "router, prefill, decode, match",
+    [
+        (
+            {"host": "0.0.0.0"},
+            {},
+            {},
+            r'\[router\]: host = .0\.0\.0\.0. .*bind_host = "0\.0\.0\.0"',
+        ),
+        ({}, {"host": "0.0.0.0"}, {}, "node p: host = '0.0.0.0' is the address the other roles"),
+        ({}, {}, {"host": "0.0.0.0", "bind_host": "0.0.0.0"}, "node d: host = '0.0.0.0'"),
+        ({"host": "::1"}, {}, {}, r"\[router\]: host must be a host name or an IPv4 address"),
+        ({}, {"bind_host": "::"}, {}, r"node p: bind_host must be .*\(no scheme, port or IPv6"),
+        ({}, {}, {"host": "tcp://10.0.0.3:7300"}, "node d: host must be a host name"),
+        ({}, {}, {"host": ""}, "node d: host must be a host name"),
+        ({"bind_host": "*"}, {}, {}, r'\[router\]: bind_host .*"0\.0\.0\.0" binds every'),
+        ({}, {"bind_host": 7}, {}, r"\[prefill.p\] bind_host must be str"),
+    ],
+)
+def test_addresses_that_cannot_work_are_refused(router, prefill, decode, match):
+    with pytest.raises(ConfigError, match=match):
+        _cfg(router, prefill, decode)

@@ -1,0 +1,163 @@
+"""The sampling fields over fake nodes: the official openai client sends every one (vLLM's
+extensions through extra_body), streamed and not, and the nodes receive exactly the
+SamplingParams it asked for (the prompt's ids too, when the repetition penalty needs them);
+values out of range are a 400 naming the field, before anything reaches a node."""
+
+import httpx
+import openai
+import pytest
+from router_fakes import FakeCluster, RouterServer, fake_config
+
+from engine.protocol import Prefill, Reserve, sampling_from_dict
+from engine.sampling import SamplingParams
+from engine.tiny_model import ensure_tiny_model
+from engine.tokenizer import Tokenizer
+
+VOCAB = 512  # the tiny model's
+SCRIPT = "one two three four five six seven eight"
+
+
+class Recording(FakeCluster):
+    """Keeps every Reserve and Prefill it was sent."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.messages: list = []
+
+    def _handle(self, node, msg):
+        if isinstance(msg, (Reserve, Prefill)):
+            self.messages.append(msg)
+        super()._handle(node, msg)
+
+    def sent(self, kind: type) -> list:
+        return [m for m in self.messages if isinstance(m, kind)]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer(ensure_tiny_model())
+
+
+@pytest.fixture(scope="module")
+def cluster(tok):
+    cfg = fake_config()
+    fakes = Recording(cfg, tok.encode(SCRIPT), eos_id=tok.eos_token_ids[0])
+    fakes.start()
+    server = RouterServer(cfg, str(ensure_tiny_model()))
+    server.start()
+    yield fakes, server
+    server.stop()
+    fakes.stop()
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=20)
+
+
+WANT = SamplingParams(
+    temperature=0.7, top_p=0.9, top_k=20, seed=42, max_new_tokens=6, stop_token_ids=(9, 10),
+    ignore_eos=True, presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.3,
+    min_p=0.05, min_tokens=2, logit_bias=((5, 2.5), (17, -100.0)),
+)  # fmt: skip
+EXTRA = {
+    "top_k": 20,
+    "ignore_eos": True,
+    "stop_token_ids": [9, 10],
+    "repetition_penalty": 1.3,
+    "min_p": 0.05,
+    "min_tokens": 2,
+}
+OPENAI = dict(
+    temperature=0.7, top_p=0.9, seed=42, max_tokens=6, presence_penalty=0.5,
+    frequency_penalty=-0.25, logit_bias={"5": 2.5, "17": -100},
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_every_sampling_field_reaches_the_nodes(cluster, tok, stream, endpoint):
+    fakes, server = cluster
+    fakes.messages.clear()
+    c = client(server)
+    if endpoint == "completions":
+        out = c.completions.create(
+            model="tiny-model", prompt="Hello", stream=stream, extra_body=EXTRA, **OPENAI
+        )
+        prompt = tok.encode_prompt("Hello")
+    else:
+        messages = [{"role": "user", "content": "Hello"}]
+        out = c.chat.completions.create(
+            model="tiny-model", messages=messages, stream=stream, extra_body=EXTRA, **OPENAI
+        )
+        prompt = tok.encode_chat(messages)
+    if stream:
+        list(out)
+    (reserve,) = fakes.sent(Reserve)
+    (prefill,) = fakes.sent(Prefill)
+    assert sampling_from_dict(reserve.sampling) == WANT == sampling_from_dict(prefill.sampling)
+    assert reserve.prompt_ids == prompt == prefill.token_ids  # the repetition penalty reads it
+
+
+def test_the_prompt_goes_to_the_decode_node_only_for_the_repetition_penalty(cluster):
+    fakes, server = cluster
+    fakes.messages.clear()
+    c = client(server)
+    c.completions.create(model="tiny-model", prompt="Hi", max_tokens=2, presence_penalty=1.0)
+    (reserve,) = fakes.sent(Reserve)
+    assert reserve.prompt_ids == [] and sampling_from_dict(reserve.sampling).presence_penalty == 1
+    # defaults and JSON nulls mean "off"
+    fakes.messages.clear()
+    extra = {"repetition_penalty": None, "min_p": None}
+    c.completions.create(model="tiny-model", prompt="Hi", max_tokens=2, extra_body=extra)
+    (reserve,) = fakes.sent(Reserve)
+    got = sampling_from_dict(reserve.sampling)
+    assert got == SamplingParams(max_new_tokens=2) and reserve.prompt_ids == []
+
+
+@pytest.mark.parametrize(
+    "fields,param,message",
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+        ({"frequency_penalty": -3}, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be > 0"),
+        ({"repetition_penalty": -1.5}, "repetition_penalty", "repetition_penalty must be > 0"),
+        ({"min_p": 1.5}, "min_p", "min_p must be in [0, 1]"),
+        ({"min_p": -0.1}, "min_p", "min_p must be in [0, 1]"),
+        ({"min_tokens": -1}, "min_tokens", "min_tokens must be in [0,"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens", "min_tokens must be at most max_tokens"),
+        ({"logit_bias": {"512": 1}}, "logit_bias", "token id 512 is outside the vocabulary"),
+        ({"logit_bias": {"9" * 40: 1}}, "logit_bias", "is outside the vocabulary [0, 512)"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias", "'abc' is not a token id"),
+        ({"logit_bias": {"-5": 1}}, "logit_bias", "'-5' is not a token id"),
+        ({"logit_bias": {"5": 150}}, "logit_bias", "the bias of token 5 must be in [-100, 100]"),
+        ({"logit_bias": {"5": -100.5}}, "logit_bias", "must be in [-100, 100], got -100.5"),
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_values_out_of_range_are_a_400_naming_the_field(cluster, fields, param, message, path):
+    fakes, server = cluster
+    fakes.messages.clear()
+    body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user"}]}
+    r = httpx.post(server.url + path, json={**body, **fields}, timeout=10)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and message in error["message"], error
+    assert error["code"] == "invalid_value" and error["type"] == "invalid_request_error"
+    assert fakes.messages == []  # refused before any node heard of it
+
+
+@pytest.mark.parametrize(
+    "fields", [{"logit_bias": {"5": "high"}}, {"min_tokens": 1.5}, {"repetition_penalty": "1"}]
+)
+def test_wrong_types_are_a_422(cluster, fields):
+    _, server = cluster
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", **fields}, timeout=10)
+    assert r.status_code == 422 and r.json()["error"]["param"].startswith(next(iter(fields)))
+
+
+def test_the_openai_client_sees_the_400(cluster):
+    _, server = cluster
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client(server).completions.create(
+            model="tiny-model", prompt="x", logit_bias={str(VOCAB + 3): 1}
+        )
