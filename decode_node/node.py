@@ -317,6 +317,8 @@ class DecodeNode:
     def _emit(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
             self.outbox.send(Tokens(out.request_id, out.token_ids, out.finish_reason))
+            if out.finish_reason is not None:  # one line per request end, with its id
+                log.info("request %s: finished (%s)", out.request_id, out.finish_reason)
 
     def _error(self, request_id: str, stage: str, message: str) -> None:
         log.warning("request %s: failed at %s: %s", request_id, stage, message)

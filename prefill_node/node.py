@@ -272,6 +272,11 @@ class PrefillNode:
         for stage, ms in stage_ms.items():
             self.stage_times.add(stage, ms / 1000.0)
         self.outbox.send(FirstToken(request.request_id, token, request.prompt_len, stage_ms))
+        log.info(
+            "request %s: prefilled %d tokens (queue %.1f ms, prefill %.1f ms) -> %s",
+            request.request_id, request.prompt_len, stage_ms["queue"], stage_ms["prefill"],
+            request.kv_endpoint,
+        )  # fmt: skip
         try:
             sender = self.senders.get(request.kv_endpoint)
             sender.send_done(_rendezvous(request), request.prompt_len, token)
