@@ -27,6 +27,7 @@ from engine.cluster_config import DecodeNodeConfig, TimeoutConfig
 from engine.errors import DuetError
 from engine.generate import validate_prompt
 from engine.lease import RouterLease
+from engine.logprobs import TokenLogprobs, token_logprobs
 from engine.messaging import Inbox, Outbox, StageTimes
 from engine.model import DeepseekModel
 from engine.penalties import TokenCounts
@@ -293,8 +294,10 @@ class DecodeNode:
                 self._error(request.request_id, "decode", f"decode forward failed: {exc}")
             return
         tokens = self._sample(logits, batch)
+        logprobs = token_logprobs(logits, tokens, [r.params.logprobs for r in batch])
+        logprobs_of = {r.request_id: lp for r, lp in zip(batch, logprobs, strict=True) if lp}
         self.stage_times.add("decode_step", time.monotonic() - started)
-        self._emit(self.scheduler.update(batch, tokens))
+        self._emit(self.scheduler.update(batch, tokens), logprobs_of)
 
     def _sample(self, logits: torch.Tensor, batch: list[DecodeRequest]) -> list[int]:
         """The step's tokens. The penalties read the output counts kept by batch slot: a row is
@@ -314,9 +317,18 @@ class DecodeNode:
         counts.add(slots, tokens)
         return tokens
 
-    def _emit(self, outputs: list[StepOutput]) -> None:
+    def _emit(
+        self, outputs: list[StepOutput], logprobs_of: dict[str, TokenLogprobs] | None = None
+    ) -> None:
+        """One Tokens per output; with the token's logprobs where its request asked."""
         for out in outputs:
-            self.outbox.send(Tokens(out.request_id, out.token_ids, out.finish_reason))
+            lp = (logprobs_of or {}).get(out.request_id) if out.token_ids else None
+            extra = {}
+            if lp is not None:
+                extra = dict(
+                    logprobs=[lp.logprob], top_ids=[lp.top_ids], top_logprobs=[lp.top_logprobs]
+                )
+            self.outbox.send(Tokens(out.request_id, out.token_ids, out.finish_reason, **extra))
             if out.finish_reason is not None:  # one line per request end, with its id
                 log.info("request %s: finished (%s)", out.request_id, out.finish_reason)
 

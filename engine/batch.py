@@ -25,6 +25,9 @@ class ForwardBatch:
     page_table: torch.Tensor  # [B, max_pages] int32
     slots: torch.Tensor  # [T] int64, cache slot of each new token's row
     prefix_slots: torch.Tensor  # [P] int64, cache slots of every prefix token (extend only)
+    # [N] int64 packed indices of more tokens whose logits `forward` returns after the last
+    # tokens' (prompt logprobs); None, the default, keeps the lm_head to B rows.
+    extra_logit_index: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -254,11 +254,14 @@ class DeepseekModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        """Runs the batch, writing its new KV rows into `pool`. Returns [B, vocab] fp32."""
+        """Runs the batch, writing its new KV rows into `pool`. Returns [B, vocab] fp32: each
+        sequence's last new token; then [N] more rows for `batch.extra_logit_index` if set."""
         h = self.embed_tokens.index_select(0, batch.input_ids)  # [T, D]
         residual = None
         for idx, layer in enumerate(self.layers):
             h, residual = layer(h, residual, batch, pool.layer(idx))
         last = batch.last_token_index
+        if batch.extra_logit_index is not None:
+            last = torch.cat([last, batch.extra_logit_index])
         x, _ = ops.fused_add_rms_norm(h[last], residual[last], self.norm, self.cfg.rms_norm_eps)
         return ops.linear(x, self.lm_head).float()

@@ -122,6 +122,15 @@ class FirstToken:
     token: int
     prompt_len: int
     stage_ms: dict[str, float] = field(default_factory=dict)  # queue, prefill, transfer
+    # Raw logprobs (`engine.logprobs`), when the sampling asked: the token's own (one entry),
+    # its top ids and their logprobs; with `prompt_logprobs`, the same per prompt token after
+    # the first (prompt_len - 1 entries each).
+    logprob: list[float] = field(default_factory=list)
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_ids: list[list[int]] = field(default_factory=list)
+    prompt_top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -131,6 +140,10 @@ class Tokens:
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | None while running
+    # Raw logprobs when the sampling asked: one entry per token of `token_ids` in each.
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

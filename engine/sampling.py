@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.logprobs import MAX_LOGPROBS
 from engine.penalties import PastTokens, process_logits
 
 MAX_PENALTY = 2.0  # presence and frequency penalties, as OpenAI bounds them
@@ -38,6 +39,9 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens whose probability < min_p * the largest one
     min_tokens: int = 0  # the stop tokens (EOS included unless ignore_eos) wait for this many
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias)
+    # Raw logprobs (`engine.logprobs`): None = off, k = the sampled token's and the top k.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
@@ -65,6 +69,10 @@ class SamplingParams:
                 f"min_tokens must be in [0, max_tokens = {self.max_new_tokens}], "
                 f"got {self.min_tokens}"
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         for token, bias in self.logit_bias:
             if token < 0:
                 raise InvalidRequestError(f"logit_bias: token id {token} is negative")

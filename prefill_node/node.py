@@ -18,11 +18,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from engine.batch import ForwardBatch
 from engine.cluster_config import PrefillNodeConfig, TimeoutConfig
 from engine.errors import DuetError
 from engine.generate import validate_prompt
 from engine.lease import RouterLease
+from engine.logprobs import TokenLogprobs, token_logprobs
 from engine.messaging import Inbox, Outbox, StageTimes
 from engine.model import DeepseekModel
 from engine.penalties import PastTokens
@@ -225,13 +228,18 @@ class PrefillNode:
             [c.start for c in chunks],
             is_decode=False,
         )
+        extra = _prompt_logprob_positions(chunks)
+        if extra:
+            batch.extra_logit_index = torch.tensor([index for index, _, _ in extra])
         try:
-            logits = self.model.forward(batch, self.pool)  # [B, vocab] fp32
+            logits = self.model.forward(batch, self.pool)  # [B (+ N), vocab] fp32
         except Exception as exc:  # fail these requests loudly, keep serving the others
             log.exception("prefill forward failed")
             for chunk in chunks:
                 self._fail(chunk.request, "prefill", f"prefill forward failed: {exc}")
             return
+        if extra:
+            self._add_prompt_logprobs(logits[len(chunks) :], extra)
         for chunk in chunks:
             self._send_chunk(chunk)
         row_of = {id(c.request): i for i, c in enumerate(chunks) if c.is_last}
@@ -243,8 +251,19 @@ class PrefillNode:
                 [r.token_ids for r in finished], params, cfg.eos_token_id, cfg.vocab_size
             )
             tokens = sample(rows, params, [r.generator for r in finished], past)
-            for request, token in zip(finished, tokens, strict=True):
-                self._finish(request, token)
+            logprobs = token_logprobs(rows, tokens, [p.logprobs for p in params])
+            for request, token, lp in zip(finished, tokens, logprobs, strict=True):
+                self._finish(request, token, lp)
+
+    @staticmethod
+    def _add_prompt_logprobs(logits: torch.Tensor, extra: list) -> None:
+        """logits [N, vocab] of the `extra` positions -> each request's prompt logprobs."""
+        targets = [request.token_ids[pos + 1] for _, request, pos in extra]
+        num_top = [request.params.prompt_logprobs for _, request, _ in extra]
+        for (_, request, _), lp in zip(
+            extra, token_logprobs(logits, targets, num_top), strict=True
+        ):
+            request.prompt_logprobs.append(lp)
 
     def _send_chunk(self, chunk: Chunk) -> None:
         request = chunk.request
@@ -260,7 +279,7 @@ class PrefillNode:
             return
         self.kv_bytes_sent += rows.numel() * rows.element_size()
 
-    def _finish(self, request: PrefillRequest, token: int) -> None:
+    def _finish(self, request: PrefillRequest, token: int, lp: TokenLogprobs | None) -> None:
         """Hands the request on: FirstToken to the router, then kv_done to D. In this order the
         router practically always sees the first token before D's next ones (they travel on
         different connections, so the router must still tolerate the reverse)."""
@@ -271,7 +290,7 @@ class PrefillNode:
         }
         for stage, ms in stage_ms.items():
             self.stage_times.add(stage, ms / 1000.0)
-        self.outbox.send(FirstToken(request.request_id, token, request.prompt_len, stage_ms))
+        self.outbox.send(_first_token(request, token, stage_ms, lp))
         log.info(
             "request %s: prefilled %d tokens (queue %.1f ms, prefill %.1f ms) -> %s",
             request.request_id, request.prompt_len, stage_ms["queue"], stage_ms["prefill"],
@@ -340,3 +359,34 @@ class PrefillNode:
 
 def _rendezvous(request: PrefillRequest) -> Rendezvous:
     return Rendezvous(request.request_id, request.room)
+
+
+def _prompt_logprob_positions(chunks: list[Chunk]) -> list[tuple[int, PrefillRequest, int]]:
+    """(packed index, request, prompt position) of every chunk token whose logits give a prompt
+    logprob: those of requests that asked, but the prompt's last (its logits give the output)."""
+    out, offset = [], 0
+    for chunk in chunks:
+        request = chunk.request
+        if request.params.prompt_logprobs is not None:
+            for pos in range(chunk.start, min(chunk.end, request.prompt_len - 1)):
+                out.append((offset + pos - chunk.start, request, pos))
+        offset += chunk.end - chunk.start
+    return out
+
+
+def _first_token(
+    request: PrefillRequest, token: int, stage_ms: dict[str, float], lp: TokenLogprobs | None
+) -> FirstToken:
+    prompt = request.prompt_logprobs
+    return FirstToken(
+        request.request_id,
+        token,
+        request.prompt_len,
+        stage_ms,
+        logprob=[] if lp is None else [lp.logprob],
+        top_ids=[] if lp is None else lp.top_ids,
+        top_logprobs=[] if lp is None else lp.top_logprobs,
+        prompt_logprobs=[p.logprob for p in prompt],
+        prompt_top_ids=[p.top_ids for p in prompt],
+        prompt_top_logprobs=[p.top_logprobs for p in prompt],
+    )

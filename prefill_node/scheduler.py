@@ -18,6 +18,7 @@ from typing import Any
 
 from engine.errors import InvalidRequestError, OutOfPagesError
 from engine.kv_pool import KVPool, PageTable
+from engine.logprobs import TokenLogprobs
 from engine.sampling import SamplingParams
 
 
@@ -43,6 +44,8 @@ class PrefillRequest:
     table: PageTable | None = None
     start_time: float | None = None  # first scheduled
     error: str = ""
+    # With params.prompt_logprobs: one entry per prompt token after the first, chunk by chunk.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:

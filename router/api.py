@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import InvalidRequestError
+from engine.logprobs import MAX_LOGPROBS
 from engine.sampling import SamplingParams
 from router.unknown_fields import CHAT, GENERATION_KINDS, PROMPT, ignored_fields_headers, refusal
 
@@ -329,21 +330,41 @@ def check_common(body: _SamplingFields) -> None:
     if body.n != 1:
         raise _unsupported("n", "only n=1 is supported")
     if isinstance(body, CompletionRequest):
-        if body.echo:
-            raise _unsupported("echo", "echo is not supported")
-        if body.logprobs is not None:
-            raise _unsupported("logprobs", "logprobs are not supported")
+        _check_num_logprobs("logprobs", body.logprobs)
         if body.best_of not in (None, 1):
             raise _unsupported("best_of", "only best_of=1 is supported")
         if body.suffix:
             raise _unsupported("suffix", "suffix is not supported")
     if isinstance(body, ChatCompletionRequest):
-        if body.logprobs or body.top_logprobs:
-            raise _unsupported("logprobs", "logprobs are not supported")
+        _check_num_logprobs("top_logprobs", body.top_logprobs)
+        if body.top_logprobs and not body.logprobs:
+            raise ApiError(
+                400, "top_logprobs: requires logprobs to be true",
+                param="top_logprobs", code="invalid_value",
+            )  # fmt: skip
         if body.tools or body.tool_choice not in (None, "none"):
             raise _unsupported("tools", "tool calls are not supported")
         if body.response_format and body.response_format.get("type") != "text":
             raise _unsupported("response_format", "only the text format is supported")
+
+
+def _check_num_logprobs(param: str, value: int | None) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise ApiError(
+            400, f"{param} must be in [0, {MAX_LOGPROBS}], got {value}",
+            param=param, code="invalid_value",
+        )  # fmt: skip
+
+
+def logprob_fields(body: _SamplingFields) -> dict[str, int | None]:
+    """The SamplingParams logprob fields a request asks for: completions `logprobs: k` (and,
+    with `echo`, the same for the prompt); chat `logprobs: true` with `top_logprobs: k`."""
+    if isinstance(body, CompletionRequest):
+        prompt = body.logprobs if body.echo else None
+        return {"logprobs": body.logprobs, "prompt_logprobs": prompt}
+    if isinstance(body, ChatCompletionRequest) and body.logprobs:
+        return {"logprobs": body.top_logprobs or 0, "prompt_logprobs": None}
+    return {"logprobs": None, "prompt_logprobs": None}
 
 
 def stop_strings(body: _SamplingFields) -> list[str]:
@@ -410,6 +431,7 @@ def sampling_params(
             min_p=0.0 if body.min_p is None else body.min_p,
             min_tokens=min(body.min_tokens, max_new_tokens),
             logit_bias=_logit_bias(body.logit_bias or {}, vocab_size),
+            **logprob_fields(body),
         )
         params.check_vocab(vocab_size)
     except InvalidRequestError as exc:

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.cluster_config import ClusterConfig
+from engine.logprobs import TokenLogprobs
 from engine.protocol import (
     Abort,
     FirstToken,
@@ -369,18 +370,25 @@ class Router(NodeLossRecovery):
         for stage, ms in msg.stage_ms.items():
             self.metrics.stage.labels(stage).observe(ms / 1000)
         tokens, finish = [msg.token, *req.pending_tokens], req.pending_finish
-        req.pending_tokens = []
-        self._emit(req, tokens, finish, now)
+        logprobs = [*_first_logprobs(msg), *req.pending_logprobs]
+        if req.attempt == 0 and req.sampling.prompt_logprobs is not None:
+            req.prompt_logprobs = _logprobs_list(
+                msg.prompt_logprobs, msg.prompt_top_ids, msg.prompt_top_logprobs
+            )
+        req.pending_tokens, req.pending_logprobs = [], []
+        self._emit(req, tokens, finish, now, logprobs)
 
     def _on_tokens(self, msg: Tokens) -> None:
         req = self.requests.get(msg.request_id)
         if req is None or req.is_done:
             return
+        logprobs = _logprobs_list(msg.logprobs, msg.top_ids, msg.top_logprobs)
         if req.state < RequestState.DECODING:  # the decode node beat P's FirstToken here
             req.pending_tokens.extend(msg.token_ids)
+            req.pending_logprobs.extend(logprobs)
             req.pending_finish = msg.finish_reason
             return
-        self._emit(req, msg.token_ids, msg.finish_reason, time.monotonic())
+        self._emit(req, msg.token_ids, msg.finish_reason, time.monotonic(), logprobs)
 
     def _on_request_error(self, msg: RequestError) -> None:
         req = self.requests.get(msg.request_id)
@@ -398,9 +406,18 @@ class Router(NodeLossRecovery):
             self._fail(req, msg.stage, msg.message)
 
     # ---- output ----------------------------------------------------------------------------
-    def _emit(self, req: RouterRequest, tokens: list[int], finish: str | None, now: float) -> None:
-        """Queues tokens for the client; ends the request at a finish (the node's or its own)."""
+    def _emit(
+        self,
+        req: RouterRequest,
+        tokens: list[int],
+        finish: str | None,
+        now: float,
+        logprobs: list[TokenLogprobs] = (),
+    ) -> None:
+        """Queues tokens for the client; ends the request at a finish (the node's or its own).
+        `logprobs`: one per token when the sampling asked (a node that sent fewer sends none)."""
         out, local_finish = req.accept_tokens(tokens, self.max_positions)
+        logprobs = list(logprobs)[: len(out)] if len(logprobs) >= len(out) else []
         if out:
             if req.num_output_tokens > 0:
                 gap = (now - req.timings.last_token) / len(out)
@@ -412,7 +429,7 @@ class Router(NodeLossRecovery):
         final = local_finish or finish
         if not out and final is None:
             return
-        req.events.put_nowait(TokenEvent(out, final))
+        req.events.put_nowait(TokenEvent(out, final, logprobs))
         if final is not None and req.advance(RequestState.FINISHED):
             req.finish_reason = final
             if finish is None:  # ended here before the decode node said so: it must drop it
@@ -476,3 +493,16 @@ def _fingerprint_mismatch(mine: dict[str, Any] | None, theirs: Any) -> str | Non
             if name in theirs and theirs[name] != value:
                 return f"'{key}' is {theirs[name]!r} on the node, {value!r} here"
     return None
+
+
+def _logprobs_list(
+    logprobs: list[float], top_ids: list[list[int]], top_logprobs: list[list[float]]
+) -> list[TokenLogprobs]:
+    """The wire's parallel lists -> one TokenLogprobs per token ([] when they do not align)."""
+    if not (len(logprobs) == len(top_ids) == len(top_logprobs)):
+        return []
+    return [TokenLogprobs(*entry) for entry in zip(logprobs, top_ids, top_logprobs, strict=True)]
+
+
+def _first_logprobs(msg: FirstToken) -> list[TokenLogprobs]:
+    return _logprobs_list(msg.logprob, [msg.top_ids], [msg.top_logprobs])[:1] if msg.logprob else []

@@ -40,6 +40,7 @@ from router.api import (
     stop_strings,
 )
 from router.core import Router, RouterError
+from router.logprobs import LogprobFormatter, merge
 from router.state import ErrorEvent, RouterRequest
 from router.text import TextStream
 
@@ -80,11 +81,14 @@ class RequestFailed(Exception):
 
 @dataclass
 class _Sub:
-    """One prompt of the request: its router request and its output text."""
+    """One prompt of the request: its router request and its output text; with `echo`, the
+    prompt's text and ids, output before the first token; with logprobs, their formatter."""
 
     index: int
     req: RouterRequest
     text: TextStream
+    echo: tuple[str, list[int]] | None = None
+    logprobs: LogprobFormatter | None = None
 
 
 class Serving:
@@ -191,7 +195,7 @@ class Serving:
             sub_id = f"{request_id}-{i}" if prompts.is_batch else request_id
             jobs.append((sub_id, ids, sampling))
         reqs = await self._submit_all(jobs, prompts)
-        subs = [_Sub(i, req, TextStream(self.tokenizer, stop)) for i, req in enumerate(reqs)]
+        subs = [self._sub(i, req, body, stop) for i, req in enumerate(reqs)]
         prompt_lens = tuple(len(ids) for ids in prompts.token_ids)
         fmt = _Format(request_id, self.model.name, chat, prompt_lens, prompts.is_batch)
         if body.stream:
@@ -199,6 +203,21 @@ class Serving:
             stream = self._sse(request, subs, fmt, usage)
             return StreamingResponse(stream, media_type="text/event-stream")
         return JSONResponse(await self._complete(request, subs, fmt))
+
+    def _sub(self, index: int, req: RouterRequest, body: Any, stop: list[str]) -> _Sub:
+        chat = isinstance(body, ChatCompletionRequest)
+        echo = None
+        if not chat and body.echo:
+            prompt = body.prompt if isinstance(body.prompt, str) else None
+            if isinstance(body.prompt, list) and isinstance(body.prompt[0], str):
+                prompt = body.prompt[index]
+            if prompt is None:  # token ids: their text
+                prompt = self.tokenizer.decode(req.prompt_ids)
+            echo = (prompt, req.prompt_ids)
+        formatter = None
+        if req.sampling.logprobs is not None:
+            formatter = LogprobFormatter(self.tokenizer, chat)
+        return _Sub(index, req, TextStream(self.tokenizer, stop), echo, formatter)
 
     def _check_prompt(self, ids: list[int], where: str) -> None:
         try:
@@ -249,32 +268,43 @@ class Serving:
                 self.router.abort(req, reason)
 
     # ---- output -----------------------------------------------------------------------------
-    async def _deltas(self, sub: _Sub) -> AsyncIterator[tuple[str, str | None]]:
-        """(text delta, finish_reason or None) until the request ends; RequestFailed on error."""
+    async def _deltas(self, sub: _Sub) -> AsyncIterator[tuple[str, str | None, dict | None]]:
+        """(text delta, finish_reason or None, logprobs or None) until the request ends;
+        RequestFailed on error. An echoed prompt comes with the first delta."""
         req, text = sub.req, sub.text
+        echo = sub.echo
         async for event in self.router.events(req):
             if isinstance(event, ErrorEvent):
                 raise RequestFailed(sub.index, event)
-            ids = event.token_ids
+            ids, lps = event.token_ids, event.logprobs
             if event.finish_reason == "stop" and ids and ids[-1] in req.stop_ids:
                 ids = ids[:-1]  # the stop token's own text is not output (OpenAI semantics)
             delta = text.push(ids, is_last=event.finish_reason is not None)
+            logprobs = None
+            if sub.logprobs is not None:
+                shown, shown_lps = list(ids), list(lps[: len(ids)]) if len(lps) >= len(ids) else []
+                shown = shown[: len(shown_lps)]
+                if echo is not None and req.prompt_logprobs is not None:
+                    shown, shown_lps = echo[1] + shown, [None, *req.prompt_logprobs] + shown_lps
+                logprobs = sub.logprobs.format(shown, shown_lps)
+            if echo is not None:
+                delta, echo = echo[0] + delta, None
             if text.stopped:
                 self.router.finish_early(req, "stop")
-                yield delta, "stop"
+                yield delta, "stop", logprobs
                 return
-            yield delta, event.finish_reason
+            yield delta, event.finish_reason, logprobs
 
-    async def _merged(self, subs: list[_Sub]) -> AsyncIterator[tuple[int, str, str | None]]:
-        """(prompt index, text delta, finish_reason or None) of every prompt, in the order they
+    async def _merged(self, subs: list[_Sub]) -> AsyncIterator[tuple[int, str, str | None, Any]]:
+        """(prompt index, text delta, finish_reason or None, logprobs or None) of every prompt, in the order they
         arrive, until every prompt has finished; RequestFailed at the first error. One reader
         task per prompt; closing the generator cancels them (the caller aborts what runs)."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def read(sub: _Sub) -> None:
             try:
-                async for delta, finish in self._deltas(sub):
-                    queue.put_nowait((sub.index, delta, finish))
+                async for delta, finish, logprobs in self._deltas(sub):
+                    queue.put_nowait((sub.index, delta, finish, logprobs))
                 queue.put_nowait(None)  # this prompt is done
             except Exception as exc:  # RequestFailed, or a bug: raised to the consumer
                 queue.put_nowait(exc)
@@ -300,9 +330,9 @@ class Serving:
             if fmt.chat:
                 yield _sse_event(fmt.chunk(0, {"role": "assistant", "content": ""}, None))
             async with contextlib.aclosing(self._merged(subs)) as events:
-                async for index, delta, finish in events:
-                    if delta or finish:
-                        yield _sse_event(fmt.chunk(index, delta, finish))
+                async for index, delta, finish, logprobs in events:
+                    if delta or finish or logprobs:
+                        yield _sse_event(fmt.chunk(index, delta, finish, logprobs))
             if usage:
                 yield _sse_event(fmt.usage_chunk([s.req.num_output_tokens for s in subs]))
         except RequestFailed as exc:
@@ -323,11 +353,14 @@ class Serving:
         reason = "client disconnected"
         parts: list[list[str]] = [[] for _ in subs]
         finishes: list[str | None] = [None] * len(subs)
+        logprobs: list[list[dict]] = [[] for _ in subs]
         try:
             async with contextlib.aclosing(self._merged(subs)) as events:
-                async for index, delta, finish in events:
+                async for index, delta, finish, lps in events:
                     parts[index].append(delta)
                     finishes[index] = finish or finishes[index]
+                    if lps is not None:
+                        logprobs[index].append(lps)
         except RequestFailed as exc:
             reason = "another prompt of the request failed"
             raise fmt.error(exc) from None
@@ -335,7 +368,8 @@ class Serving:
             watcher.cancel()
             self._abort_all([s.req for s in subs], reason)
         texts = ["".join(p) for p in parts]
-        return fmt.full(texts, finishes, [s.req.num_output_tokens for s in subs])
+        merged = [merge(lps) if s.logprobs else None for s, lps in zip(subs, logprobs, strict=True)]
+        return fmt.full(texts, finishes, [s.req.num_output_tokens for s in subs], merged)
 
     async def _abort_on_disconnect(self, request: Request, subs: list[_Sub]) -> None:
         """Waits for the client to go away (the body is already read, so the next ASGI message
@@ -401,12 +435,19 @@ class _Format:
             "total_tokens": num_prompt + num_output,
         }
 
-    def chunk(self, index: int, delta: str | dict[str, str], finish: str | None) -> dict[str, Any]:
+    def chunk(
+        self,
+        index: int,
+        delta: str | dict[str, str],
+        finish: str | None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         if self.chat:
             content = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
-            choice = {"index": index, "delta": content, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": content, "logprobs": logprobs}
+            choice["finish_reason"] = finish
             return {**self._base("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": index, "text": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
         return {**self._base("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, num_outputs: list[int]) -> dict[str, Any]:
@@ -414,17 +455,21 @@ class _Format:
         return {**self._base(obj), "choices": [], "usage": self.usage(num_outputs)}
 
     def full(
-        self, texts: list[str], finishes: list[str | None], num_outputs: list[int]
+        self,
+        texts: list[str],
+        finishes: list[str | None],
+        num_outputs: list[int],
+        logprobs: list[dict[str, Any] | None],
     ) -> dict[str, Any]:
         if self.chat:
             message = {"role": "assistant", "content": texts[0]}
-            choice = {"index": 0, "message": message, "logprobs": None}
+            choice = {"index": 0, "message": message, "logprobs": logprobs[0]}
             choices = [{**choice, "finish_reason": finishes[0]}]
             base = self._base("chat.completion")
         else:
             choices = [
-                {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
-                for i, (text, finish) in enumerate(zip(texts, finishes, strict=True))
+                {"index": i, "text": text, "logprobs": lps, "finish_reason": finish}
+                for i, (text, finish, lps) in enumerate(zip(texts, finishes, logprobs, strict=True))
             ]
             base = self._base("text_completion")
         return {**base, "choices": choices, "usage": self.usage(num_outputs)}

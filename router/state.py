@@ -21,6 +21,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.logprobs import TokenLogprobs
 from engine.sampling import SamplingParams
 
 
@@ -39,10 +40,12 @@ class RequestState(enum.IntEnum):
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """New output tokens; `finish_reason` ("stop" | "length") on the last one."""
+    """New output tokens; `finish_reason` ("stop" | "length") on the last one. `logprobs`: one
+    per token when the sampling asked for them (else empty)."""
 
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,9 @@ class RouterRequest:
     error: ErrorEvent | None = None
     pending_tokens: list[int] = field(default_factory=list)  # D's tokens that beat P's first
     pending_finish: str | None = None
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # The first attempt's prompt logprobs (tokens after the first), when asked; None until then.
+    prompt_logprobs: list[TokenLogprobs] | None = None
     timings: RequestTimings = field(default_factory=RequestTimings)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
 
@@ -123,7 +129,14 @@ class RouterRequest:
         done = self.num_output_tokens
         remaining = max(1, self.sampling.max_new_tokens - done)
         min_tokens = min(remaining, max(0, self.sampling.min_tokens - done))
-        return dataclasses.replace(self.sampling, max_new_tokens=remaining, min_tokens=min_tokens)
+        # A later attempt's prompt holds the output too: prompt logprobs come from the first.
+        prompt_logprobs = self.sampling.prompt_logprobs if self.attempt == 0 else None
+        return dataclasses.replace(
+            self.sampling,
+            max_new_tokens=remaining,
+            min_tokens=min_tokens,
+            prompt_logprobs=prompt_logprobs,
+        )
 
     def restart(self, room: int) -> None:
         """Starts a new attempt (RESERVING, nodes unassigned). Only for a request that is not
@@ -136,6 +149,7 @@ class RouterRequest:
         self.kv_endpoint = ""
         self.reserved_pages = 0
         self.pending_tokens, self.pending_finish = [], None
+        self.pending_logprobs = []
 
     @property
     def is_done(self) -> bool:

@@ -46,10 +46,9 @@ NOT_IMPLEMENTED: dict[str, tuple[str, tuple[Any, ...], str]] = {
     "structured_outputs": (SAMPLING, (None,), "structured output is not supported"),
     # what the response holds
     "response_format": (OUTPUT, (None, {"type": "text"}), "only the text format is supported"),
-    "echo": (OUTPUT, (None, False), "echo is not supported"),
+    "echo": (OUTPUT, (None, False), "echo is only supported on /v1/completions"),
     "suffix": (OUTPUT, (None, ""), "suffix is not supported"),
-    "top_logprobs": (OUTPUT, (None, 0), "logprobs are not supported"),
-    "prompt_logprobs": (OUTPUT, (None,), "logprobs are not supported"),
+    "prompt_logprobs": (OUTPUT, (None,), "use echo with logprobs on /v1/completions"),
     "return_token_ids": (OUTPUT, (None, False), "return_token_ids is not supported"),
     "include_stop_str_in_output": (OUTPUT, (None, False), "stop strings are never included"),
     "skip_special_tokens": (OUTPUT, (None, True), "special tokens are always skipped"),

@@ -36,6 +36,9 @@ class Seen:
     token_ids: list[int] = field(default_factory=list)  # after the first token
     finish_reason: str | None = None
     errors: list[RequestError] = field(default_factory=list)
+    first: FirstToken | None = None  # P's message, with its logprobs
+    logprobs: list[float] = field(default_factory=list)  # D's, one per token after the first
+    top_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def output(self) -> list[int]:
@@ -131,10 +134,13 @@ class Pair:
                 self.heartbeats.append(msg)
             elif isinstance(msg, FirstToken):
                 self.seen[msg.request_id].first_token = msg.token
+                self.seen[msg.request_id].first = msg
             elif isinstance(msg, Tokens):
                 seen = self.seen[msg.request_id]
                 assert seen.finish_reason is None, f"tokens after the finish of {msg.request_id}"
                 seen.token_ids += msg.token_ids
+                seen.logprobs += msg.logprobs
+                seen.top_ids += msg.top_ids
                 seen.finish_reason = msg.finish_reason
             elif isinstance(msg, RequestError):
                 self.seen[msg.request_id].errors.append(msg)

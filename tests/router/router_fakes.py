@@ -188,7 +188,7 @@ class FakeCluster(threading.Thread):
             if self.tokens_before_first:
                 self.running[msg.request_id] = run
                 self._tick_decode(now, only=msg.request_id)
-            self._send(node, FirstToken(msg.request_id, first, len(msg.token_ids), {"queue": 1.0}))
+            self._send(node, _first_token(msg, first))
             if not self.tokens_before_first:
                 self.running[msg.request_id] = run
 
@@ -218,7 +218,7 @@ class FakeCluster(threading.Thread):
             token = self.script[run.num_sent % len(self.script)]
             run.num_sent += 1
             finish = self._finish_of(run, token)
-            self._send(run.node, Tokens(rid, [token], finish))
+            self._send(run.node, Tokens(rid, [token], finish, **_tokens_logprobs(run, token)))
             run.next_at = now + self.token_interval_s
             if finish:
                 self._end(rid, run)
@@ -286,3 +286,33 @@ class RouterServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+def fake_logprobs(token: int, k: int) -> tuple[float, list[int], list[float]]:
+    """What the fakes send as a token's logprobs: -0.25, then tokens token..token+k-1 at
+    -0.25, -1.25, ... (the chosen token first)."""
+    return -0.25, [(token + j) % 256 for j in range(k)], [-0.25 - j for j in range(k)]
+
+
+def _first_token(msg: Prefill, token: int) -> FirstToken:
+    k, prompt_k = msg.sampling.get("logprobs"), msg.sampling.get("prompt_logprobs")
+    extra = {}
+    if k is not None:
+        lp, ids, lps = fake_logprobs(token, k)
+        extra.update(logprob=[lp], top_ids=ids, top_logprobs=lps)
+    if prompt_k is not None:
+        entries = [fake_logprobs(t, prompt_k) for t in msg.token_ids[1:]]
+        extra.update(
+            prompt_logprobs=[e[0] for e in entries],
+            prompt_top_ids=[e[1] for e in entries],
+            prompt_top_logprobs=[e[2] for e in entries],
+        )
+    return FirstToken(msg.request_id, token, len(msg.token_ids), {"queue": 1.0}, **extra)
+
+
+def _tokens_logprobs(run: _Running, token: int) -> dict:
+    k = run.sampling.get("logprobs")
+    if k is None:
+        return {}
+    lp, ids, lps = fake_logprobs(token, k)
+    return {"logprobs": [lp], "top_ids": [ids], "top_logprobs": [lps]}

@@ -505,8 +505,14 @@ def test_fields_that_would_change_the_result_are_refused(make_cluster, path, fie
     "body,status,param",
     [
         ({"prompt": "x", "n": 2}, 400, "n"),
-        ({"prompt": "x", "logprobs": 1}, 400, "logprobs"),
-        ({"prompt": "x", "echo": True}, 400, "echo"),
+        ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+        ({"prompt": "x", "logprobs": -1}, 400, "logprobs"),
+        (
+            {"messages": [{"role": "user"}], "logprobs": True, "top_logprobs": 21},
+            400,
+            "top_logprobs",
+        ),
+        ({"messages": [{"role": "user"}], "top_logprobs": 2}, 400, "top_logprobs"),
         ({"prompt": "x", "best_of": 2}, 400, "best_of"),
         (
             {"messages": [{"role": "user"}], "response_format": {"type": "json_object"}},

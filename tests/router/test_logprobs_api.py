@@ -1,0 +1,153 @@
+"""Logprobs in the OpenAI response shapes, through the official openai client: completions
+(`logprobs: k`, with `echo` the prompt's too) and chat (`logprobs`, `top_logprobs`), streamed and
+not. The fake nodes send `router_fakes.fake_logprobs`, so every value here is known."""
+
+import dataclasses
+
+import openai
+import pytest
+from router_fakes import FakeCluster, RouterServer, fake_config, fake_logprobs
+
+from engine.tiny_model import ensure_tiny_model
+from engine.tokenizer import Tokenizer
+
+SCRIPT_TEXT = "The quick brown fox jumps over the lazy dog."
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer(ensure_tiny_model())
+
+
+@pytest.fixture(scope="module")
+def server(tok):
+    cfg = fake_config()
+    cfg = dataclasses.replace(
+        cfg, decode=tuple(dataclasses.replace(d, num_pages=256) for d in cfg.decode)
+    )
+    fakes = FakeCluster(cfg, tok.encode(SCRIPT_TEXT), eos_id=tok.eos_token_ids[0])
+    fakes.start()
+    srv = RouterServer(cfg, str(ensure_tiny_model()))
+    srv.start()
+    yield srv
+    srv.stop()
+    fakes.stop()
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=20)
+
+
+def text_of(tok, token: int) -> str:
+    return tok.decode([token], skip_special_tokens=False)
+
+
+def merged_completion_logprobs(chunks) -> dict:
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                for key in out:
+                    out[key] += getattr(choice.logprobs, key)
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("echo", [False, True])
+def test_completion_logprobs(server, tok, stream, echo):
+    prompt_ids = tok.encode_prompt("Hello there")
+    script = tok.encode(SCRIPT_TEXT)
+    out = client(server).completions.create(
+        model="tiny-model", prompt="Hello there", max_tokens=5, temperature=0.0,
+        logprobs=3, echo=echo, stream=stream,
+    )  # fmt: skip
+    if stream:
+        chunks = list(out)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        lp = merged_completion_logprobs(chunks)
+    else:
+        text = out.choices[0].text
+        lp = out.choices[0].logprobs.model_dump()
+    output = tok.decode(script[:5])
+    assert text == (("Hello there" + output) if echo else output)
+    ids = (prompt_ids if echo else []) + script[:5]
+    assert lp["tokens"] == [text_of(tok, t) for t in ids]
+    offsets = [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(ids))]
+    assert lp["text_offset"] == offsets
+    for i, token in enumerate(ids):
+        if echo and i == 0:  # the first prompt token has no logprob
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            continue
+        logprob, top_ids, top_lps = fake_logprobs(token, 3)
+        assert lp["token_logprobs"][i] == logprob
+        want = {}
+        for t, v in zip(top_ids, top_lps, strict=True):
+            want.setdefault(text_of(tok, t), v)  # ids of one text: the likelier's value
+        want.setdefault(text_of(tok, token), logprob)  # k alternatives plus the chosen token
+        assert lp["top_logprobs"][i] == want
+
+
+def test_completion_without_logprobs_has_none(server):
+    out = client(server).completions.create(model="tiny-model", prompt="Hi", max_tokens=2)
+    assert out.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("top", [None, 2])
+def test_chat_logprobs(server, tok, stream, top):
+    script = tok.encode(SCRIPT_TEXT)
+    out = client(server).chat.completions.create(
+        model="tiny-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+        temperature=0.0, logprobs=True, top_logprobs=top, stream=stream,
+    )  # fmt: skip
+    if stream:
+        content = [e for c in out if c.choices and c.choices[0].logprobs
+                   for e in c.choices[0].logprobs.content]  # fmt: skip
+    else:
+        content = out.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry, token in zip(content, script[:4], strict=True):
+        logprob, top_ids, top_lps = fake_logprobs(token, top or 0)
+        assert entry.token == text_of(tok, token)
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert entry.logprob == logprob
+        assert [(t.token, t.logprob) for t in entry.top_logprobs] == [
+            (text_of(tok, t), v) for t, v in zip(top_ids, top_lps, strict=True)
+        ]
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ],
+)
+def test_bad_logprob_requests_are_400(server, path, body, param):
+    import httpx
+
+    if path.endswith("chat/completions"):
+        body = {"messages": [{"role": "user", "content": "Hi"}], **body}
+    r = httpx.post(server.url + path, json=body, timeout=10)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param)
+    if param in ("logprobs", "top_logprobs") and "21" in r.text:
+        assert "[0, 20]" in error["message"]
+
+
+def test_a_moved_request_keeps_logprobs_but_asks_prompt_logprobs_only_once():
+    from engine.sampling import SamplingParams
+    from router.state import RouterRequest
+
+    params = SamplingParams(max_new_tokens=8, logprobs=2, prompt_logprobs=2)
+    req = RouterRequest("r", 1, [1, 2, 3], params, frozenset())
+    assert req.attempt_sampling.prompt_logprobs == 2
+    req.state = req.state.__class__.DECODING
+    req.restart(room=2)
+    assert req.attempt_sampling.logprobs == 2  # the new attempt's first token has its logprob
+    assert req.attempt_sampling.prompt_logprobs is None  # its prompt holds the output too
