@@ -41,6 +41,9 @@ def cluster(tmp_path_factory):
         up.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=120
     )
     assert r.status_code == 200  # the histograms have samples from here on
+    # the decode node's heartbeat after that request shows its pages free again
+    used = lambda: up.metric("duet_kv_pages_used", node="decode-0", role="decode")  # noqa: E731
+    assert wait_until(lambda: used() == 0, 30)
     yield up
     up.stop()
 

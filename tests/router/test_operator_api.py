@@ -102,7 +102,8 @@ def test_cluster_lists_every_configured_node_with_pages_from_heartbeats(make_clu
         assert entry["status"] == "ready" and entry["error"] is None
         assert entry["threads"] == node.threads and entry["device"] == "cpu"
         assert entry["quantization"] == "bf16" and entry["draining"] is False
-        assert 0 <= entry["last_heartbeat_s"] < 1.0  # heartbeats every 0.1 s
+        # a fresh age: a node silent past node_timeout_s (+ a watchdog period) would be dead
+        assert 0 <= entry["last_heartbeat_s"] < cfg.timeouts.node_timeout_s + 0.5
     assert [nodes[p]["role"] for p in ("p0", "p1", "d0")] == ["prefill", "prefill", "decode"]
     assert nodes["d0"]["kv_endpoint"] == cfg.decode[0].kv_endpoint
     assert nodes["p0"]["kv_endpoint"] is None and nodes["p0"]["kv_pages"] is None
