@@ -12,20 +12,7 @@ import openai
 import pytest
 from router_fakes import FakeCluster, RouterServer, fake_config
 
-from engine.tiny_model import ensure_tiny_model
-from engine.tokenizer import Tokenizer
-
 SCRIPT_TEXT = "The quick brown fox jumps over the lazy dog. 日本語 🚀 done."
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return str(ensure_tiny_model())
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return Tokenizer(model_dir)
 
 
 @pytest.fixture

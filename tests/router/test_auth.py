@@ -16,23 +16,11 @@ from router_fakes import FakeCluster, RouterServer, fake_config
 import router.auth
 from engine.cluster_config import ClusterConfig, SecurityConfig
 from engine.errors import ConfigError
-from engine.tiny_model import ensure_tiny_model
-from engine.tokenizer import Tokenizer
 from router.__main__ import build_app
 from router.auth import ApiKeys, KeyLimiter, read_key_file
 
 KEYS = ("sk-alpha", "sk-beta")
 SCRIPT_TEXT = "One two three four five six seven eight nine ten."
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return str(ensure_tiny_model())
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return Tokenizer(model_dir)
 
 
 @pytest.fixture

@@ -15,22 +15,10 @@ from router_fakes import FakeCluster, RouterServer, fake_config
 from deploy.cli import main as duet
 from deploy.local_cluster import dump_toml, free_port
 from engine.cluster_config import ClusterConfig, SecurityConfig
-from engine.tiny_model import ensure_tiny_model
-from engine.tokenizer import Tokenizer
 from engine.version import package_version
 
 SCRIPT_TEXT = "The quick brown fox jumps over the lazy dog, again and again and again."
 API_KEY = "operator-key-1"
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return str(ensure_tiny_model())
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return Tokenizer(model_dir)
 
 
 @pytest.fixture

@@ -22,8 +22,6 @@ from hypothesis import strategies as st
 from router_fakes import FakeCluster, RouterServer, fake_config
 
 from engine.protocol import RequestError
-from engine.tiny_model import ensure_tiny_model
-from engine.tokenizer import Tokenizer
 
 SCRIPT_TEXT = "The quick brown fox jumps over the lazy dog. 日本語 🚀 done."
 CONTEXT = 512  # the tiny model's max_position_embeddings
@@ -44,16 +42,6 @@ class OneFails(FakeCluster):
                 self._send(run.node, RequestError(rid, "decode", "fake decode failure"))
                 self._end(rid, run)
         super()._tick_decode(now, only)
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return str(ensure_tiny_model())
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return Tokenizer(model_dir)
 
 
 @pytest.fixture
