@@ -185,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_passthrough(sub, "up", "run a whole cluster on this machine", "deploy.local_cluster:main")
     _add_passthrough(sub, "status", "every node as the router sees it", "deploy.status:main")
+    _add_passthrough(sub, "plan", "the xPyD layout that meets an SLA", "deploy.plan:main")
     _add_passthrough(sub, "k8s", "Kubernetes manifests of a cluster", "deploy.k8s_render:main")
     return parser
 
