@@ -6,11 +6,13 @@ such text at each space, so a sequence of k word tokens encodes to exactly those
 prompt's token length is exact, not approximate, and a random sequence shares no prefix with
 another one (no accidental prefix-cache hits).
 
-Two datasets:
+Three datasets:
 - `random`: every request has `input_len` prompt tokens and `output_len` output tokens;
 - `synthetic-chat`: log-normal input and output lengths with medians `input_len` and
   `output_len` and a long right tail (a few requests several times the median), the shape of
-  ShareGPT's conversation lengths; sent as one user message to the chat endpoint by default.
+  ShareGPT's conversation lengths; sent as one user message to the chat endpoint by default;
+- `shared-prefix`: the synthetic chat mix behind one shared prefix of `prefix_len` tokens (a
+  long system prompt every conversation starts with): what a prefix cache is for.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import numpy as np
 from engine.errors import ConfigError
 from engine.tokenizer import Tokenizer
 
-DATASETS = ("random", "synthetic-chat")
+DATASETS = ("random", "synthetic-chat", "shared-prefix")
+DEFAULT_PREFIX_LEN = 1024
 # Log-normal shape of the synthetic chat mix (sigma of log length), and the tail cut-off in
 # multiples of the median; ShareGPT's input lengths spread about this wide.
 CHAT_INPUT_SIGMA, CHAT_OUTPUT_SIGMA = 1.0, 0.8
@@ -121,8 +124,10 @@ def make_requests(
     input_len: int,
     output_len: int,
     seed: int = 0,
+    prefix_len: int = DEFAULT_PREFIX_LEN,
 ) -> list[BenchRequest]:
-    """The request list of a benchmark run (deterministic in `seed`)."""
+    """The request list of a benchmark run (deterministic in `seed`); `prefix_len` is the shared
+    prefix of `shared-prefix` (ignored by the others)."""
     if dataset not in DATASETS:
         raise ConfigError(f"unknown dataset {dataset!r} (choose from {', '.join(DATASETS)})")
     if num_prompts < 1 or input_len < 1 or output_len < 1:
@@ -130,4 +135,13 @@ def make_requests(
     maker = PromptMaker(tokenizer, seed)
     if dataset == "random":
         return random_requests(maker, num_prompts, input_len, output_len)
-    return synthetic_chat_requests(maker, num_prompts, input_len, output_len, seed)
+    if dataset == "synthetic-chat":
+        return synthetic_chat_requests(maker, num_prompts, input_len, output_len, seed)
+    if prefix_len < 1:
+        raise ConfigError("prefix_len must be >= 1")
+    prefix = maker.prompt(prefix_len)
+    # Word tokens split at their leading space: prefix + suffix encodes to both id lists joined.
+    return [
+        BenchRequest(prefix + r.prompt, prefix_len + r.prompt_len, r.output_len)
+        for r in synthetic_chat_requests(maker, num_prompts, input_len, output_len, seed)
+    ]

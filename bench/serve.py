@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.datasets import DATASETS, BenchRequest, make_requests
+from bench.datasets import DATASETS, DEFAULT_PREFIX_LEN, BenchRequest, make_requests
 from bench.serve_metrics import RequestRecord, format_table, summarize
 from engine.errors import ConfigError, DuetError
 
@@ -246,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", choices=DATASETS, default="random")
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens (chat: median)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens (chat: median)")
+    p.add_argument("--prefix-len", type=int, default=DEFAULT_PREFIX_LEN,
+                   help="shared-prefix: tokens of the prefix every prompt starts with")  # fmt: skip
     p.add_argument("--endpoint", choices=("auto", "completions", "chat"), default="auto",
                    help="auto: chat for synthetic-chat, completions for random")  # fmt: skip
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
@@ -287,7 +289,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.timeout <= 0 or args.ttft_ms <= 0 or args.tpot_ms <= 0:
         raise ConfigError("--timeout, --ttft-ms and --tpot-ms must be positive")
     if args.endpoint == "auto":
-        args.endpoint = "chat" if args.dataset == "synthetic-chat" else "completions"
+        args.endpoint = "completions" if args.dataset == "random" else "chat"
     if args.out is None:
         args.out = str(Path("bench-results") / time.strftime("serve-%Y%m%d-%H%M%S"))
     return args
@@ -304,7 +306,7 @@ def run(args: argparse.Namespace, tokenizer=None) -> dict[str, Any]:
     """Run one benchmark from resolved arguments; write OUT; return the summary."""
     tokenizer = tokenizer or load_tokenizer(args.tokenizer)
     requests = make_requests(tokenizer, args.dataset, args.num_prompts, args.input_len,
-                             args.output_len, args.seed)  # fmt: skip
+                             args.output_len, args.seed, args.prefix_len)  # fmt: skip
     model = args.model or asyncio.run(_model_name(args.url))
     target = Target(args.url, args.endpoint == "chat", model, args.ignore_eos,
                     args.temperature, args.timeout)  # fmt: skip

@@ -6,6 +6,9 @@ Definitions (those of `vllm bench serve`):
 - TPOT: (latency - TTFT) / (output tokens - 1), per request with more than one output token;
 - E2E: request sent -> stream finished;
 - SLA met: the request succeeded, TTFT <= ttft_ms and (TPOT <= tpot_ms or one output token);
+- rejected: refused at admission (HTTP 503 or 429: the server said "not now", nothing ran);
+  SLA attainment of admitted requests = SLA met / (requests - rejected), what SLA admission
+  control is judged by;
 - goodput: requests that met the SLA per second of benchmark duration;
 - throughputs: successful requests, their prompt tokens and output tokens, per second.
 Percentiles are numpy's (linear interpolation) over successful requests only.
@@ -20,6 +23,7 @@ from typing import Any
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
+REJECTIONS = ("http_503", "http_429")  # error kinds of a request refused at admission
 
 
 @dataclasses.dataclass
@@ -62,6 +66,8 @@ def summarize(
     ok = [r for r in records if r.ok]
     met = sum(r.met_sla(ttft_ms, tpot_ms) for r in records)
     errors = Counter(r.error for r in records if not r.ok)
+    rejected = sum(errors.get(kind, 0) for kind in REJECTIONS)
+    admitted = len(records) - rejected
     duration_s = max(duration_s, 1e-9)
     return {
         "num_requests": len(records),
@@ -81,6 +87,8 @@ def summarize(
         "sla": {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms},
         "sla_met": met,
         "sla_attainment": met / len(records) if records else 0.0,
+        "rejected": rejected,
+        "sla_attainment_admitted": met / admitted if admitted else 0.0,
         "goodput": met / duration_s,
     }
 
@@ -110,6 +118,9 @@ def format_table(summary: dict[str, Any], title: str = "Serving benchmark") -> s
     sla = summary["sla"]
     row(f"SLA (TTFT <= {sla['ttft_ms']:g} ms, TPOT <= {sla['tpot_ms']:g} ms) met",
         f"{summary['sla_met']} ({100 * summary['sla_attainment']:.1f}%)")  # fmt: skip
+    if summary.get("rejected"):
+        row("Rejected at admission (503/429)", str(summary["rejected"]))
+        row("SLA met among admitted", f"{100 * summary['sla_attainment_admitted']:.1f}%")
     row("Goodput (req/s)", _fmt(summary["goodput"], 3))
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"),
                       ("e2e_ms", "E2E latency")):  # fmt: skip

@@ -75,6 +75,18 @@ def test_synthetic_chat_requests(tok):
         assert 1 <= r.output_len <= CHAT_TAIL * 8
 
 
+def test_shared_prefix_requests(tok):
+    reqs = make_requests(tok, "shared-prefix", 12, 24, 8, seed=2, prefix_len=64)
+    ids = [tok.encode(r.prompt) for r in reqs]
+    prefix = ids[0][:64]
+    for r, encoded in zip(reqs, ids, strict=True):
+        assert len(encoded) == r.prompt_len > 64
+        assert encoded[:64] == prefix  # every prompt starts with the same 64 tokens
+    assert len({tuple(e[64:72]) for e in ids}) == len(reqs)  # and goes on differently
+    with pytest.raises(ConfigError, match="prefix_len"):
+        make_requests(tok, "shared-prefix", 1, 8, 1, prefix_len=0)
+
+
 def test_bad_input(tok):
     with pytest.raises(ConfigError, match="unknown dataset"):
         make_requests(tok, "sharegpt", 1, 1, 1)

@@ -118,12 +118,24 @@ def test_errors_counted_by_kind(tmp_path):
     assert len(failed) == 6 and all(r["met_sla"] is False for r in failed)
     assert {r["error_message"] for r in failed if r["error"] == "http_503"} == {"overloaded (busy)"}
     assert summary["sla_met"] == 0 and summary["goodput"] == 0.0
+    assert summary["rejected"] == 4 and summary["sla_attainment_admitted"] == 0.0
     # Statistics cover the completed requests only.
     ok = [r for r in records if r["ok"]]
     assert summary["ttft_ms"]["p99"] == pytest.approx(
         np.percentile([r["ttft_s"] * 1e3 for r in ok], 99)
     )
     check_png(tmp_path / "timeline.png")
+
+
+def test_attainment_of_admitted_requests(tmp_path):
+    """Requests refused with 503 count against attainment, not against that of the admitted."""
+    app, _ = make_app(FakeBehavior(ttft_s=0.001, itl_s=0.001, http_error_every=4))
+    with ServerThread(app) as server:
+        summary, _ = run_bench(server.url, tmp_path, "--num-prompts", "20", "--input-len", "4",
+                               "--output-len", "3", "--ttft-ms", "5000", "--tpot-ms", "5000")  # fmt: skip
+    assert summary["rejected"] == 5 and summary["completed"] == 15 and summary["sla_met"] == 15
+    assert summary["sla_attainment"] == pytest.approx(0.75)
+    assert summary["sla_attainment_admitted"] == 1.0
 
 
 def test_timeouts_and_unreachable_server(tmp_path, capsys):
