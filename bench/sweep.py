@@ -3,7 +3,8 @@ it starts itself, one cluster config after another, and one chart comparing them
 
 For each `--config FILE`: start `duet up --config FILE [--model DIR]` (its output goes to
 OUT/<label>/cluster.log), poll GET /health on the config's router until every node is ready, run
-`bench-serve` once per rate (outputs in OUT/<label>/rate-<R>/), stop the cluster (SIGINT, the
+`bench-serve` once per rate (outputs in OUT/<label>/rate-<R>/; meanwhile /metrics is polled for
+the decode streams running at once, `bench.occupancy`), stop the cluster (SIGINT, the
 Ctrl-C `duet up` handles; SIGTERM then SIGKILL to its process group if it lingers). Then write
 OUT/sweep.json and OUT/sweep.png (goodput, p99 TTFT, p99 TPOT against the rate).
 
@@ -33,6 +34,7 @@ from typing import Any
 import httpx
 
 from bench import serve
+from bench.occupancy import OccupancyWatcher
 from engine.cluster_config import ClusterConfig
 from engine.errors import ConfigError, DuetError
 
@@ -200,7 +202,10 @@ def run_sweep(
                 name = f"{'rate' if args.rates else 'concurrency'}-{point:g}"
                 argv = _point_argv(args, config, point, out / label / name, serve_argv)
                 point_args = serve.resolve(serve.build_parser().parse_args(argv))
-                summary = serve.run(point_args, tokenizer)
+                metrics = f"http://{cfg.router.host}:{cfg.router.port}/metrics"
+                with OccupancyWatcher(metrics) as watcher:
+                    summary = serve.run(point_args, tokenizer)
+                summary["decode_running"] = watcher.summary()
                 results[label].append({"x": point, "summary": summary})
                 print(f"{label} {name}: {_brief(summary)}", flush=True)
     return results
@@ -212,7 +217,8 @@ def _brief(s: dict[str, Any]) -> str:
 
     return (f"{s['completed']}/{s['num_requests']} ok, goodput {s['goodput']:.3f} req/s, "
             f"p99 TTFT {ms(s['ttft_ms']['p99'])} ms, p99 TPOT {ms(s['tpot_ms']['p99'])} ms, "
-            f"{s['output_throughput']:.1f} out tok/s")  # fmt: skip
+            f"{s['output_throughput']:.1f} out tok/s, decode streams peak "
+            f"{s.get('decode_running', {}).get('peak', 0):g}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None, up_command: Sequence[str] = DUET_UP) -> int:
