@@ -172,7 +172,11 @@ class DecodeScheduler:
         worst = kv_reservation.worst_case_tokens(
             prompt_len, params.max_new_tokens, self.max_position
         )
-        if self._pages(worst) > self.pool.num_pages:
+        if (
+            self.reservation == kv_reservation.ON_DEMAND
+            and self._pages(worst) > self.pool.num_pages
+        ):
+            # (worst_case reserves all of it now: the plain "no room" below says the same)
             return None, (
                 f"cannot fit at all: needs {self._pages(worst)} KV pages to finish, the pool "
                 f"has {self.pool.num_pages}"

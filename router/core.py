@@ -206,13 +206,15 @@ class Router(NodeLossRecovery):
         max_new = req.attempt_sampling.max_new_tokens
         deadline = time.monotonic() + max(self.t.reserve_s, wait_for_room_s)
         refusals = []
+        worst = min(num_prompt + max_new, self.max_positions)
         while True:
-            ready = self.nodes.ready("decode")
-            # Each node reserves by its own rule (on_demand or worst_case); the policy ranks by
-            # the smallest (the nodes normally share one), and each node is held for its own.
+            # A node never admits what could not finish in its whole pool; each reserves by its
+            # own rule (on_demand or worst_case): the policy ranks by the smallest (the nodes
+            # normally share one), and each node is held for its own.
+            ready = [n for n in self.nodes.ready("decode") if n.pages_for(worst) <= n.total_pages]
             num_tokens = min(
                 (n.reservation_tokens(num_prompt, max_new, self.max_positions) for n in ready),
-                default=min(num_prompt + max_new, self.max_positions),
+                default=worst,
             )
             candidates = self.policy.rank_decode(ready, num_tokens)
             refusals = []

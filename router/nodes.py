@@ -110,7 +110,9 @@ class NodeRegistry:
             mode = info.get("kv_reservation", node.kv_reservation)
             if mode in KV_RESERVATION_MODES:  # an older node sends none: keep the config's
                 node.kv_reservation = mode
-                node.kv_headroom_tokens = int(info.get("kv_headroom_tokens", 0))
+                node.kv_headroom_tokens = int(
+                    info.get("kv_headroom_tokens", node.kv_headroom_tokens)
+                )
 
     def on_heartbeat(self, node: NodeState, hb: Heartbeat) -> bool:
         """Records the heartbeat; True if it revived a node (first sign of life or back from dead).
