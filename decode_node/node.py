@@ -4,8 +4,10 @@
 the KV receiver (`kvtransfer`), so tests run the same loop with in-process queues and receiver.
 
 Every reserved request ends in exactly one of: Tokens with a finish_reason (finished),
-RequestError (failed: refused KV, timeout), or silence after an Abort from the router (or
-after its router's lease lapsed: `engine.lease`). SIGTERM drains: no new reservations, the held
+RequestError (failed: refused KV, timeout), Preempted (the pool ran out under on-demand
+reservation: `decode_node.scheduler`; sent after the request's Tokens, the router re-prefills
+it), or silence after an Abort from the router (or after its router's lease lapsed:
+`engine.lease`). SIGTERM drains: no new reservations, the held
 requests finish (for at most `drain_s`), then the loop stops. Its pages
 are freed on every path in the step that ends it; while its KV is in flight they are lent to
 the receiver, and the loop takes them back (`cancel`) before freeing them. A request given up on
@@ -36,6 +38,7 @@ from engine.protocol import (
     Heartbeat,
     NodeFailed,
     NodeReady,
+    Preempted,
     RequestError,
     Reserve,
     ReserveReply,
@@ -81,7 +84,12 @@ class DecodeNode:
         self.pool = receiver.pool
         mcfg = model.cfg
         self.scheduler = DecodeScheduler(
-            self.pool, cfg.max_batch, mcfg.max_position_embeddings, frozenset(mcfg.eos_token_id)
+            self.pool,
+            cfg.max_batch,
+            mcfg.max_position_embeddings,
+            frozenset(mcfg.eos_token_id),
+            reservation=cfg.kv_reservation,
+            headroom_tokens=cfg.kv_headroom_tokens,
         )
         self.token_counts = TokenCounts(cfg.max_batch, mcfg.vocab_size)  # by batch slot
         self.fingerprint = make_fingerprint(
@@ -104,6 +112,9 @@ class DecodeNode:
             "fingerprint": self.fingerprint,
             "dtype": self.fingerprint["dtype"],
             "version": package_version(),
+            # On-demand decode KV: the router estimates reservations by the same rule.
+            "kv_reservation": self.scheduler.reservation,
+            "kv_headroom_tokens": self.scheduler.headroom_tokens,
         }
 
     def begin_drain(self) -> None:
@@ -159,6 +170,7 @@ class DecodeNode:
             self.is_stopping = True  # close() fails what is left; the router moves it
         # 5. One decode step over the running batch (requests join and leave at every step).
         batch = self.scheduler.schedule()
+        self._report_preempted()
         if batch:
             self._decode(batch)
         # 6. Heartbeat with the free pages the router admits by.
@@ -332,6 +344,13 @@ class DecodeNode:
             if out.finish_reason is not None:  # one line per request end, with its id
                 log.info("request %s: finished (%s)", out.request_id, out.finish_reason)
 
+    def _report_preempted(self) -> None:
+        """Preempted for each request `schedule` dropped to find pages: after its Tokens (the
+        same outbox), so the router has its whole output when it re-prefills it."""
+        for request in self.scheduler.take_preempted():
+            log.info("request %s: preempted (%s)", request.request_id, request.error)
+            self.outbox.send(Preempted(request.request_id, len(request.output_ids), request.error))
+
     def _error(self, request_id: str, stage: str, message: str) -> None:
         log.warning("request %s: failed at %s: %s", request_id, stage, message)
         self.outbox.send(RequestError(request_id, stage, message))
@@ -357,6 +376,7 @@ class DecodeNode:
                 num_malformed=self.inbox.num_malformed,
                 stage_ms=self.stage_times.means(),
                 draining=self.is_draining,
+                num_preempted=self.scheduler.num_preempted,
             )
         )
 

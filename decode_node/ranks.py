@@ -56,7 +56,8 @@ RENDEZVOUS_TIMEOUT_S = 600.0  # ranks load their shards in parallel; the slowest
 GLOO_BACKEND = "duet_gloo"  # gloo bound to the node's group_host (`_gloo_on`)
 # Per-rank stats gathered every step (int64).
 BATCH, FREE_PAGES, IN_FLIGHT, AWAITING, READY, RUNNING, KV_BYTES, DROPPED = range(8)
-NUM_STATS = 8
+PREEMPTED = 8  # on-demand decode KV: requests the rank preempted, cumulative
+NUM_STATS = 9
 
 
 def collective_timeout_s(node_timeout_s: float) -> float:
@@ -168,7 +169,10 @@ class RankDecodeNode(DecodeNode):
             self._on_transfer(event)
         for request in self.scheduler.expire(time.monotonic()):
             self._error(request.request_id, "decode", f"decode timed out: {request.error}")
+        # Preemption (on-demand KV) is this rank's own business: its scheduler drops requests
+        # before the stats, so the BATCH figure below, which decides the forward, is exact.
         batch = [] if stop else self.scheduler.schedule()
+        self._report_preempted()
         # 3. Everyone's stats; 4. the forward, on every rank if any rank has work.
         self._stats = self.group.all_gather(self._local_stats(len(batch)))
         if any(row[BATCH] for row in self._stats):
@@ -220,7 +224,9 @@ class RankDecodeNode(DecodeNode):
 
     def _pick_rank(self, msg: Reserve, free: list[int], in_flight: list[int]) -> int:
         """The rank with the fewest context tokens in flight among those with room (else the
-        one with the most free pages, which refuses with its reason); updates the estimates."""
+        one with the most free pages, which refuses with its reason); updates the estimates.
+        Room is what the reservation takes now, by the scheduler's rule (on_demand or
+        worst_case)."""
         max_new = msg.sampling.get("max_new_tokens", 1)
         max_new = max_new if isinstance(max_new, int) and max_new > 0 else 1
         need = self.scheduler.pages_for(msg.prompt_len, max_new)
@@ -244,6 +250,7 @@ class RankDecodeNode(DecodeNode):
         row[READY] = sum(r.state == DecodeState.READY for r in requests)
         row[RUNNING] = sum(r.state == DecodeState.RUNNING for r in requests)
         row[KV_BYTES], row[DROPPED] = kv.bytes_written, kv.num_dropped
+        row[PREEMPTED] = self.scheduler.num_preempted
         return row
 
     def _maybe_heartbeat(self) -> None:
@@ -261,6 +268,7 @@ class RankDecodeNode(DecodeNode):
                 page_size=self.pool.page_size, kv_bytes_received=total[KV_BYTES],
                 kv_chunks_dropped=total[DROPPED], num_malformed=self.inbox.num_malformed,
                 stage_ms=self.stage_times.means(), draining=self.is_draining,
+                num_preempted=total[PREEMPTED],
             )
         )  # fmt: skip
 

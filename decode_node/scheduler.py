@@ -3,16 +3,34 @@
 Pure bookkeeping (no model, no sockets): `reserve` / `kv_ready` / `kv_failed` / `abort` /
 `expire` / `schedule` -> running batch / `update(batch, tokens)` -> outputs.
 
-Admission reserves pages for the prompt plus every token the request may still generate
-(clipped to the context), so an admitted request always finishes without waiting for pages.
+Admission reserves pages by `engine.kv_reservation`'s rule: "worst_case" holds the prompt plus
+every token the request may still generate (clipped to the context), so an admitted request
+always finishes without waiting for pages; "on_demand" (the default) holds the prompt plus
+`headroom_tokens`, and `schedule` grows each batch member's pages to cover the position it
+writes in the step. Either way a request whose worst case exceeds the whole pool is refused:
+it could not finish here even alone.
+
+Preemption (on_demand only): when a batch member needs a page and none is free, the most
+recently admitted READY or RUNNING request is preempted (LIFO, as vLLM and SGLang do), possibly
+the one that needs the page; victims are taken until the page is found or the requester itself
+went. A request whose KV is still arriving (AWAITING_KV) is never preempted: its pages are lent
+to the receiver (taking them back means cancelling the transfer on P), its admission already
+counted them, and it is never needed for progress: growth is only asked by a runnable request,
+and preempting that request (the youngest runnable one at worst) frees what it holds, so the
+oldest runnable request always goes on and the awaiting ones run once their KV is in. A
+preempted request's pages are freed at once; the node sends the router `Preempted` after the
+tokens it already sent, and the router re-prefills it elsewhere or here (prompt + output).
+
 Requests join the running batch at every step (oldest ready first, up to `max_batch`) and
 leave it the step they finish; their pages are freed at once, as they are on abort and failure.
 A running request holds a batch slot in [0, max_batch) (the row of the node's per-slot sampling
 state, `engine.penalties.TokenCounts`), given back the same way.
 
-A request's state only moves forward: AWAITING_KV -> READY -> RUNNING -> FINISHED, and any
-state -> FAILED (sticky; abort included). While AWAITING_KV its pages are lent to the KV
-receiver: the node must take them back (`KVReceiver.cancel`) before calling `abort`.
+A request's state only moves forward: AWAITING_KV -> READY -> RUNNING -> FINISHED, READY or
+RUNNING -> PREEMPTED, and any state -> FAILED. FINISHED, FAILED (abort included) and PREEMPTED
+are terminal: the request has left the scheduler and its pages are free. While AWAITING_KV its
+pages are lent to the KV receiver: the node must take them back (`KVReceiver.cancel`) before
+calling `abort`.
 """
 
 from __future__ import annotations
@@ -22,6 +40,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine import kv_reservation
 from engine.errors import OutOfPagesError
 from engine.kv_pool import KVPool, PageTable
 from engine.sampling import SamplingParams
@@ -33,6 +52,10 @@ class DecodeState(enum.IntEnum):
     RUNNING = 2  # in the running batch
     FINISHED = 3  # stopped; pages freed
     FAILED = 4  # aborted, incomplete KV, timed out; pages freed (sticky)
+    PREEMPTED = 5  # the pool ran out (on_demand): pages freed, the router re-prefills it
+
+
+TERMINAL = (DecodeState.FINISHED, DecodeState.FAILED, DecodeState.PREEMPTED)
 
 
 @dataclass
@@ -42,7 +65,7 @@ class DecodeRequest:
     prompt_len: int
     params: SamplingParams
     table: PageTable
-    num_reserved: int  # tokens of pages held: the prompt plus every token it may feed
+    num_reserved: int  # tokens reserved at admission (`engine.kv_reservation`); pages may grow
     arrival: float
     stop_ids: frozenset[int]
     generator: Any = None  # torch.Generator for seeded/random sampling; None when greedy
@@ -66,7 +89,7 @@ class DecodeRequest:
         return self.state == DecodeState.RUNNING and len(self.output_ids) == 1
 
     def advance(self, state: DecodeState) -> None:
-        if self.state == DecodeState.FAILED or state < self.state:
+        if self.state in TERMINAL or state < self.state:
             raise RuntimeError(f"request {self.request_id}: {self.state.name} -> {state.name}")
         self.state = state
 
@@ -87,12 +110,19 @@ class DecodeScheduler:
     max_position: int  # the model's context (max_position_embeddings)
     eos_ids: frozenset[int]
     max_requests: int = 0  # reserved + ready + running at most; 0 = 4 * max_batch
+    # On-demand KV with preemption (issue 10, part 3): the reservation rule and its headroom.
+    reservation: str = kv_reservation.ON_DEMAND
+    headroom_tokens: int = 32
+    num_preempted: int = 0  # cumulative
+    _preempted: list[DecodeRequest] = field(default_factory=list)  # not yet taken by the node
     _requests: OrderedDict[str, DecodeRequest] = field(default_factory=OrderedDict)
     _free_slots: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.max_requests <= 0:
             self.max_requests = 4 * self.max_batch
+        if self.reservation not in kv_reservation.MODES or self.headroom_tokens < 0:
+            raise ValueError(f"bad KV reservation {self.reservation!r} / {self.headroom_tokens}")
         self._free_slots = list(range(self.max_batch - 1, -1, -1))
 
     # ---- queries ---------------------------------------------------------------------------
@@ -112,7 +142,14 @@ class DecodeScheduler:
         )
 
     def pages_for(self, prompt_len: int, max_new_tokens: int) -> int:
-        return -(-self._reserve_len(prompt_len, max_new_tokens) // self.pool.page_size)
+        """Pages a reservation takes now (the node's reservation rule)."""
+        return self._pages(self._reserve_len(prompt_len, max_new_tokens))
+
+    def take_preempted(self) -> list[DecodeRequest]:
+        """The requests preempted since the last call (PREEMPTED, pages already freed), in the
+        order they were preempted; the node tells the router about each."""
+        out, self._preempted = self._preempted, []
+        return out
 
     # ---- admission -------------------------------------------------------------------------
     def reserve(
@@ -132,6 +169,18 @@ class DecodeScheduler:
             )
         if len(self._requests) >= self.max_requests:
             return None, f"too many requests ({len(self._requests)} on this decode node)"
+        worst = kv_reservation.worst_case_tokens(
+            prompt_len, params.max_new_tokens, self.max_position
+        )
+        if (
+            self.reservation == kv_reservation.ON_DEMAND
+            and self._pages(worst) > self.pool.num_pages
+        ):
+            # (worst_case reserves all of it now: the plain "no room" below says the same)
+            return None, (
+                f"cannot fit at all: needs {self._pages(worst)} KV pages to finish, the pool "
+                f"has {self.pool.num_pages}"
+            )
         num_tokens = self._reserve_len(prompt_len, params.max_new_tokens)
         table = self.pool.new_table()
         try:
@@ -200,7 +249,8 @@ class DecodeScheduler:
     # ---- continuous batching ---------------------------------------------------------------
     def schedule(self) -> list[DecodeRequest]:
         """The running batch of the next step: everything running plus the oldest ready
-        requests, up to `max_batch`."""
+        requests, up to `max_batch`, each with pages for the position it writes. Requests
+        preempted to find those pages left the scheduler (`take_preempted`)."""
         batch = [r for r in self._requests.values() if r.state == DecodeState.RUNNING]
         for request in self._requests.values():
             if len(batch) >= self.max_batch:
@@ -209,7 +259,8 @@ class DecodeScheduler:
                 request.advance(DecodeState.RUNNING)
                 request.slot = self._free_slots.pop()
                 batch.append(request)
-        return batch
+        self._grow(batch)
+        return [r for r in batch if r.state == DecodeState.RUNNING]
 
     def update(self, batch: list[DecodeRequest], tokens: list[int]) -> list[StepOutput]:
         """Appends each request's sampled token; finished requests leave (pages freed)."""
@@ -224,11 +275,45 @@ class DecodeScheduler:
             outputs.append(StepOutput(request.request_id, [token], reason))
         return outputs
 
+    # ---- on-demand growth and preemption ---------------------------------------------------
+    def _grow(self, batch: list[DecodeRequest]) -> None:
+        """Gives every batch member room for the position it writes, oldest admitted first,
+        preempting the youngest runnable requests (see the module docstring) when short."""
+        order = {rid: i for i, rid in enumerate(self._requests)}
+        for request in sorted(batch, key=lambda r: order[r.request_id]):
+            need = request.next_position + 1
+            while request.state == DecodeState.RUNNING and request.table.capacity < need:
+                try:
+                    self.pool.reserve(request.table, need)
+                except OutOfPagesError:
+                    victim = next(
+                        r
+                        for r in reversed(self._requests.values())
+                        if r.state in (DecodeState.READY, DecodeState.RUNNING)
+                    )  # the requester itself is RUNNING: there is always one
+                    self._preempt(
+                        victim,
+                        f"the KV pool ({self.pool.num_pages} pages) ran out: request "
+                        f"{request.request_id} needed a page for position {need - 1}",
+                    )
+
+    def _preempt(self, request: DecodeRequest, reason: str) -> None:
+        request.advance(DecodeState.PREEMPTED)
+        request.error = reason
+        self.pool.release(request.table)
+        self._free_slot(request)
+        del self._requests[request.request_id]
+        self._preempted.append(request)
+        self.num_preempted += 1
+
     # ---- internals -------------------------------------------------------------------------
     def _reserve_len(self, prompt_len: int, max_new_tokens: int) -> int:
-        # The last token fed sits at prompt_len + max_new_tokens - 2 (the last sampled token
-        # is never fed); one spare slot keeps the arithmetic obviously safe.
-        return min(prompt_len + max_new_tokens, self.max_position)
+        return kv_reservation.reservation_tokens(
+            self.reservation, self.headroom_tokens, prompt_len, max_new_tokens, self.max_position
+        )
+
+    def _pages(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.pool.page_size)
 
     def _finish_reason(self, request: DecodeRequest, token: int) -> str | None:
         """Same rule as OfflineGenerator: stop token, then max_new_tokens, then context end."""

@@ -11,7 +11,7 @@
     [[prefill]] name, host, bind_host, control_port, threads, page_size, chunk_size, replicas,
                 device
     [[decode]]  name, host, bind_host, control_port, kv_port, threads, page_size, num_pages,
-                max_batch, ranks, replicas, device
+                max_batch, ranks, replicas, device, kv_reservation, kv_headroom_tokens
 
 Addresses: `host` is where the other roles (and, for the router, HTTP clients) reach a role; it
 is the address in every endpoint the role names, e.g. a decode node's `kv_endpoint`. `bind_host`
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.kv_reservation import MODES as KV_RESERVATION_MODES
 
 try:
     import tomllib
@@ -99,6 +100,9 @@ class RouterConfig(_Addresses):
     max_prompt_tokens: int = 0  # 0: the model's context; more prompt tokens get 400
     max_concurrent_per_key: int = 0  # 0: unlimited; more unfinished requests per key get 429
     max_migrations: int = 2  # a request moves to another node pair at most this often
+    # On-demand decode KV (issue 10, part 3): a request preempted by a decode node whose pool
+    # ran out is re-prefilled at most this often (not counted in max_migrations), then fails.
+    max_preemptions: int = 8
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,11 @@ class DecodeNodeConfig(_Addresses):
     num_pages: int = 4096
     max_batch: int = 64  # running requests per rank
     ranks: int = 1
+    # On-demand decode KV (issue 10, part 3; rule in engine.kv_reservation): "on_demand"
+    # reserves the prompt + kv_headroom_tokens and grows as it decodes, preempting the newest
+    # request when the pool runs out; "worst_case" reserves prompt + max_tokens up front.
+    kv_reservation: str = "on_demand"
+    kv_headroom_tokens: int = 32
 
     @property
     def kv_endpoint(self) -> str:
@@ -301,6 +310,13 @@ def _validate(cfg: ClusterConfig) -> None:
     for node in cfg.decode:
         if node.ranks < 1 or node.max_batch < 1:
             raise ConfigError(f"node {node.name}: ranks and max_batch must be >= 1")
+        if node.kv_reservation not in KV_RESERVATION_MODES:
+            raise ConfigError(
+                f"node {node.name}: kv_reservation must be one of "
+                f"{', '.join(KV_RESERVATION_MODES)}, got {node.kv_reservation!r}"
+            )
+        if node.kv_headroom_tokens < 0:
+            raise ConfigError(f"node {node.name}: kv_headroom_tokens must be >= 0")
     for node in cfg.prefill:
         if node.chunk_size < 1 or node.max_batch_tokens < node.chunk_size:
             raise ConfigError(f"node {node.name}: need 1 <= chunk_size <= max_batch_tokens")
@@ -312,6 +328,8 @@ def _validate(cfg: ClusterConfig) -> None:
         )
     if r.max_migrations < 0:
         raise ConfigError("[router] max_migrations must be >= 0")
+    if r.max_preemptions < 0:
+        raise ConfigError("[router] max_preemptions must be >= 0")
     t = cfg.timeouts
     if min(t.reserve_s, t.prefill_queue_s, t.transfer_s, t.decode_s, t.heartbeat_s) <= 0:
         raise ConfigError("[timeouts] must all be positive")

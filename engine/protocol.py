@@ -7,7 +7,8 @@ types and raises `ProtocolError` for anything else, so a bad frame never reaches
 Links (each a ZeroMQ PUSH -> PULL; the receiver binds):
   router -> decode:  Reserve, Abort, Shutdown, RouterPing
   router -> prefill: Prefill, Abort, Shutdown, RouterPing
-  decode -> router:  NodeReady, NodeFailed, Heartbeat, ReserveReply, Tokens, RequestError
+  decode -> router:  NodeReady, NodeFailed, Heartbeat, ReserveReply, Tokens, RequestError,
+                     Preempted
   prefill -> router: NodeReady, NodeFailed, Heartbeat, FirstToken, RequestError
   prefill -> decode KV traffic goes through kvtransfer, never through the router.
 """
@@ -72,6 +73,8 @@ class Heartbeat:
     num_malformed: int = 0  # control frames the node dropped as malformed, cumulative
     stage_ms: dict[str, float] = field(default_factory=dict)  # recent per-stage latencies
     draining: bool = False  # SIGTERMed: finishing what it holds, takes no new requests
+    # On-demand decode KV (issue 10, part 3): decode, cumulative: requests it preempted.
+    num_preempted: int = 0
 
 
 # ---- request flow ----------------------------------------------------------------------------
@@ -157,6 +160,18 @@ class RequestError:
 
 
 @dataclass(frozen=True)
+class Preempted:
+    """Decode -> router: the node's KV pool ran out (on-demand reservation) and it dropped this
+    request, freeing its pages. Sent after every Tokens it emitted for the request, on the same
+    socket, so the router has them all; `num_tokens` counts its output on this node (P's first
+    token included). The router re-prefills the prompt plus the output and the stream goes on."""
+
+    request_id: str
+    num_tokens: int
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class Abort:
     """Router -> nodes: drop the request and free its pages (client gone, stop string hit)."""
 
@@ -193,6 +208,7 @@ MESSAGE_TYPES: dict[str, type] = {
         Abort,
         Shutdown,
         RouterPing,
+        Preempted,
     )
 }
 

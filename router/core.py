@@ -31,6 +31,7 @@ from engine.protocol import (
     Heartbeat,
     NodeFailed,
     NodeReady,
+    Preempted,
     Prefill,
     RequestError,
     Reserve,
@@ -90,6 +91,7 @@ class Router(NodeLossRecovery):
         self._tasks: list[asyncio.Task] = []
         self._moves: set[asyncio.Task] = set()  # attempts of moved requests being started
         self._nodes_changed = asyncio.Event()  # set when a node becomes ready
+        self._room_changed = asyncio.Event()  # set when a decode hold ends (preempted waits)
         self._closing = False
         self.router_id = secrets.token_hex(8)  # new at every start: nodes drop the old one's work
 
@@ -194,20 +196,33 @@ class Router(NodeLossRecovery):
             self._close(req, "aborted")
 
     # ---- admission steps -------------------------------------------------------------------
-    async def _reserve_somewhere(self, req: RouterRequest) -> None:
+    async def _reserve_somewhere(self, req: RouterRequest, wait_for_room_s: float = 0.0) -> None:
         """Asks the ready decode nodes in the policy's order. A node that refuses because it is
         draining is marked so at once; when no decode node is ready at all (draining or
-        restarting), waits for one up to the reserve timeout and asks again."""
+        restarting), waits for one up to the reserve timeout and asks again. With
+        `wait_for_room_s` (a preempted request), refusals for want of room are retried as
+        decode holds end, for up to that long."""
         num_prompt = len(req.attempt_prompt_ids)
-        num_tokens = min(num_prompt + req.attempt_sampling.max_new_tokens, self.max_positions)
-        deadline = time.monotonic() + self.t.reserve_s
+        max_new = req.attempt_sampling.max_new_tokens
+        deadline = time.monotonic() + max(self.t.reserve_s, wait_for_room_s)
         refusals = []
+        worst = min(num_prompt + max_new, self.max_positions)
         while True:
-            candidates = self.policy.rank_decode(self.nodes.ready("decode"), num_tokens)
+            # A node never admits what could not finish in its whole pool; each reserves by its
+            # own rule (on_demand or worst_case): the policy ranks by the smallest (the nodes
+            # normally share one), and each node is held for its own.
+            ready = [n for n in self.nodes.ready("decode") if n.pages_for(worst) <= n.total_pages]
+            num_tokens = min(
+                (n.reservation_tokens(num_prompt, max_new, self.max_positions) for n in ready),
+                default=worst,
+            )
+            candidates = self.policy.rank_decode(ready, num_tokens)
+            refusals = []
             for node in candidates:
                 if not node.is_ready:  # died or began draining while we asked another
                     continue
-                reply = await self._reserve_on(req, node, num_tokens)
+                need = node.reservation_tokens(num_prompt, max_new, self.max_positions)
+                reply = await self._reserve_on(req, node, need)
                 if req.is_done:  # failed meanwhile (node death, router shutdown)
                     break
                 if reply is not None and reply.ok:
@@ -220,9 +235,14 @@ class Router(NodeLossRecovery):
                     self.nodes.mark_draining(node)
                 refusals.append(f"{node.name}: {reply.reason if reply else 'no answer'}")
             left = deadline - time.monotonic()
-            if req.is_done or self.nodes.ready("decode") or left <= 0:
+            if req.is_done or left <= 0:
                 break
-            await self._wait_for_nodes(left)  # none ready: one is draining or restarting
+            if self.nodes.ready("decode"):
+                if not wait_for_room_s:
+                    break
+                await self._wait_for_room(left)  # a preempted request: room comes back
+            else:
+                await self._wait_for_nodes(left)  # none ready: one is draining or restarting
         if req.is_done:
             error = req.error or ErrorEvent("reserve", "the request ended during reservation")
             self._forget(req)
@@ -304,6 +324,7 @@ class Router(NodeLossRecovery):
             FirstToken: self._on_first_token,
             Tokens: self._on_tokens,
             RequestError: self._on_request_error,
+            Preempted: self._on_preempted,  # router.recovery
         }.get(type(msg))
         if handler is None:
             log.warning("ignored a %s sent to the router", type(msg).__name__)
@@ -364,7 +385,7 @@ class Router(NodeLossRecovery):
         if req is None or not req.advance(RequestState.DECODING):
             return
         now = time.monotonic()
-        if req.attempt == 0:  # a moved request keeps the TTFT its client saw
+        if not req.timings.first_token:  # a moved request keeps the TTFT its client saw
             req.timings.first_token = req.timings.last_token = now
         self.nodes.release_prefill(req)
         for stage, ms in msg.stage_ms.items():
@@ -377,6 +398,8 @@ class Router(NodeLossRecovery):
             )
         req.pending_tokens, req.pending_logprobs = [], []
         self._emit(req, tokens, finish, now, logprobs)
+        if req.pending_preempt is not None and not req.is_done:  # D's Preempted came first
+            self._preempt(req, req.pending_preempt)
 
     def _on_tokens(self, msg: Tokens) -> None:
         req = self.requests.get(msg.request_id)
@@ -399,7 +422,7 @@ class Router(NodeLossRecovery):
             for name in (req.prefill_node, req.decode_node)
             if name in self.nodes.nodes and self.nodes.nodes[name].status == NodeStatus.DRAINING
         ]
-        if draining and req.attempt < self.cfg.router.max_migrations and not self._closing:
+        if draining and req.num_migrations < self.cfg.router.max_migrations and not self._closing:
             # a node whose drain timed out gave the request back: move it, unseen
             self._move(req, msg.stage, f"{draining[0].name} stopped draining: {msg.message}")
         else:
@@ -467,6 +490,7 @@ class Router(NodeLossRecovery):
         self.nodes.release_prefill(req)
         self.nodes.release_decode(req)
         self.requests.pop(req.wire_id, None)
+        self._room_changed.set()
 
     def _close(self, req: RouterRequest, outcome: str) -> None:
         """Terminal bookkeeping: free the load estimates, count the outcome, record latencies."""

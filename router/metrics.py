@@ -90,6 +90,12 @@ class RouterMetrics:
         self.sla_met = Counter(
             "duet_sla_met_requests", "Finished requests within the TTFT and TPOT SLA", registry=r
         )
+        # On-demand decode KV (issue 10, part 3): Preempted messages acted on (each restarts
+        # the request; one past [router] max_preemptions fails it, stage "preemption").
+        self.preemptions = Counter(
+            "duet_router_preemptions", "Requests a decode node preempted (its KV pool ran out)",
+            registry=r,
+        )  # fmt: skip
         self.num_finished = 0  # plain counts for the SLA share (read at scrape time)
         self.num_sla_met = 0
         r.register(NodeCollector(nodes, self))
@@ -159,6 +165,10 @@ class NodeCollector:
             "duet_node_stage_ms", "Recent per-stage latency reported by a node",
             labels=["node", "role", "stage"],
         )  # fmt: skip
+        # On-demand decode KV (issue 10, part 3): each decode node's own count.
+        preempted = CounterMetricFamily(
+            "duet_node_preemptions", "Requests a decode node preempted (heartbeat)", labels=labels
+        )
         for n in self.nodes.nodes.values():
             lv = [n.name, n.role]
             up.add_metric(lv, 1.0 if n.is_ready else 0.0)
@@ -178,6 +188,7 @@ class NodeCollector:
                 pages_total.add_metric(lv, hb.total_pages)
                 received.add_metric(lv, hb.kv_bytes_received)
                 dropped.add_metric(lv, hb.kv_chunks_dropped)
+                preempted.add_metric(lv, hb.num_preempted)
             for stage, ms in hb.stage_ms.items():
                 stage_ms.add_metric([*lv, stage], float(ms))
         router_malformed = CounterMetricFamily(
@@ -196,3 +207,4 @@ class NodeCollector:
         yield from (up, queued, running, queued_tokens, pages_used, pages_total, sent, received)
         yield from (dropped, malformed, router_malformed, cancelled, draining, stage_ms)
         yield from (share, sla)
+        yield preempted

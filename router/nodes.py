@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.cluster_config import ClusterConfig
+from engine.kv_reservation import MODES as KV_RESERVATION_MODES
+from engine.kv_reservation import WORST_CASE, reservation_tokens
 from engine.protocol import Heartbeat
 from router.state import RouterRequest
 
@@ -42,6 +44,10 @@ class NodeState:
     reserved_pages: int = 0  # decode: pages held for the router's unfinished requests
     num_active: int = 0  # the router's unfinished requests on this node
     num_served: int = 0  # requests ever sent to this node (cumulative)
+    # On-demand decode KV (issue 10, part 3): the decode node's reservation rule, from the
+    # config, then from its NodeReady; the router's estimate of a reservation follows it.
+    kv_reservation: str = WORST_CASE
+    kv_headroom_tokens: int = 0
 
     @property
     def is_ready(self) -> bool:
@@ -60,6 +66,13 @@ class NodeState:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def reservation_tokens(self, prompt_len: int, max_new_tokens: int, max_positions: int) -> int:
+        """Tokens this decode node reserves up front for such a request (its own rule)."""
+        return reservation_tokens(
+            self.kv_reservation, self.kv_headroom_tokens, prompt_len, max_new_tokens,
+            max_positions,
+        )  # fmt: skip
+
 
 class NodeRegistry:
     """All configured nodes by name. Only configured names are accepted from the wire."""
@@ -70,8 +83,9 @@ class NodeRegistry:
             self.nodes[p.name] = NodeState(p.name, "prefill", p.control_endpoint, p.page_size, 0)
         for d in cfg.decode:
             self.nodes[d.name] = NodeState(
-                d.name, "decode", d.control_endpoint, d.page_size, d.num_pages
-            )
+                d.name, "decode", d.control_endpoint, d.page_size, d.num_pages,
+                kv_reservation=d.kv_reservation, kv_headroom_tokens=d.kv_headroom_tokens,
+            )  # fmt: skip
 
     def get(self, name: str, role: str) -> NodeState | None:
         """The node, if `name` is configured with this role (anything else is ignored)."""
@@ -93,6 +107,12 @@ class NodeRegistry:
         if node.role == "decode":
             node.total_pages = int(info.get("num_pages", node.total_pages))
             node.page_size = int(info.get("page_size", node.page_size)) or node.page_size
+            mode = info.get("kv_reservation", node.kv_reservation)
+            if mode in KV_RESERVATION_MODES:  # an older node sends none: keep the config's
+                node.kv_reservation = mode
+                node.kv_headroom_tokens = int(
+                    info.get("kv_headroom_tokens", node.kv_headroom_tokens)
+                )
 
     def on_heartbeat(self, node: NodeState, hb: Heartbeat) -> bool:
         """Records the heartbeat; True if it revived a node (first sign of life or back from dead).

@@ -49,7 +49,8 @@ def request_end_record(req: RouterRequest, outcome: str) -> dict[str, Any]:
         "e2e_s": _seconds(end - t.arrival),
         "prefill_node": req.prefill_node,
         "decode_node": req.decode_node,
-        "migrations": req.attempt,
+        "migrations": req.num_migrations,
+        "preemptions": req.num_preemptions,  # on-demand decode KV (issue 10, part 3)
     }
 
 

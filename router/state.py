@@ -5,10 +5,11 @@
 
 A request only moves to a later state; FINISHED and FAILED are terminal, so a late message
 (a token after an abort, a second error) can never revive it or end it twice. The one way back
-is `restart()`: when a node dies under a request that is not terminal, the router moves it to
-another prefill/decode pair as a new *attempt* (RESERVING again) with its own wire id, so
-messages still in flight for the old attempt find nothing; a decode-side move re-prefills the
-prompt plus the tokens already streamed, and the stream goes on where it stopped. The HTTP handler
+is `restart()`: when a node dies under a request that is not terminal, or a decode node
+preempts it (its KV pool ran out), the router restarts it as a new *attempt* (RESERVING again)
+on another pair or the same one, with its own wire id, so messages still in flight for the old
+attempt find nothing; a decode-side restart re-prefills the prompt plus the tokens already
+streamed, and the stream goes on where it stopped. The HTTP handler
 consumes `events`: `TokenEvent`s in output order, then exactly one terminal event (a
 `TokenEvent` with `finish_reason` set, or an `ErrorEvent`).
 """
@@ -106,6 +107,16 @@ class RouterRequest:
     prompt_logprobs: list[TokenLogprobs] | None = None
     timings: RequestTimings = field(default_factory=RequestTimings)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # On-demand decode KV (issue 10, part 3): restarts because a decode node preempted the
+    # request (part of `attempt`, not of the migrations), and a Preempted that beat P's
+    # FirstToken (its reason), applied once that token is in.
+    num_preemptions: int = 0
+    pending_preempt: str | None = None
+
+    @property
+    def num_migrations(self) -> int:
+        """Restarts because a node was lost (bounded by `[router] max_migrations`)."""
+        return self.attempt - self.num_preemptions
 
     @property
     def prompt_len(self) -> int:
@@ -150,6 +161,7 @@ class RouterRequest:
         self.reserved_pages = 0
         self.pending_tokens, self.pending_finish = [], None
         self.pending_logprobs = []
+        self.pending_preempt = None
 
     @property
     def is_done(self) -> bool:

@@ -14,6 +14,7 @@ from engine.protocol import (
     Abort,
     FirstToken,
     Heartbeat,
+    Preempted,
     Prefill,
     RequestError,
     Reserve,
@@ -39,6 +40,7 @@ class Seen:
     first: FirstToken | None = None  # P's message, with its logprobs
     logprobs: list[float] = field(default_factory=list)  # D's, one per token after the first
     top_ids: list[list[int]] = field(default_factory=list)
+    preempted: Preempted | None = None  # D dropped it (on-demand KV ran out)
 
     @property
     def output(self) -> list[int]:
@@ -47,7 +49,7 @@ class Seen:
 
     @property
     def is_over(self) -> bool:
-        return self.finish_reason is not None or bool(self.errors)
+        return self.finish_reason is not None or bool(self.errors) or self.preempted is not None
 
 
 class Pair:
@@ -63,6 +65,8 @@ class Pair:
         max_batch=3,
         timeouts=None,
         sender_factory=InprocSender,
+        kv_reservation="on_demand",
+        kv_headroom_tokens=32,
     ):
         self.model = model
         self.timeouts = timeouts or TimeoutConfig(heartbeat_s=0.05)
@@ -76,7 +80,10 @@ class Pair:
         p_cfg = PrefillNodeConfig(
             "p", page_size=p_page_size, chunk_size=chunk_size, max_batch_tokens=max_batch_tokens
         )
-        d_cfg = DecodeNodeConfig("d", page_size=d_page_size, max_batch=max_batch)
+        d_cfg = DecodeNodeConfig(
+            "d", page_size=d_page_size, max_batch=max_batch, kv_reservation=kv_reservation,
+            kv_headroom_tokens=kv_headroom_tokens,
+        )  # fmt: skip
         self.prefill = PrefillNode(
             "p", model, p_cfg, self.timeouts, self.p_in, self.p_out, sender_factory
         )
@@ -144,6 +151,11 @@ class Pair:
                 seen.finish_reason = msg.finish_reason
             elif isinstance(msg, RequestError):
                 self.seen[msg.request_id].errors.append(msg)
+            elif isinstance(msg, Preempted):
+                seen = self.seen[msg.request_id]
+                assert seen.finish_reason is None and seen.preempted is None, msg
+                assert msg.num_tokens == len(seen.token_ids) + 1, "Preempted before its Tokens"
+                seen.preempted = msg
             else:
                 raise AssertionError(f"unexpected message {msg}")
 

@@ -13,8 +13,12 @@ MAX_POS = 64
 
 
 def make_scheduler(num_pages=32, page_size=4, max_batch=2, max_requests=0):
+    """In worst_case reservation (the old rule: these tests pin it down unchanged); on-demand
+    reservation and preemption: test_preemption_scheduler.py."""
     pool = KVPool(1, num_pages, page_size, 1, torch.float32)
-    return DecodeScheduler(pool, max_batch, MAX_POS, frozenset({EOS}), max_requests)
+    return DecodeScheduler(
+        pool, max_batch, MAX_POS, frozenset({EOS}), max_requests, reservation="worst_case"
+    )
 
 
 def params(max_new=8, **kw):

@@ -209,7 +209,7 @@ def test_a_transfer_that_never_comes_times_out_and_frees_pages(pair):
 def test_reservation_refused_without_room_says_why(model):
     pair = Pair(model, d_num_pages=4, d_page_size=5)  # 20 tokens of room
     reply, _ = pair.reserve("big", 15, greedy(10))
-    assert not reply.ok and "needs 5 KV pages, 4 free" in reply.reason
+    assert not reply.ok and "needs 5 KV pages to finish, the pool has 4" in reply.reason
     reply, _ = pair.reserve("fits", 15, greedy(5))
     assert reply.ok
     reply, _ = pair.reserve("next", 1, greedy(1))
