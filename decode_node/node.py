@@ -216,7 +216,7 @@ class DecodeNode:
             return refuse(f"bad sampling parameters: {exc}")
         now = time.monotonic()
         request, reason = self.scheduler.reserve(
-            msg.request_id, msg.room, msg.prompt_len, params, now
+            msg.request_id, msg.room, msg.prompt_len, params, now, priority=msg.priority
         )
         if request is None:
             return refuse(reason)

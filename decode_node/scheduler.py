@@ -10,8 +10,9 @@ always finishes without waiting for pages; "on_demand" (the default) holds the p
 writes in the step. Either way a request whose worst case exceeds the whole pool is refused:
 it could not finish here even alone.
 
-Preemption (on_demand only): when a batch member needs a page and none is free, the most
-recently admitted READY or RUNNING request is preempted (LIFO, as vLLM and SGLang do), possibly
+Preemption (on_demand only): when a batch member needs a page and none is free, the READY or
+RUNNING request that arrived last at the router (`priority`; ties: the most recently admitted)
+is preempted (as vLLM's FCFS policy and SGLang do), possibly
 the one that needs the page; victims are taken until the page is found or the requester itself
 went. A request whose KV is still arriving (AWAITING_KV) is never preempted: its pages are lent
 to the receiver (taking them back means cancelling the transfer on P), its admission already
@@ -70,6 +71,7 @@ class DecodeRequest:
     stop_ids: frozenset[int]
     generator: Any = None  # torch.Generator for seeded/random sampling; None when greedy
     prompt_ids: list[int] = field(default_factory=list)  # only when the sampling reads them
+    priority: float = 0.0  # the router's arrival time of the request: larger is preempted first
     slot: int = -1  # batch slot while RUNNING
     state: DecodeState = DecodeState.AWAITING_KV
     output_ids: list[int] = field(default_factory=list)  # the first token (from P) included
@@ -159,8 +161,10 @@ class DecodeScheduler:
         prompt_len: int,
         params: SamplingParams,
         now: float,
+        priority: float = 0.0,
     ) -> tuple[DecodeRequest | None, str]:
-        """Reserves pages; returns (request, "") or (None, why it was refused)."""
+        """Reserves pages; returns (request, "") or (None, why it was refused). `priority`
+        orders preemption (see `_victim`)."""
         if request_id in self._requests:
             return None, f"request {request_id} is already on this decode node"
         if not 0 < prompt_len < self.max_position:
@@ -198,6 +202,7 @@ class DecodeScheduler:
             num_tokens,
             now,
             params.stop_ids(self.eos_ids),
+            priority=priority,
         )
         self._requests[request_id] = request
         return request, ""
@@ -286,16 +291,24 @@ class DecodeScheduler:
                 try:
                     self.pool.reserve(request.table, need)
                 except OutOfPagesError:
-                    victim = next(
-                        r
-                        for r in reversed(self._requests.values())
-                        if r.state in (DecodeState.READY, DecodeState.RUNNING)
-                    )  # the requester itself is RUNNING: there is always one
+                    victim = self._victim()
                     self._preempt(
                         victim,
                         f"the KV pool ({self.pool.num_pages} pages) ran out: request "
                         f"{request.request_id} needed a page for position {need - 1}",
                     )
+
+    def _victim(self) -> DecodeRequest:
+        """The READY or RUNNING request to preempt: the latest arrival at the router (largest
+        priority), ties (equal priorities, e.g. all 0) to the most recently admitted. A request
+        re-prefilled after a preemption keeps its first arrival, so it is not the next victim
+        again just because it was admitted last (which would thrash it into max_preemptions)."""
+        runnable = [
+            (r.priority, index, r)
+            for index, r in enumerate(self._requests.values())
+            if r.state in (DecodeState.READY, DecodeState.RUNNING)
+        ]  # the requester itself is RUNNING: never empty
+        return max(runnable, key=lambda entry: entry[:2])[2]
 
     def _preempt(self, request: DecodeRequest, reason: str) -> None:
         request.advance(DecodeState.PREEMPTED)

@@ -93,6 +93,9 @@ class Reserve:
     timeout_s: float
     # The prompt's ids, only when the sampling reads them (repetition_penalty); else empty.
     prompt_ids: list[int] = field(default_factory=list)
+    # Preemption order (on-demand KV): the request's arrival at the router, kept across its
+    # restarts; a decode node short of pages preempts the latest arrival first.
+    priority: float = 0.0
 
 
 @dataclass(frozen=True)

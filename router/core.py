@@ -261,6 +261,7 @@ class Router(NodeLossRecovery):
             req.wire_id, req.room, len(req.attempt_prompt_ids), sampling_to_dict(sampling),
             timeout_s=self.t.transfer_s,
             prompt_ids=list(req.attempt_prompt_ids) if sampling.uses_prompt else [],
+            priority=req.timings.arrival,  # the first arrival: a restart keeps its place
         )  # fmt: skip
         waiter = asyncio.get_running_loop().create_future()
         self._reserve_waiters[req.wire_id] = waiter

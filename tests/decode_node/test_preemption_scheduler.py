@@ -94,7 +94,7 @@ def test_pages_grow_one_page_when_the_position_written_needs_it():
     assert sched.num_preempted == 0 and not sched.take_preempted()
 
 
-def test_lifo_preemption_frees_the_newest_first_then_the_requester_itself():
+def test_with_equal_priorities_the_newest_admission_goes_first_then_the_requester():
     sched = make_scheduler(num_pages=5)
     a = admit(sched, "a", 4, max_new=8)  # 1 page; needs a second one at its first step
     b = admit(sched, "b", 5, max_new=8)  # 2 pages
@@ -113,6 +113,19 @@ def test_lifo_preemption_frees_the_newest_first_then_the_requester_itself():
         step(sched)
     assert a.state == DecodeState.FINISHED and len(a.output_ids) == 8
     assert sched.pool.allocator.num_used == 0 and not sched.requests
+
+
+def test_the_latest_arrival_is_preempted_not_the_latest_admission():
+    """A request re-prefilled after a preemption is admitted last but arrived first (its
+    priority is its first arrival at the router): the newer arrival goes instead."""
+    sched = make_scheduler(num_pages=5)
+    for rid, prompt_len, arrival in (("a", 4, 1.0), ("new", 5, 3.0), ("again", 5, 2.0)):
+        request, reason = sched.reserve(rid, 7, prompt_len, params(8), 0.0, priority=arrival)
+        assert request is not None, reason
+        assert sched.kv_ready(rid, 10, 0.0, decode_timeout=100.0) is None
+    assert step(sched) == ["a", "again"]  # a's page came from "new", admitted before "again"
+    (gone,) = sched.take_preempted()
+    assert gone.request_id == "new" and sched.get("again").state == DecodeState.RUNNING
 
 
 def test_a_request_whose_kv_is_arriving_is_never_preempted():
