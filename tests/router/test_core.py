@@ -151,7 +151,8 @@ def test_router_stops_on_stop_token_id_even_if_decode_does_not():
 
 def test_pairing_spreads_a_burst_over_prefill_nodes():
     async def main():
-        r = make_router(num_prefill=2, num_decode=2)
+        # One prompt six times: no prefix affinity may outweigh a queue (balance 0).
+        r = make_router(num_prefill=2, num_decode=2, cache_balance_tokens=0)
         for i in range(6):
             await submit(r, f"r{i}", prompt_len=20)
         prefill_nodes = [n for n, _ in r.transport.of(Prefill)]
