@@ -6,8 +6,9 @@ partly valid. The tree owns its pages: they leave the allocator when a finished 
 them over (`insert`) and return to it only through eviction.
 
 Reference counts: `lock(handle)` pins the path from a matched node up to the root while a
-running prefill reads those pages; `evict` only ever takes unlocked leaves, least recently used
-first (LRU by a logical tick the caller passes: the tree reads no clock). A split copies the
+running prefill reads those pages; `evict` only ever takes pages of unlocked leaves, from their
+tail, least recently used leaf first (LRU by a logical tick the caller passes: the tree reads no
+clock). A split copies the
 child's count to the new parent, so a lock taken before a split still pins every page it did.
 
 Who owns what: a request's PageTable starts with the matched (shared, locked) pages, followed
@@ -137,19 +138,23 @@ class PrefixCache:
         return not_taken
 
     def evict(self, num_pages: int) -> int:
-        """Frees at least `num_pages` pages back to the pool if it can, taking unlocked leaves,
-        least recently used first (a whole leaf at a time). Returns the pages freed."""
+        """Frees `num_pages` pages back to the pool (fewer if too few are unlocked): the tail
+        pages of unlocked leaves, least recently used leaf first. Returns the pages freed."""
         heap = [(n.last_used, i, n) for i, n in enumerate(self._leaves()) if n.lock_count == 0]
         heapq.heapify(heap)
         freed, order = 0, len(heap)
         while freed < num_pages and heap:
             _, _, leaf = heapq.heappop(heap)
+            if len(leaf.pages) > num_pages - freed:  # its head stays cached
+                keep = len(leaf.pages) - (num_pages - freed)
+                self._free(leaf.pages[keep:])
+                freed += len(leaf.pages) - keep
+                leaf.pages, leaf.tokens = leaf.pages[:keep], leaf.tokens[: keep * self.page_size]
+                break
             parent = leaf.parent
             del parent.children[leaf.tokens[: self.page_size]]
-            self.pool.allocator.free(leaf.pages)
+            self._free(leaf.pages)
             freed += len(leaf.pages)
-            self.num_cached_pages -= len(leaf.pages)
-            self.num_evicted_pages += len(leaf.pages)
             if parent is not self._root and parent.is_leaf and parent.lock_count == 0:
                 order += 1
                 heapq.heappush(heap, (parent.last_used, order, parent))
@@ -160,6 +165,11 @@ class PrefixCache:
         return self.evict(self.num_cached_pages)
 
     # ---- internals -------------------------------------------------------------------------
+    def _free(self, pages: list[int]) -> None:
+        self.pool.allocator.free(pages)
+        self.num_cached_pages -= len(pages)
+        self.num_evicted_pages += len(pages)
+
     def _page_key(self, token_ids: list[int], pos: int) -> tuple[int, ...]:
         """The child key of the page at `pos`; a short tail (no whole page) keys nothing."""
         return tuple(token_ids[pos : pos + self.page_size])

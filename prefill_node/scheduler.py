@@ -213,9 +213,9 @@ class PrefillScheduler:
         if match is not None:
             self.prefix_cache.lock(match.handle)  # not evicted to make room for the rest
             table.pages = list(match.pages)
-            short = table.pages_needed(request.prompt_len) - self.pool.allocator.num_free
-            if short > 0:
-                self.prefix_cache.evict(short)
+        short = table.pages_needed(request.prompt_len) - self.pool.allocator.num_free
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(short)
         try:
             self.pool.reserve(table, request.prompt_len)
         except OutOfPagesError:

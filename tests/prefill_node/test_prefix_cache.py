@@ -75,10 +75,10 @@ def test_eviction_takes_least_recently_used_leaves_first():
     assert cache.evict(1) == 1  # the [3] page (tick 2) went first
     assert cache.match([1] * 4 + [3] * 4, 5).pages == [old[0]]
     assert cache.num_evicted_pages == 1 and cache.num_cached_pages == 4
-    assert cache.evict(1) == 2  # then "other" (tick 3): a whole leaf, two pages at once
-    assert cache.match([5] * 8, 6).num_tokens == 0
-    assert cache.match([1] * 4 + [2] * 4, 7).pages == old
-    assert cache.pool.allocator.num_free == 32 - 2 and other[0] not in old
+    assert cache.evict(1) == 1  # then "other" (tick 3): its tail page; its head stays
+    assert cache.match([5] * 8, 6).pages == other[:1]  # (used at tick 6 now)
+    assert cache.evict(2) == 2  # old's leaf (tick 4), then the page it shared (tick 5)
+    assert cache.match([1] * 8, 7).num_tokens == 0 and cache.match([5] * 4, 7).pages == other[:1]
     check_pool(cache)
 
 

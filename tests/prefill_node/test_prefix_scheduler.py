@@ -94,6 +94,16 @@ def test_prompt_logprobs_bypass_the_lookup():
     assert sched.num_request_pages == 0 and cache.num_cached_pages == 3  # duplicates freed
 
 
+def test_a_prompt_logprobs_request_evicts_what_it_needs_too():
+    sched = make_scheduler(num_pages=8)
+    run(sched, make_request("a", [1] * 25))  # 6 whole pages stay cached, 2 free
+    wants = make_request("wants", [1] * 25, prompt_logprobs=0)  # 7 pages, computed whole
+    run(sched, wants)
+    assert wants.state == PrefillState.FINISHED
+    assert sched.prefix_cache.num_evicted_pages == 5  # a's tail pages: its first page stays
+    assert sched.num_request_pages == 0
+
+
 def test_pool_pressure_evicts_least_recently_used_prefixes():
     sched = make_scheduler(num_pages=8)
     cache = sched.prefix_cache

@@ -96,7 +96,7 @@ def test_state_machine_only_moves_forward_and_failed_is_sticky():
 def test_policy_prefers_fewest_queued_tokens_and_most_free_pages():
     p = [NodeState("a", "prefill", "", 16, 0), NodeState("b", "prefill", "", 16, 0)]
     p[0].queued_tokens = 100
-    assert LeastLoadedPolicy().pick_prefill(p, 10).name == "b"
+    assert LeastLoadedPolicy().pick_prefill(p, [2] * 10).name == "b"
     d = [NodeState("x", "decode", "", 16, 10), NodeState("y", "decode", "", 16, 20)]
     assert [n.name for n in LeastLoadedPolicy().rank_decode(d, 16)] == ["y", "x"]
     assert [n.name for n in LeastLoadedPolicy().rank_decode(d, 16 * 15)] == ["y"]  # x can't fit
