@@ -160,6 +160,17 @@ class PrefixCache:
                 heapq.heappush(heap, (parent.last_used, order, parent))
         return freed
 
+    def num_evictable_pages(self) -> int:
+        """Pages `evict` could free now: those of unlocked nodes (a lock pins all ancestors, so
+        an unlocked node has no locked descendant). Walks the tree."""
+        total, stack = 0, list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.lock_count == 0:
+                total += len(node.pages)
+            stack.extend(node.children.values())
+        return total
+
     def clear(self) -> int:
         """Evicts every unlocked page; returns how many."""
         return self.evict(self.num_cached_pages)

@@ -214,8 +214,9 @@ class PrefillScheduler:
             self.prefix_cache.lock(match.handle)  # not evicted to make room for the rest
             table.pages = list(match.pages)
         short = table.pages_needed(request.prompt_len) - self.pool.allocator.num_free
-        if short > 0 and self.prefix_cache is not None:
-            self.prefix_cache.evict(short)
+        cache = self.prefix_cache
+        if short > 0 and cache is not None and cache.num_evictable_pages() >= short:
+            cache.evict(short)  # (only when that is enough: no cache lost for a prompt that waits)
         try:
             self.pool.reserve(table, request.prompt_len)
         except OutOfPagesError:

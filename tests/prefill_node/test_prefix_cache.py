@@ -101,6 +101,7 @@ def test_locked_paths_are_never_evicted_and_split_keeps_the_lock():
     # A later match ending mid-edge splits the locked node: both halves stay locked.
     assert cache.match(list(range(4)), 3).num_tokens == 4
     cached(cache, [7] * 4, tick=0)  # older, unlocked
+    assert cache.num_evictable_pages() == 1
     assert cache.clear() == 1  # only the [7] page could go
     assert cache.match(list(range(12)), 4).pages == pages
     cache.unlock(match.handle)

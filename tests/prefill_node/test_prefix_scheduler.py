@@ -133,8 +133,8 @@ def test_concurrent_requests_share_a_locked_prefix():
     assert [(ch.request.request_id, ch.start) for ch in chunks] == [("b", 12), ("c", 12)]
     assert b.table.pages[:3] == c.table.pages[:3] == cache.match(PREFIX, 0).pages
     assert kv_of(sched, b) == kv_of(sched, c) == PREFIX
-    assert cache.clear() == 0  # both lock the shared path: nothing is evictable for d
     assert d.state == PrefillState.WAITING
+    assert cache.num_evictable_pages() == 0  # both lock the shared path: nothing for d
     run(sched)  # b and c finish, give their pages to the tree or back; then d runs
     assert [r.state for r in (b, c, d)] == [PrefillState.FINISHED] * 3
     assert cache.match(PREFIX + [1] * 8, 0).num_tokens == 20
@@ -164,3 +164,15 @@ def test_abort_of_a_request_sharing_a_prefix_frees_only_its_own_pages():
     run(sched)
     assert c.state == PrefillState.FINISHED
     assert cache.clear() == 3 + 2 and sched.pool.allocator.num_used == 0  # PREFIX + c's own
+
+
+def test_a_prompt_that_cannot_start_yet_evicts_nothing():
+    sched = make_scheduler(num_pages=8)
+    run(sched, make_request("a", [1] * 8 + [0]))  # 2 pages cached
+    blocker = sched.pool.allocator.allocate(5)  # 1 free; evicting a's 2 still leaves 3 < 4
+    sched.add(make_request("big", [3] * 13))
+    assert sched.schedule() == []
+    assert sched.prefix_cache.num_cached_pages == 2 and sched.prefix_cache.num_evicted_pages == 0
+    sched.pool.allocator.free(blocker)
+    run(sched)
+    assert sched.num_request_pages == 0
