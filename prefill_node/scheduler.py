@@ -9,8 +9,8 @@ With a prefix cache (`prefill_node.prefix_cache`), a starting request first look
 the cached whole pages become the first pages of its table (shared with the tree, locked while
 it runs) and its computation starts after them; it allocates pages only for the rest, evicting
 unlocked cached pages when the pool is short. On finish its whole prompt pages go into the tree
-(the tree frees nothing it holds; the tail page and duplicates are freed); on a failure it frees
-only its own pages and unlocks the shared ones.
+(which takes those it lacks; the tail page and duplicates are freed); on a failure it frees only
+its own pages and unlocks the shared ones.
 
 A request's state only moves forward: WAITING -> RUNNING -> FINISHED, and any state -> FAILED
 (sticky; an abort is a failure with the reason "aborted").

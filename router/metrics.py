@@ -213,9 +213,10 @@ class PrefixCacheFamilies:
             "duet_prefix_cache_hits", "Prefills that found a cached prefix", labels=labels
         )
         self.hit_tokens = CounterMetricFamily(
-            "duet_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+            "duet_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache",
             labels=labels,
-        )  # fmt: skip
+        )
         self.evicted = CounterMetricFamily(
             "duet_prefix_cache_evicted_pages", "Cached KV pages evicted", labels=labels
         )
@@ -223,9 +224,10 @@ class PrefixCacheFamilies:
             "duet_prefix_cache_pages", "KV pages the prefix cache holds", labels=labels
         )
         self.hit_ratio = GaugeMetricFamily(
-            "duet_prefix_cache_hit_ratio", "Share of lookups that hit (0 before any)",
+            "duet_prefix_cache_hit_ratio",
+            "Share of lookups that hit (0 before any)",
             labels=labels,
-        )  # fmt: skip
+        )
 
     def add(self, lv: list[str], hb) -> None:
         self.lookups.add_metric(lv, hb.num_prefix_lookups)
