@@ -9,7 +9,7 @@
     [security]  curve_key_file (ZeroMQ CURVE on every inter-node socket), insecure,
                 api_key_file / api_keys (HTTP Bearer keys), metrics_need_key
     [[prefill]] name, host, bind_host, control_port, threads, page_size, chunk_size, replicas,
-                device
+                device, prefix_cache
     [[decode]]  name, host, bind_host, control_port, kv_port, threads, page_size, num_pages,
                 max_batch, ranks, replicas, device, kv_reservation, kv_headroom_tokens
 
@@ -103,6 +103,9 @@ class RouterConfig(_Addresses):
     # On-demand decode KV (issue 10, part 3): a request preempted by a decode node whose pool
     # ran out is re-prefilled at most this often (not counted in max_migrations), then fails.
     max_preemptions: int = 8
+    # Cache-aware routing (issue 10): a prompt goes to the prefill node with the longest cached
+    # prefix among those whose queue is at most this many tokens longer than the shortest.
+    cache_balance_tokens: int = 2048
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,10 @@ class PrefillNodeConfig(_Addresses):
     chunk_size: int = 256
     num_pages: int = 4096
     max_batch_tokens: int = 512  # token budget of one prefill forward (chunks of several requests)
+    # Prefix cache (issue 10): finished prompts' KV pages stay cached in the pool (LRU), and a
+    # prompt starting with a cached prefix computes only the rest. false: every prompt cold
+    # (and the router pairs this node by load alone).
+    prefix_cache: bool = True
 
 
 @dataclass(frozen=True)
@@ -330,6 +337,8 @@ def _validate(cfg: ClusterConfig) -> None:
         raise ConfigError("[router] max_migrations must be >= 0")
     if r.max_preemptions < 0:
         raise ConfigError("[router] max_preemptions must be >= 0")
+    if r.cache_balance_tokens < 0:
+        raise ConfigError("[router] cache_balance_tokens must be >= 0")
     t = cfg.timeouts
     if min(t.reserve_s, t.prefill_queue_s, t.transfer_s, t.decode_s, t.heartbeat_s) <= 0:
         raise ConfigError("[timeouts] must all be positive")

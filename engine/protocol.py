@@ -75,6 +75,13 @@ class Heartbeat:
     draining: bool = False  # SIGTERMed: finishing what it holds, takes no new requests
     # On-demand decode KV (issue 10, part 3): decode, cumulative: requests it preempted.
     num_preempted: int = 0
+    # Prefix cache (prefill, issue 10): cumulative counters, then the cache's current size.
+    num_prefix_lookups: int = 0  # prefills that looked their prompt up in the cache
+    num_prefix_hits: int = 0  # of which found a cached prefix
+    num_prefix_hit_tokens: int = 0  # prompt tokens served from the cache (not computed)
+    num_prefix_evicted_pages: int = 0  # cached pages evicted to make room
+    num_prefix_cached_pages: int = 0  # now
+    num_prefix_cached_tokens: int = 0  # now (whole pages only)
 
 
 # ---- request flow ----------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from engine.sampling import sample
 from engine.version import package_version
 from kvtransfer import KVSender, KVTransferError, Rendezvous, make_fingerprint
 from prefill_node.kv_senders import SenderPool
+from prefill_node.prefix_cache import PrefixCache
 from prefill_node.scheduler import Chunk, PrefillRequest, PrefillScheduler, PrefillState
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,10 @@ class PrefillNode:
         self.inbox = inbox
         self.outbox = outbox
         self.pool = model.new_kv_pool(cfg.num_pages, cfg.page_size)
-        self.scheduler = PrefillScheduler(self.pool, cfg.chunk_size, cfg.max_batch_tokens)
+        self.prefix_cache = PrefixCache(self.pool) if cfg.prefix_cache else None
+        self.scheduler = PrefillScheduler(
+            self.pool, cfg.chunk_size, cfg.max_batch_tokens, self.prefix_cache
+        )
         mcfg = model.cfg
         self.fingerprint = make_fingerprint(
             mcfg.fingerprint(), mcfg.num_hidden_layers, mcfg.kv_row_width, model.dtype
@@ -221,6 +225,12 @@ class PrefillNode:
 
     # ---- compute ---------------------------------------------------------------------------
     def _run_chunks(self, chunks: list[Chunk]) -> None:
+        for chunk in chunks:  # D gets the cached prefix too: it travels while this forward runs
+            if chunk.start == chunk.request.num_cached > 0:
+                self._send_cached_prefix(chunk.request)
+        chunks = [c for c in chunks if c.request.state == PrefillState.RUNNING]  # sends can fail
+        if not chunks:
+            return
         batch = ForwardBatch.build(
             self.pool,
             [c.request.table for c in chunks],
@@ -266,14 +276,23 @@ class PrefillNode:
             request.prompt_logprobs.append(lp)
 
     def _send_chunk(self, chunk: Chunk) -> None:
-        request = chunk.request
+        self._send_rows(chunk.request, chunk.start, chunk.end)
+
+    def _send_cached_prefix(self, request: PrefillRequest) -> None:
+        """Rows [0, num_cached) from the cache's pages, in chunk_size pieces (bounded frames):
+        decode nodes keep no cache, they get every row of the prompt."""
+        step = self.scheduler.chunk_size
+        for start in range(0, request.num_cached, step):
+            self._send_rows(request, start, min(start + step, request.num_cached))
+
+    def _send_rows(self, request: PrefillRequest, start: int, end: int) -> None:
         if request.state != PrefillState.RUNNING:
             return  # failed earlier in this step (its endpoint broke)
         num_layers = self.pool.num_layers
-        rows = self.pool.read_rows(request.table, 0, num_layers, chunk.start, chunk.end)
+        rows = self.pool.read_rows(request.table, 0, num_layers, start, end)
         try:
             sender = self.senders.get(request.kv_endpoint)
-            sender.send_chunk(_rendezvous(request), 0, chunk.start, rows)
+            sender.send_chunk(_rendezvous(request), 0, start, rows)
         except (KVTransferError, ValueError) as exc:
             self._on_sender_error(request, exc)
             return
@@ -292,9 +311,10 @@ class PrefillNode:
             self.stage_times.add(stage, ms / 1000.0)
         self.outbox.send(_first_token(request, token, stage_ms, lp))
         log.info(
-            "request %s: prefilled %d tokens (queue %.1f ms, prefill %.1f ms) -> %s",
-            request.request_id, request.prompt_len, stage_ms["queue"], stage_ms["prefill"],
-            request.kv_endpoint,
+            "request %s: prefilled %d tokens, %d from the cache (queue %.1f ms, prefill %.1f ms)"
+            " -> %s",
+            request.request_id, request.prompt_len, request.num_cached, stage_ms["queue"],
+            stage_ms["prefill"], request.kv_endpoint,
         )  # fmt: skip
         try:
             sender = self.senders.get(request.kv_endpoint)
@@ -347,8 +367,23 @@ class PrefillNode:
                 num_malformed=self.inbox.num_malformed,
                 stage_ms=self.stage_times.means(),
                 draining=self.is_draining,
+                **self._prefix_cache_figures(),
             )
         )
+
+    def _prefix_cache_figures(self) -> dict[str, int]:
+        """The Heartbeat's prefix-cache fields (all zero without a cache)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return {}
+        return {
+            "num_prefix_lookups": cache.num_lookups,
+            "num_prefix_hits": cache.num_hits,
+            "num_prefix_hit_tokens": cache.num_hit_tokens,
+            "num_prefix_evicted_pages": cache.num_evicted_pages,
+            "num_prefix_cached_pages": cache.num_cached_pages,
+            "num_prefix_cached_tokens": cache.num_cached_tokens,
+        }
 
     def close(self, reason: str) -> None:
         """Fails whatever is still queued (the router hears of each) and closes the senders."""

@@ -5,6 +5,13 @@ Pure bookkeeping (no model, no sockets): `add` / `abort` / `expire` / `schedule`
 gets pages for its whole prompt when it is first scheduled (so a started prefill never stalls
 for pages) and gives them back the moment it finishes, fails or is aborted.
 
+With a prefix cache (`prefill_node.prefix_cache`), a starting request first looks its prompt up:
+the cached whole pages become the first pages of its table (shared with the tree, locked while
+it runs) and its computation starts after them; it allocates pages only for the rest, evicting
+unlocked cached pages when the pool is short. On finish its whole prompt pages go into the tree
+(which takes those it lacks; the tail page and duplicates are freed); on a failure it frees only
+its own pages and unlocks the shared ones.
+
 A request's state only moves forward: WAITING -> RUNNING -> FINISHED, and any state -> FAILED
 (sticky; an abort is a failure with the reason "aborted").
 """
@@ -20,6 +27,7 @@ from engine.errors import InvalidRequestError, OutOfPagesError
 from engine.kv_pool import KVPool, PageTable
 from engine.logprobs import TokenLogprobs
 from engine.sampling import SamplingParams
+from prefill_node.prefix_cache import PrefixCache, PrefixMatch
 
 
 class PrefillState(enum.IntEnum):
@@ -46,6 +54,11 @@ class PrefillRequest:
     error: str = ""
     # With params.prompt_logprobs: one entry per prompt token after the first, chunk by chunk.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Prefix cache: the first `num_cached` prompt tokens came from it; the first
+    # `num_shared_pages` pages of `table` are the tree's, locked by `cache_match` until the end.
+    num_cached: int = 0
+    num_shared_pages: int = 0
+    cache_match: PrefixMatch | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -83,12 +96,15 @@ class Chunk:
 class PrefillScheduler:
     """FIFO chunked prefill. Each `schedule` packs chunks of at most `chunk_size` tokens, first
     continuing running requests, then starting waiting ones, until `max_batch_tokens` is used
-    up or the pool cannot hold the next waiting prompt (head-of-line: order is kept)."""
+    up or the pool cannot hold the next waiting prompt (head-of-line: order is kept).
+    `prefix_cache`: over `pool`, or None to compute every prompt from its first token."""
 
     pool: KVPool
     chunk_size: int
     max_batch_tokens: int
+    prefix_cache: PrefixCache | None = None
     _requests: OrderedDict[str, PrefillRequest] = field(default_factory=OrderedDict)
+    _tick: int = 0  # logical clock of the cache's LRU: one tick per start and finish
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk_size <= self.max_batch_tokens:
@@ -114,6 +130,12 @@ class PrefillScheduler:
     def queued_tokens(self) -> int:
         """Prompt tokens not yet computed (the router pairs by this)."""
         return sum(r.num_remaining for r in self._requests.values())
+
+    @property
+    def num_request_pages(self) -> int:
+        """Pages held by queued or running requests alone (the cache's pages not counted)."""
+        cached = self.prefix_cache.num_cached_pages if self.prefix_cache is not None else 0
+        return self.pool.allocator.num_used - cached
 
     def has_work(self) -> bool:
         return bool(self._requests)
@@ -177,6 +199,7 @@ class PrefillScheduler:
                 continue  # aborted meanwhile (its pages are already free)
             request.num_computed = chunk.end
             if chunk.is_last:
+                self._cache_prompt(request)
                 self._release(request)
                 request.advance(PrefillState.FINISHED)
                 del self._requests[request.request_id]
@@ -186,19 +209,65 @@ class PrefillScheduler:
     # ---- internals -------------------------------------------------------------------------
     def _start(self, request: PrefillRequest, now: float) -> bool:
         table = self.pool.new_table()
+        match = self._lookup(request)
+        if match is not None:
+            self.prefix_cache.lock(match.handle)  # not evicted to make room for the rest
+            table.pages = list(match.pages)
+        short = table.pages_needed(request.prompt_len) - self.pool.allocator.num_free
+        cache = self.prefix_cache
+        if short > 0 and cache is not None and cache.num_evictable_pages() >= short:
+            cache.evict(short)  # (only when that is enough: no cache lost for a prompt that waits)
         try:
             self.pool.reserve(table, request.prompt_len)
         except OutOfPagesError:
+            if match is not None:
+                self.prefix_cache.unlock(match.handle)
             return False
+        if match is not None:
+            self.prefix_cache.record_lookup(match.num_tokens)
+            request.cache_match, request.num_shared_pages = match, len(match.pages)
+            request.num_cached = request.num_computed = match.num_tokens
         request.table = table
         request.start_time = now
         request.advance(PrefillState.RUNNING)
         return True
 
+    def _lookup(self, request: PrefillRequest) -> PrefixMatch | None:
+        """The cached prefix a starting request may use; None without a cache or when its
+        prompt logits are wanted (they must be computed). At most prompt_len - 1 tokens: the
+        last prompt token is always computed, its logits give the first output token."""
+        if self.prefix_cache is None or request.params.prompt_logprobs is not None:
+            return None
+        ps = self.pool.page_size
+        self._tick += 1
+        return self.prefix_cache.match(
+            request.token_ids[: (request.prompt_len - 1) // ps * ps], self._tick
+        )
+
+    def _cache_prompt(self, request: PrefillRequest) -> None:
+        """Hands the finished prompt's whole pages to the tree (it keeps those it lacked); the
+        table keeps only what the tree did not take, for `_release` to free."""
+        if self.prefix_cache is None or request.table is None:
+            return
+        num_pages = request.prompt_len // self.pool.page_size
+        pages = request.table.pages
+        self._tick += 1
+        not_taken = self.prefix_cache.insert(
+            request.token_ids[: num_pages * self.pool.page_size], pages[:num_pages], self._tick
+        )
+        request.table.pages = not_taken + pages[num_pages:]
+        request.num_shared_pages = 0  # the tree holds its shared pages and took the rest
+
     def _release(self, request: PrefillRequest) -> None:
-        if request.table is not None:
-            self.pool.release(request.table)
+        """Frees the request's own pages (never the shared cached ones) and unlocks those."""
+        table = request.table
+        if table is not None:
+            table.pages = table.pages[request.num_shared_pages :]
+            self.pool.release(table)
             request.table = None
+        if request.cache_match is not None:
+            self.prefix_cache.unlock(request.cache_match.handle)
+            request.cache_match = None
 
     def _fail(self, request: PrefillRequest, reason: str) -> None:
         self._release(request)

@@ -43,7 +43,7 @@ from engine.sampling import SamplingParams
 from engine.security import CurveSecurity
 from router.metrics import RouterMetrics
 from router.nodes import NodeRegistry, NodeState, NodeStatus
-from router.policy import LeastLoadedPolicy, PairingPolicy
+from router.policy import PairingPolicy, default_policy
 from router.recovery import STAGE_OF_STATE, NodeLossRecovery
 from router.request_log import log_request_end
 from router.state import ErrorEvent, RequestState, RouterError, RouterRequest, TokenEvent
@@ -83,7 +83,7 @@ class Router(NodeLossRecovery):
         self.max_positions = max_positions
         self.fingerprint = fingerprint
         self.nodes = NodeRegistry(cfg)
-        self.policy = policy or LeastLoadedPolicy()
+        self.policy = policy or default_policy(cfg)
         self.transport: RouterTransport | None = None
         self.metrics = RouterMetrics(self.nodes, cfg.sla, self._num_bad_frames)
         self.requests: dict[str, RouterRequest] = {}
@@ -285,7 +285,7 @@ class Router(NodeLossRecovery):
         return reply
 
     def _dispatch_prefill(self, req: RouterRequest) -> None:
-        node = self.policy.pick_prefill(self.nodes.ready("prefill"), req.prompt_len)
+        node = self.policy.pick_prefill(self.nodes.ready("prefill"), req.attempt_prompt_ids)
         if node is None:
             self._abort_on_nodes(req, "no prefill node")
             self.metrics.rejections.labels("no_node").inc()
@@ -341,6 +341,7 @@ class Router(NodeLossRecovery):
         if self.nodes.on_heartbeat(node, msg):
             self._nodes_changed.set()
             log.info("node %s (%s) is alive", node.name, node.role)
+        self.policy.observe_heartbeat(node)
 
     def _on_node_ready(self, msg: NodeReady) -> None:
         node = self.nodes.get(msg.node, msg.role)

@@ -3,9 +3,10 @@
 Request latencies are measured by the router (client-visible): TTFT, TPOT (mean per request)
 and inter-token latency histograms, per-stage timings, outcomes, rejections, failures by stage
 and the share of finished requests within the SLA. Per-node figures (queued and running
-requests, KV pages, KV bytes moved, dropped chunks, malformed control frames) come from the
-nodes' latest heartbeats and are read at scrape time by `NodeCollector`, as is the count of
-malformed frames the router's own control socket dropped.
+requests, KV pages, KV bytes moved, dropped chunks, malformed control frames, prefix-cache
+lookups, hits, tokens served from it and evictions) come from the nodes' latest heartbeats
+and are read at scrape time by `NodeCollector`, as is the count of malformed frames the
+router's own control socket dropped.
 """
 
 from __future__ import annotations
@@ -169,6 +170,7 @@ class NodeCollector:
         preempted = CounterMetricFamily(
             "duet_node_preemptions", "Requests a decode node preempted (heartbeat)", labels=labels
         )
+        prefix = PrefixCacheFamilies(labels)  # prefix cache (issue 10)
         for n in self.nodes.nodes.values():
             lv = [n.name, n.role]
             up.add_metric(lv, 1.0 if n.is_ready else 0.0)
@@ -183,6 +185,7 @@ class NodeCollector:
                 queued_tokens.add_metric(lv, hb.queued_tokens)
                 sent.add_metric(lv, hb.kv_bytes_sent)
                 cancelled.add_metric(lv, hb.num_cancelled_by_decode)
+                prefix.add(lv, hb)
             else:
                 pages_used.add_metric(lv, hb.total_pages - hb.free_pages)
                 pages_total.add_metric(lv, hb.total_pages)
@@ -208,3 +211,44 @@ class NodeCollector:
         yield from (dropped, malformed, router_malformed, cancelled, draining, stage_ms)
         yield from (share, sla)
         yield preempted
+        yield from prefix.families()
+
+
+class PrefixCacheFamilies:
+    """A prefill node's prefix-cache figures, from its heartbeat (issue 10)."""
+
+    def __init__(self, labels: list[str]):
+        self.lookups = CounterMetricFamily(
+            "duet_prefix_cache_lookups", "Prefills that looked their prompt up", labels=labels
+        )
+        self.hits = CounterMetricFamily(
+            "duet_prefix_cache_hits", "Prefills that found a cached prefix", labels=labels
+        )
+        self.hit_tokens = CounterMetricFamily(
+            "duet_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache",
+            labels=labels,
+        )
+        self.evicted = CounterMetricFamily(
+            "duet_prefix_cache_evicted_pages", "Cached KV pages evicted", labels=labels
+        )
+        self.pages = GaugeMetricFamily(
+            "duet_prefix_cache_pages", "KV pages the prefix cache holds", labels=labels
+        )
+        self.hit_ratio = GaugeMetricFamily(
+            "duet_prefix_cache_hit_ratio",
+            "Share of lookups that hit (0 before any)",
+            labels=labels,
+        )
+
+    def add(self, lv: list[str], hb) -> None:
+        self.lookups.add_metric(lv, hb.num_prefix_lookups)
+        self.hits.add_metric(lv, hb.num_prefix_hits)
+        self.hit_tokens.add_metric(lv, hb.num_prefix_hit_tokens)
+        self.evicted.add_metric(lv, hb.num_prefix_evicted_pages)
+        self.pages.add_metric(lv, hb.num_prefix_cached_pages)
+        lookups = hb.num_prefix_lookups
+        self.hit_ratio.add_metric(lv, hb.num_prefix_hits / lookups if lookups else 0.0)
+
+    def families(self) -> tuple:
+        return (self.lookups, self.hits, self.hit_tokens, self.evicted, self.pages, self.hit_ratio)

@@ -67,6 +67,7 @@ class Pair:
         sender_factory=InprocSender,
         kv_reservation="on_demand",
         kv_headroom_tokens=32,
+        prefix_cache=True,
     ):
         self.model = model
         self.timeouts = timeouts or TimeoutConfig(heartbeat_s=0.05)
@@ -78,7 +79,11 @@ class Pair:
         self.p_in, self.p_out = QueueInbox(), QueueOutbox()
         self.d_in, self.d_out = QueueInbox(), QueueOutbox()
         p_cfg = PrefillNodeConfig(
-            "p", page_size=p_page_size, chunk_size=chunk_size, max_batch_tokens=max_batch_tokens
+            "p",
+            page_size=p_page_size,
+            chunk_size=chunk_size,
+            max_batch_tokens=max_batch_tokens,
+            prefix_cache=prefix_cache,
         )
         d_cfg = DecodeNodeConfig(
             "d", page_size=d_page_size, max_batch=max_batch, kv_reservation=kv_reservation,
@@ -179,7 +184,8 @@ class Pair:
 
     @property
     def prefill_pages_used(self) -> int:
-        return self.prefill.pool.allocator.num_used
+        """Pages P's requests hold (those its prefix cache keeps for later prompts not counted)."""
+        return self.prefill.scheduler.num_request_pages
 
     def close(self) -> None:
         self.prefill.close("test over")

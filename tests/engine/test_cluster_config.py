@@ -100,3 +100,14 @@ def test_shipped_configs_stay_on_loopback(name):
 def test_addresses_that_cannot_work_are_refused(router, prefill, decode, match):
     with pytest.raises(ConfigError, match=match):
         _cfg(router, prefill, decode)
+
+
+def test_prefix_cache_settings_default_on_and_are_checked():
+    cfg = _cfg()
+    assert cfg.prefill[0].prefix_cache is True and cfg.router.cache_balance_tokens == 2048
+    off = _cfg(router={"cache_balance_tokens": 0}, prefill={"prefix_cache": False})
+    assert off.prefill[0].prefix_cache is False and off.router.cache_balance_tokens == 0
+    with pytest.raises(ConfigError, match=r"\[router\] cache_balance_tokens must be >= 0"):
+        _cfg(router={"cache_balance_tokens": -1})
+    with pytest.raises(ConfigError, match=r"\[prefill.p\] prefix_cache must be bool"):
+        _cfg(prefill={"prefix_cache": "yes"})

@@ -34,7 +34,15 @@ DEADLINE = 30.0
 class Rig:
     """A prefill node, the router's queues and one receiver that stands in for D."""
 
-    def __init__(self, model, receiver_dtype=None, chunk_size=4, max_batch_tokens=8, **timeouts):
+    def __init__(
+        self,
+        model,
+        receiver_dtype=None,
+        chunk_size=4,
+        max_batch_tokens=8,
+        prefix_cache=True,
+        **timeouts,
+    ):
         cfg = model.cfg
         dtype = receiver_dtype or model.dtype
         pool = KVPool(cfg.num_hidden_layers, 64, 5, cfg.kv_row_width, dtype)
@@ -42,7 +50,11 @@ class Rig:
         self.receiver = InprocReceiver(pool, fp)
         self.inbox, self.outbox = QueueInbox(), QueueOutbox()
         node_cfg = PrefillNodeConfig(
-            "p", page_size=3, chunk_size=chunk_size, max_batch_tokens=max_batch_tokens
+            "p",
+            page_size=3,
+            chunk_size=chunk_size,
+            max_batch_tokens=max_batch_tokens,
+            prefix_cache=prefix_cache,
         )
         self.node = PrefillNode(
             "p",
@@ -110,7 +122,7 @@ def test_streamed_rows_and_first_token_match_offline(rig, model):
         got_rows = rig.receiver.pool.read_rows(rig.tables[rid], 0, num_layers, 0, len(prompt))
         torch.testing.assert_close(got_rows, expected_rows, rtol=0, atol=0)
         assert event.first_token == int(logits.argmax())
-    assert rig.node.pool.allocator.num_used == 0
+    assert rig.node.scheduler.num_request_pages == 0
 
 
 def test_first_token_goes_to_the_router_with_stage_timings(rig, model):
@@ -148,7 +160,7 @@ def test_handshake_mismatch_fails_loudly_before_computing(model):
     rig.node.step()
     (error,) = rig.outbox.take(RequestError)
     assert error.stage == "transfer" and "dtype" in error.message
-    assert not rig.node.scheduler.has_work() and rig.node.pool.allocator.num_used == 0
+    assert not rig.node.scheduler.has_work() and rig.node.scheduler.num_request_pages == 0
     rig.close()
 
 
@@ -183,10 +195,10 @@ def test_abort_mid_prefill_frees_pages_and_tells_d(rig):
     rig.expect("a", 1, len(PROMPT_A))
     rig.prefill("a", 1, PROMPT_A)
     rig.node.step()  # one forward: the first chunks went out
-    assert rig.receiver.stats().chunks_written > 0 and rig.node.pool.allocator.num_used > 0
+    assert rig.receiver.stats().chunks_written > 0 and rig.node.scheduler.num_request_pages > 0
     rig.inbox.put(Abort("a", "client gone"))
     rig.node.step()
-    assert rig.node.pool.allocator.num_used == 0 and not rig.node.scheduler.has_work()
+    assert rig.node.scheduler.num_request_pages == 0 and not rig.node.scheduler.has_work()
     event = rig.events()["a"]
     assert not event.is_ready and "client gone" in event.reason
     assert rig.outbox.take(RequestError) == [] and rig.outbox.take(FirstToken) == []
@@ -204,7 +216,7 @@ def test_a_broken_sender_fails_its_transfers_and_reconnects_later(rig, model):
     errors = rig.outbox.take(RequestError)
     assert sorted(e.request_id for e in errors) == ["a", "b"]
     assert all(e.stage == "transfer" for e in errors)
-    assert rig.node.pool.allocator.num_used == 0
+    assert rig.node.scheduler.num_request_pages == 0
     # D comes back at the same endpoint: the next request connects a new sender.
     cfg = model.cfg
     fp = make_fingerprint(cfg.fingerprint(), cfg.num_hidden_layers, cfg.kv_row_width, model.dtype)
@@ -233,5 +245,66 @@ def test_shutdown_fails_queued_requests(rig):
     rig.node.run()  # handles both messages, then stops
     (error,) = rig.outbox.take(RequestError)
     assert error.request_id == "a" and "shutting down" in error.message
-    assert rig.node.pool.allocator.num_used == 0
+    assert rig.node.scheduler.num_request_pages == 0
     assert not rig.events()["a"].is_ready
+
+
+def test_a_cached_prefix_is_not_recomputed_and_d_still_gets_every_row(rig, model):
+    """PROMPT_A twice: the second computes only the tokens after its cached pages, yet D's
+    pages hold exactly the offline rows of the whole prompt and the same first token."""
+    offline = OfflineGenerator(model, page_size=16, chunk_size=4)
+    table = offline.pool.new_table()
+    logits = offline.prefill(table, PROMPT_A)
+    num_layers = model.cfg.num_hidden_layers
+    expected_rows = offline.pool.read_rows(table, 0, num_layers, 0, len(PROMPT_A))
+    offline.pool.release(table)
+    computed = []
+    forward = rig.node.model.forward
+    rig.node.model.forward = lambda batch, pool: (
+        computed.append(int(batch.new_lens.sum())),
+        forward(batch, pool),
+    )[1]
+    try:
+        for rid in ("cold", "warm"):
+            rig.expect(rid, 1, len(PROMPT_A))
+            rig.prefill(rid, 1, PROMPT_A)
+            rig.node.step()
+            rig.step_until(lambda: not rig.node.scheduler.has_work(), f"the {rid} prefill")
+    finally:
+        rig.node.model.forward = forward
+    cache = rig.node.prefix_cache
+    # Cold: chunks of 4. Warm: 13 tokens may match, four whole pages of 3: it computes 12, 13.
+    assert computed == [4, 4, 4, 2, 2]
+    assert (cache.num_lookups, cache.num_hits, cache.num_hit_tokens) == (2, 1, 12)
+    events = rig.events()
+    for rid in ("cold", "warm"):
+        assert events[rid].is_ready and events[rid].first_token == int(logits.argmax())
+        got = rig.receiver.pool.read_rows(rig.tables[rid], 0, num_layers, 0, len(PROMPT_A))
+        torch.testing.assert_close(got, expected_rows, rtol=0, atol=0)
+    assert rig.node.scheduler.num_request_pages == 0
+
+
+def test_heartbeat_reports_the_prefix_cache(rig):
+    for rid in ("a", "b"):
+        rig.expect(rid, 1, len(PROMPT_A))
+        rig.prefill(rid, 1, PROMPT_A)
+        rig.node.step()
+        rig.step_until(lambda: not rig.node.scheduler.has_work(), "the prefill")
+    rig.node._next_heartbeat = 0.0  # the next step sends one
+    rig.node.step()
+    hb = rig.outbox.take(Heartbeat)[-1]
+    assert (hb.num_prefix_lookups, hb.num_prefix_hits, hb.num_prefix_hit_tokens) == (2, 1, 12)
+    assert hb.num_prefix_cached_pages == 4 and hb.num_prefix_cached_tokens == 12
+    assert hb.num_prefix_evicted_pages == 0
+
+
+def test_without_the_cache_every_prompt_is_computed(model):
+    rig = Rig(model, prefix_cache=False)
+    for rid in ("a", "b"):
+        rig.expect(rid, 1, len(PROMPT_A))
+        rig.prefill(rid, 1, PROMPT_A)
+        rig.node.step()
+        rig.step_until(lambda: not rig.node.scheduler.has_work(), "the prefill")
+    assert rig.node.prefix_cache is None and rig.node.pool.allocator.num_used == 0
+    assert all(e.is_ready for e in rig.events().values())
+    rig.close()

@@ -96,7 +96,7 @@ def test_state_machine_only_moves_forward_and_failed_is_sticky():
 def test_policy_prefers_fewest_queued_tokens_and_most_free_pages():
     p = [NodeState("a", "prefill", "", 16, 0), NodeState("b", "prefill", "", 16, 0)]
     p[0].queued_tokens = 100
-    assert LeastLoadedPolicy().pick_prefill(p, 10).name == "b"
+    assert LeastLoadedPolicy().pick_prefill(p, [2] * 10).name == "b"
     d = [NodeState("x", "decode", "", 16, 10), NodeState("y", "decode", "", 16, 20)]
     assert [n.name for n in LeastLoadedPolicy().rank_decode(d, 16)] == ["y", "x"]
     assert [n.name for n in LeastLoadedPolicy().rank_decode(d, 16 * 15)] == ["y"]  # x can't fit
@@ -151,7 +151,8 @@ def test_router_stops_on_stop_token_id_even_if_decode_does_not():
 
 def test_pairing_spreads_a_burst_over_prefill_nodes():
     async def main():
-        r = make_router(num_prefill=2, num_decode=2)
+        # One prompt six times: no prefix affinity may outweigh a queue (balance 0).
+        r = make_router(num_prefill=2, num_decode=2, cache_balance_tokens=0)
         for i in range(6):
             await submit(r, f"r{i}", prompt_len=20)
         prefill_nodes = [n for n, _ in r.transport.of(Prefill)]
