@@ -120,8 +120,9 @@ class RankDecodeNode(DecodeNode):
     forward_errors_are_fatal = True
 
     def __init__(self, name, model, cfg, timeouts, inbox, outbox, receiver, group: RankGroup,
-                 ep: ExpertParallel, children: list[subprocess.Popen] | None = None):  # fmt: skip
-        super().__init__(name, model, cfg, timeouts, inbox, outbox, receiver)
+                 ep: ExpertParallel, children: list[subprocess.Popen] | None = None,
+                 sla=None):  # fmt: skip
+        super().__init__(name, model, cfg, timeouts, inbox, outbox, receiver, sla)
         self.rank, self.num_ranks = group.rank, group.world
         self.group, self.ep = group, ep
         self.children = children or []
@@ -168,7 +169,7 @@ class RankDecodeNode(DecodeNode):
             self._on_transfer(event)
         for request in self.scheduler.expire(time.monotonic()):
             self._error(request.request_id, "decode", f"decode timed out: {request.error}")
-        batch = [] if stop else self.scheduler.schedule()
+        batch = [] if stop else self.scheduler.schedule(self.batch_cap())
         # 3. Everyone's stats; 4. the forward, on every rank if any rank has work.
         self._stats = self.group.all_gather(self._local_stats(len(batch)))
         if any(row[BATCH] for row in self._stats):
@@ -261,6 +262,7 @@ class RankDecodeNode(DecodeNode):
                 page_size=self.pool.page_size, kv_bytes_received=total[KV_BYTES],
                 kv_chunks_dropped=total[DROPPED], num_malformed=self.inbox.num_malformed,
                 stage_ms=self.stage_times.means(), draining=self.is_draining,
+                timing_samples=self.timing_samples.take(),
             )
         )  # fmt: skip
 
@@ -317,7 +319,7 @@ def build_rank(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, rank: int,
         group.close()
         raise
     return RankDecodeNode(cfg.name, model, cfg, cluster.timeouts, inbox, outbox, receiver, group,
-                          ep, children)  # fmt: skip
+                          ep, children, cluster.sla)  # fmt: skip
 
 
 def shard_of(cluster: ClusterConfig, cfg: DecodeNodeConfig, model_dir: str | None, rank: int):

@@ -17,6 +17,7 @@ MIN_PRIOR_FRACTION, which keeps the system solvable in directions the data never
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import numpy as np
 
@@ -35,6 +36,7 @@ PREFILL_SCALE = (1.0, 256.0, 256.0 * 512.0)  # typical features of one forward
 DECODE_SCALE = (1.0, 16.0, 16.0 * 512.0)
 DEFAULT_PRIOR_WEIGHT = 4.0
 DEFAULT_DECAY = 0.98  # ~50 recent forwards dominate: a node slowed by a neighbour is seen soon
+MAX_TIMING_SAMPLES = 32  # forwards a node reports per heartbeat at most (the newest)
 
 
 class LinearCostModel:
@@ -167,3 +169,19 @@ class DecodeCost:
         if per_request <= 0:
             return upper
         return max(1, min(upper, math.floor((tpot_s - a) / per_request)))
+
+
+class RecentSamples:
+    """A node's timed forwards since its last heartbeat: `add` per forward, `take` per heartbeat
+    (the newest `MAX_TIMING_SAMPLES`, then empty). Bounded, so a heartbeat stays small."""
+
+    def __init__(self, limit: int = MAX_TIMING_SAMPLES):
+        self._samples: deque[list[float]] = deque(maxlen=limit)
+
+    def add(self, x1: float, x2: float, seconds: float) -> None:
+        self._samples.append([float(x1), float(x2), float(seconds)])
+
+    def take(self) -> list[list[float]]:
+        out = list(self._samples)
+        self._samples.clear()
+        return out

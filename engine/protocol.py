@@ -72,6 +72,13 @@ class Heartbeat:
     num_malformed: int = 0  # control frames the node dropped as malformed, cumulative
     stage_ms: dict[str, float] = field(default_factory=dict)  # recent per-stage latencies
     draining: bool = False  # SIGTERMed: finishing what it holds, takes no new requests
+    # ---- SLA admission (issue 10 part 2): what the router's cost models learn from ---------
+    # The node's forwards since its previous heartbeat (the newest `engine.cost_model.
+    # MAX_TIMING_SAMPLES`): prefill [new tokens, sum of new*prefix over its chunks, seconds],
+    # decode [batch size, total context tokens, seconds].
+    timing_samples: list[list[float]] = field(default_factory=list)
+    queued_attention: float = 0.0  # prefill: sum of new*prefix over the chunks still to compute
+    queued_forwards: int = 0  # prefill: forwards its queued work needs at least
 
 
 # ---- request flow ----------------------------------------------------------------------------

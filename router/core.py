@@ -40,6 +40,7 @@ from engine.protocol import (
 )
 from engine.sampling import SamplingParams
 from engine.security import CurveSecurity
+from router.admission import AdmissionControl, CostModelCollector
 from router.metrics import RouterMetrics
 from router.nodes import NodeRegistry, NodeState, NodeStatus
 from router.policy import LeastLoadedPolicy, PairingPolicy
@@ -85,6 +86,8 @@ class Router(NodeLossRecovery):
         self.policy = policy or LeastLoadedPolicy()
         self.transport: RouterTransport | None = None
         self.metrics = RouterMetrics(self.nodes, cfg.sla, self._num_bad_frames)
+        self.admission = AdmissionControl(cfg, self.metrics)  # SLA admission (issue 10 part 2)
+        self.metrics.registry.register(CostModelCollector(self.admission))
         self.requests: dict[str, RouterRequest] = {}
         self._reserve_waiters: dict[str, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
@@ -154,6 +157,10 @@ class Router(NodeLossRecovery):
         if request_id in self.requests:  # a client-chosen id (x-request-id) still running
             raise RouterError(400, f"request id {request_id!r} is in use", "duplicate_request_id")
         req = RouterRequest(request_id, secrets.randbits(63), prompt_ids, sampling, stop_ids)
+        await self.admission.admit(req, lambda: self.nodes.ready("prefill"))  # may 503 or wait
+        if request_id in self.requests:  # the same id started while this one waited
+            self.admission.forget(req)
+            raise RouterError(400, f"request id {request_id!r} is in use", "duplicate_request_id")
         self.requests[req.wire_id] = req
         req.advance(RequestState.RESERVING)
         try:
@@ -264,7 +271,8 @@ class Router(NodeLossRecovery):
         return reply
 
     def _dispatch_prefill(self, req: RouterRequest) -> None:
-        node = self.policy.pick_prefill(self.nodes.ready("prefill"), req.prompt_len)
+        candidates = self.admission.candidates(req, self.nodes.ready("prefill"))
+        node = self.policy.pick_prefill(candidates, req.prompt_len)
         if node is None:
             self._abort_on_nodes(req, "no prefill node")
             self.metrics.rejections.labels("no_node").inc()
@@ -279,6 +287,7 @@ class Router(NodeLossRecovery):
             self.metrics.rejections.labels("unreachable").inc()
             self._reject(req, f"prefill node {node.name} is not accepting requests", "unreachable")
         req.timings.dispatched = time.monotonic()
+        self.admission.dispatched(req, node)
         req.advance(RequestState.PREFILLING)
         self.metrics.dispatched.labels(node.name, "prefill").inc()
         self.metrics.dispatched.labels(req.decode_node, "decode").inc()
@@ -319,6 +328,7 @@ class Router(NodeLossRecovery):
         if self.nodes.on_heartbeat(node, msg):
             self._nodes_changed.set()
             log.info("node %s (%s) is alive", node.name, node.role)
+        self.admission.on_heartbeat(node, msg)
 
     def _on_node_ready(self, msg: NodeReady) -> None:
         node = self.nodes.get(msg.node, msg.role)
@@ -367,6 +377,7 @@ class Router(NodeLossRecovery):
         if req.attempt == 0:  # a moved request keeps the TTFT its client saw
             req.timings.first_token = req.timings.last_token = now
         self.nodes.release_prefill(req)
+        self.admission.first_token(req)
         for stage, ms in msg.stage_ms.items():
             self.metrics.stage.labels(stage).observe(ms / 1000)
         tokens, finish = [msg.token, *req.pending_tokens], req.pending_finish
@@ -466,6 +477,7 @@ class Router(NodeLossRecovery):
     def _forget(self, req: RouterRequest) -> None:
         self.nodes.release_prefill(req)
         self.nodes.release_decode(req)
+        self.admission.forget(req)
         self.requests.pop(req.wire_id, None)
 
     def _close(self, req: RouterRequest, outcome: str) -> None:

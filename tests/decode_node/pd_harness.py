@@ -63,6 +63,7 @@ class Pair:
         max_batch=3,
         timeouts=None,
         sender_factory=InprocSender,
+        sla=None,
     ):
         self.model = model
         self.timeouts = timeouts or TimeoutConfig(heartbeat_s=0.05)
@@ -81,7 +82,7 @@ class Pair:
             "p", model, p_cfg, self.timeouts, self.p_in, self.p_out, sender_factory
         )
         self.decode = DecodeNode(
-            "d", model, d_cfg, self.timeouts, self.d_in, self.d_out, self.receiver
+            "d", model, d_cfg, self.timeouts, self.d_in, self.d_out, self.receiver, sla
         )
         self.seen: dict[str, Seen] = {}
         self.heartbeats: list[Heartbeat] = []
