@@ -63,11 +63,11 @@ class LinearCostModel:
         self._xty = np.zeros(dim)
         self._prior_strength = self.prior_weight
         self.num_samples = 0
-        self._weights = self._prior.copy()
+        self._weights: np.ndarray | None = self._prior.copy()  # None: solve at the next read
 
     @property
     def weights(self) -> list[float]:
-        return [float(w) for w in self._weights]
+        return [float(w) for w in self._solved()]
 
     def observe(self, x: list[float] | tuple[float, ...], y: float) -> None:
         """One sample: features `x` (one per prior weight) took `y` (e.g. seconds)."""
@@ -80,11 +80,16 @@ class LinearCostModel:
         floor = self.prior_weight * MIN_PRIOR_FRACTION
         self._prior_strength = max(self._prior_strength * self.decay, floor)
         self.num_samples += 1
-        self._weights = self._solve()
+        self._weights = None  # solved lazily: a heartbeat brings dozens of samples at once
 
     def predict(self, x: list[float] | tuple[float, ...]) -> float:
         """w.x, never negative (a noisy fit may give a tiny negative intercept)."""
-        return max(0.0, float(np.dot(self._weights, np.asarray(x, dtype=np.float64))))
+        return max(0.0, float(np.dot(self._solved(), np.asarray(x, dtype=np.float64))))
+
+    def _solved(self) -> np.ndarray:
+        if self._weights is None:
+            self._weights = self._solve()
+        return self._weights
 
     def _solve(self) -> np.ndarray:
         dim = len(self._prior)

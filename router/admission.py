@@ -16,8 +16,8 @@ prompt of L tokens on prefill node n (chunk size C_n, cost model P_n):
                  (rows stream out while the next chunk computes: only the last chunk's rows
                  are sent after the compute; bytes per token from the node's KV fingerprint)
 
-The queue is taken as FIFO and serial (a packed forward shares its fixed cost, so this errs
-long by at most a per forward). The check compares TTFT_n from now with ttft_ms; time a request
+The queue is taken as FIFO and serial: a packed forward shares its fixed cost among its chunks,
+so the estimate errs long, by at most the fixed cost of each shared forward. The check compares TTFT_n from now with ttft_ms; time a request
 already spent waiting at the router ("queue") is not counted against it (the operator chose to
 trade that wait for service). With "none" the prediction is still made and exported (the
 predicted-vs-measured error), but it changes nothing.
@@ -40,7 +40,7 @@ from router.nodes import NodeState
 from router.state import RouterError, RouterRequest
 
 IN_FLIGHT_S = 0.02  # a Prefill sent this long before a heartbeat arrives is assumed counted in it
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1}
 SLA_CODE = "sla_unmet"
 
 
@@ -91,22 +91,22 @@ class AdmissionControl:
         self.max_batch_tokens = {p.name: p.max_batch_tokens for p in cfg.prefill}
         self._admitted: dict[int, _Admitted] = {}  # by id() of the RouterRequest (all attempts)
         self._changed: asyncio.Future | None = None  # resolved at the next heartbeat
+        self.num_waiting = 0  # requests queued for admission ("queue"), not yet started
 
     # ---- learning ----------------------------------------------------------------------------
     def on_heartbeat(self, node: NodeState, hb: Heartbeat, now: float | None = None) -> None:
         """Feeds the node's timing samples to its cost model, drops the admitted requests this
         heartbeat accounts for, and wakes the requests queued for admission."""
         now = time.monotonic() if now is None else now
-        cost = self.prefill_cost.get(node.name) if node.role == "prefill" else None
-        cost = cost or self.decode_cost.get(node.name)
+        prefill, decode = self.prefill_cost.get(node.name), self.decode_cost.get(node.name)
         for sample in hb.timing_samples:
             if len(sample) != 3 or not all(math.isfinite(v) and v >= 0 for v in sample):
                 continue  # a garbled sample must not poison the model
             x1, x2, seconds = sample
-            if isinstance(cost, PrefillCost):
-                cost.observe_forward(int(x1), x2, seconds)
-            elif isinstance(cost, DecodeCost):
-                cost.observe(int(x1), int(x2), seconds)
+            if node.role == "prefill" and prefill is not None:
+                prefill.observe_forward(int(x1), x2, seconds)  # new tokens, sum new*prefix
+            elif node.role == "decode" and decode is not None:
+                decode.observe(int(x1), int(x2), seconds)  # batch, total context
         if node.role == "prefill":
             for entry in self._admitted.values():
                 if entry.node == node.name and entry.sent_at <= now - IN_FLIGHT_S:
@@ -164,7 +164,11 @@ class AdmissionControl:
             left = deadline - time.monotonic()
             if policy == "reject" or left <= 0:
                 self._refuse(best[0], target_s, policy)
-            await self._wait_for_heartbeat(left)
+            self.num_waiting += 1
+            try:
+                await self._wait_for_heartbeat(left)
+            finally:
+                self.num_waiting -= 1
 
     def _hold(self, req: RouterRequest, node: str, prompt_len: int) -> _Admitted:
         chunk = self.chunk_size.get(node, 1)

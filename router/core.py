@@ -2,7 +2,9 @@
 
 For each request (see `router.state` for its state machine):
   1. admit: refuse at once (503 + Retry-After) when too many requests are unfinished; wait
-     (up to `reserve_s`) while no node of a role is ready (one restarting or draining);
+     (up to `reserve_s`) while no node of a role is ready (one restarting or draining); refuse
+     or hold a request no prefill node is predicted to serve within the TTFT SLA, as `[sla]
+     admission` says (`router.admission`);
   2. reserve: ask decode nodes in the policy's order to reserve KV pages; a refusal moves on
      to the next node, a silent node fails the request (stage "reserve");
   3. prefill: send the prompt to the chosen prefill node with the decode node's KV endpoint;
@@ -140,7 +142,7 @@ class Router(NodeLossRecovery):
         if self._closing:
             raise RouterError(503, "the router is shutting down", "shutting_down", RETRY_AFTER_S)
         limit = self.cfg.router.max_queued_requests
-        if len(self.requests) >= limit:
+        if len(self.requests) + self.admission.num_waiting >= limit:  # queued for the SLA too
             self.metrics.rejections.labels("overloaded").inc()
             raise RouterError(
                 503, f"too many unfinished requests ({limit}); retry later", "overloaded",

@@ -100,3 +100,28 @@ def test_shipped_configs_stay_on_loopback(name):
 def test_addresses_that_cannot_work_are_refused(router, prefill, decode, match):
     with pytest.raises(ConfigError, match=match):
         _cfg(router, prefill, decode)
+
+
+@pytest.mark.parametrize(
+    "sla, match",
+    [
+        ({"admission": "drop"}, "admission must be one of"),
+        ({"queue_s": 0}, "queue_s must be positive"),
+        ({"kv_bytes_per_s": -1.0}, "kv_bytes_per_s must be positive"),
+        ({"cap_decode_batch": "yes"}, "cap_decode_batch must be bool"),
+    ],
+)
+def test_bad_sla_admission_fields_are_config_errors_naming_the_field(sla, match):
+    raw = {"prefill": [{"name": "p"}], "decode": [{"name": "d"}], "sla": sla}
+    with pytest.raises(ConfigError, match=match):
+        ClusterConfig.from_dict(raw)
+
+
+def test_sla_admission_defaults_keep_todays_behaviour():
+    cfg = ClusterConfig.from_dict({"prefill": [{"name": "p"}], "decode": [{"name": "d"}]})
+    assert cfg.sla.admission == "none" and cfg.sla.queue_s == 5.0 and cfg.sla.cap_decode_batch
+    cfg = ClusterConfig.from_dict(
+        {"prefill": [{"name": "p"}], "decode": [{"name": "d"}],
+         "sla": {"admission": "queue", "queue_s": 2}}
+    )  # fmt: skip
+    assert cfg.sla.admission == "queue" and cfg.sla.queue_s == 2.0

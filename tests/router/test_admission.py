@@ -4,6 +4,7 @@ Retry-After, the reason) or queues until a heartbeat shows room (then serves, or
 queue_s); "none" serves as before; the pairing only sees nodes predicted to meet the SLA."""
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -137,12 +138,32 @@ def test_queue_waits_for_a_heartbeat_with_room_then_serves():
         r.handle(heartbeat(queued_tokens=10**6, queued_forwards=4000))
         task = start(r)
         assert not await settle(task) and not r.transport.of(Reserve)  # waiting at the router
+        assert r.admission.num_waiting == 1  # it counts toward max_queued_requests
         r.handle(heartbeat(queued_tokens=10**6, queued_forwards=4000))  # still full: waits on
         assert not await settle(task) and not r.transport.of(Reserve)
         r.handle(heartbeat(queued_tokens=0))  # the queue drained
         req = await reserve_and_dispatch(r, task, 1)
         assert req.state == RequestState.PREFILLING and len(r.transport.of(Prefill)) == 1
-        assert rejections(r, "sla") == 0
+        assert rejections(r, "sla") == 0 and r.admission.num_waiting == 0
+
+    asyncio.run(main())
+
+
+def test_requests_queued_for_the_sla_count_toward_the_router_limit():
+    async def main():
+        r = make_router(ttft_ms=50, admission="queue", queue_s=60)
+        r.cfg = dataclasses.replace(
+            r.cfg, router=dataclasses.replace(r.cfg.router, max_queued_requests=1)
+        )
+        r.handle(heartbeat(queued_tokens=10**6, queued_forwards=4000))
+        waiting = start(r, "r1")
+        await settle(waiting)
+        with pytest.raises(RouterError) as err:
+            await start(r, "r2")
+        assert err.value.code == "overloaded"
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
 
     asyncio.run(main())
 
@@ -216,3 +237,13 @@ def test_first_token_records_the_prediction_error():
         assert not r.admission._admitted
 
     asyncio.run(main())
+
+
+def test_transfer_term_uses_the_kv_layout_from_node_ready():
+    r = make_router(kv_bytes_per_s=1e6)
+    fingerprint = {"num_layers": 4, "row_width": 100, "dtype": "bfloat16"}  # 800 bytes a token
+    r.handle(NodeReady("p0", "prefill", {"fingerprint": fingerprint}))
+    node = r.nodes.nodes["p0"]
+    assert r.admission.predict(node, 100).transfer_s == pytest.approx(100 * 800 / 1e6)
+    # Only the last chunk's rows (256 tokens a chunk here) are sent after the compute.
+    assert r.admission.predict(node, 1000).transfer_s == pytest.approx(256 * 800 / 1e6)
