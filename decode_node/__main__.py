@@ -25,7 +25,7 @@ def _build(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, inbox, outbox, 
     receiver = ZmqReceiver(
         pool, fingerprint, cfg.kv_bind_endpoint, advertise_host=cfg.host, security=security
     )
-    return DecodeNode(cfg.name, model, cfg, cluster.timeouts, inbox, outbox, receiver)
+    return DecodeNode(cfg.name, model, cfg, cluster.timeouts, inbox, outbox, receiver, cluster.sla)
 
 
 class _Rank0:

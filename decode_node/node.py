@@ -25,7 +25,8 @@ import torch
 
 from decode_node.scheduler import DecodeRequest, DecodeScheduler, DecodeState, StepOutput
 from engine.batch import ForwardBatch
-from engine.cluster_config import DecodeNodeConfig, TimeoutConfig
+from engine.cluster_config import DecodeNodeConfig, SlaConfig, TimeoutConfig
+from engine.cost_model import DecodeCost, RecentSamples
 from engine.errors import DuetError
 from engine.generate import validate_prompt
 from engine.lease import RouterLease
@@ -72,9 +73,11 @@ class DecodeNode:
         inbox: Inbox,
         outbox: Outbox,
         receiver: KVReceiver,
+        sla: SlaConfig | None = None,
     ):
         """`receiver` must be bound to `model`'s KV layout over `receiver.pool`, which this node
-        decodes from."""
+        decodes from. With `sla` (and its `cap_decode_batch`), the running batch is capped so
+        the predicted step stays within `tpot_ms`."""
         self.name = name
         self.model = model
         self.timeouts = timeouts
@@ -96,6 +99,10 @@ class DecodeNode:
             mcfg.fingerprint(), mcfg.num_hidden_layers, mcfg.kv_row_width, model.dtype
         )
         self.stage_times = StageTimes()
+        # SLA (issue 10 part 2): this node's step-time model, its samples for the router.
+        self.step_cost = DecodeCost()
+        self.timing_samples = RecentSamples()
+        self.tpot_s = sla.tpot_ms / 1000.0 if sla is not None and sla.cap_decode_batch else None
         self.lease = RouterLease()
         self.is_stopping = False
         self.is_draining = False
@@ -169,7 +176,7 @@ class DecodeNode:
         if self.is_draining and (not self.scheduler.requests or now >= self._drain_deadline):
             self.is_stopping = True  # close() fails what is left; the router moves it
         # 5. One decode step over the running batch (requests join and leave at every step).
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self.batch_cap())
         self._report_preempted()
         if batch:
             self._decode(batch)
@@ -308,8 +315,26 @@ class DecodeNode:
         tokens = self._sample(logits, batch)
         logprobs = token_logprobs(logits, tokens, [r.params.logprobs for r in batch])
         logprobs_of = {r.request_id: lp for r, lp in zip(batch, logprobs, strict=True) if lp}
-        self.stage_times.add("decode_step", time.monotonic() - started)
+        elapsed = time.monotonic() - started
+        self.stage_times.add("decode_step", elapsed)
+        total_context = sum(r.next_position + 1 for r in batch)
+        self.step_cost.observe(len(batch), total_context, elapsed)
+        self.timing_samples.add(len(batch), total_context, elapsed)
         self._emit(self.scheduler.update(batch, tokens), logprobs_of)
+
+    def batch_cap(self) -> int | None:
+        """The largest running batch whose predicted step (this node's own step-time model, at
+        the mean context of the requests that would run) stays within tpot_ms; None without
+        an SLA. At least 1: a single request always runs, however slow its steps."""
+        if self.tpot_s is None:
+            return None
+        runnable = (DecodeState.READY, DecodeState.RUNNING)
+        contexts = [r.next_position + 1 for r in self.scheduler.requests if r.state in runnable]
+        if not contexts:
+            return None
+        mean_context = sum(contexts) / len(contexts)
+        upper = self.scheduler.max_batch
+        return self.step_cost.max_batch_within(self.tpot_s, mean_context, upper)
 
     def _sample(self, logits: torch.Tensor, batch: list[DecodeRequest]) -> list[int]:
         """The step's tokens. The penalties read the output counts kept by batch slot: a row is
@@ -377,6 +402,7 @@ class DecodeNode:
                 stage_ms=self.stage_times.means(),
                 draining=self.is_draining,
                 num_preempted=self.scheduler.num_preempted,
+                timing_samples=self.timing_samples.take(),
             )
         )
 

@@ -121,8 +121,9 @@ class RankDecodeNode(DecodeNode):
     forward_errors_are_fatal = True
 
     def __init__(self, name, model, cfg, timeouts, inbox, outbox, receiver, group: RankGroup,
-                 ep: ExpertParallel, children: list[subprocess.Popen] | None = None):  # fmt: skip
-        super().__init__(name, model, cfg, timeouts, inbox, outbox, receiver)
+                 ep: ExpertParallel, children: list[subprocess.Popen] | None = None,
+                 sla=None):  # fmt: skip
+        super().__init__(name, model, cfg, timeouts, inbox, outbox, receiver, sla)
         self.rank, self.num_ranks = group.rank, group.world
         self.group, self.ep = group, ep
         self.children = children or []
@@ -171,7 +172,7 @@ class RankDecodeNode(DecodeNode):
             self._error(request.request_id, "decode", f"decode timed out: {request.error}")
         # Preemption (on-demand KV) is this rank's own business: its scheduler drops requests
         # before the stats, so the BATCH figure below, which decides the forward, is exact.
-        batch = [] if stop else self.scheduler.schedule()
+        batch = [] if stop else self.scheduler.schedule(self.batch_cap())
         self._report_preempted()
         # 3. Everyone's stats; 4. the forward, on every rank if any rank has work.
         self._stats = self.group.all_gather(self._local_stats(len(batch)))
@@ -269,6 +270,7 @@ class RankDecodeNode(DecodeNode):
                 kv_chunks_dropped=total[DROPPED], num_malformed=self.inbox.num_malformed,
                 stage_ms=self.stage_times.means(), draining=self.is_draining,
                 num_preempted=total[PREEMPTED],
+                timing_samples=self.timing_samples.take(),
             )
         )  # fmt: skip
 
@@ -325,7 +327,7 @@ def build_rank(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, rank: int,
         group.close()
         raise
     return RankDecodeNode(cfg.name, model, cfg, cluster.timeouts, inbox, outbox, receiver, group,
-                          ep, children)  # fmt: skip
+                          ep, children, cluster.sla)  # fmt: skip
 
 
 def shard_of(cluster: ClusterConfig, cfg: DecodeNodeConfig, model_dir: str | None, rank: int):

@@ -252,13 +252,17 @@ class DecodeScheduler:
         return late
 
     # ---- continuous batching ---------------------------------------------------------------
-    def schedule(self) -> list[DecodeRequest]:
+    def schedule(self, batch_cap: int | None = None) -> list[DecodeRequest]:
         """The running batch of the next step: everything running plus the oldest ready
-        requests, up to `max_batch`, each with pages for the position it writes. Requests
-        preempted to find those pages left the scheduler (`take_preempted`)."""
+        requests, up to `max_batch` and up to `batch_cap` (the node's cap that keeps the
+        predicted step within the TPOT SLA; at least 1, so one request always runs), each with
+        pages for the position it writes. A cap below the running count pauses no one: only
+        newcomers wait, in READY. Requests preempted to find pages left the scheduler
+        (`take_preempted`)."""
+        limit = self.max_batch if batch_cap is None else max(1, min(self.max_batch, batch_cap))
         batch = [r for r in self._requests.values() if r.state == DecodeState.RUNNING]
         for request in self._requests.values():
-            if len(batch) >= self.max_batch:
+            if len(batch) >= limit:
                 break
             if request.state == DecodeState.READY:
                 request.advance(DecodeState.RUNNING)

@@ -2,7 +2,8 @@
 
     model = ""                # checkpoint dir; empty = the built-in tiny model
     dtype = "bfloat16"
-    [sla]       ttft_ms = 1000, tpot_ms = 50
+    [sla]       ttft_ms = 1000, tpot_ms = 50, admission = "none" | "reject" | "queue", queue_s,
+                kv_bytes_per_s, cap_decode_batch
     [router]    host, bind_host, port (HTTP), control_port (ZeroMQ PULL for node messages), limits
     [timeouts]  reserve_s, prefill_queue_s, transfer_s, decode_s, heartbeat_s, node_timeout_s,
                 drain_s, lease_s
@@ -74,6 +75,13 @@ class _Addresses:
 class SlaConfig:
     ttft_ms: float = 1000.0
     tpot_ms: float = 50.0
+    # ---- SLA admission (issue 10 part 2; router/admission.py, engine/cost_model.py) --------
+    # What a request whose predicted TTFT exceeds ttft_ms on every prefill node gets: "reject"
+    # (503 + Retry-After), "queue" (waits at the router up to queue_s, then 503), "none" (served).
+    admission: str = "none"
+    queue_s: float = 5.0  # admission = "queue": the longest a request waits at the router
+    kv_bytes_per_s: float = 1e9  # KV transfer rate the TTFT estimate assumes (loopback/LAN)
+    cap_decode_batch: bool = True  # decode nodes cap their batch to keep steps within tpot_ms
 
 
 @dataclass(frozen=True)
@@ -346,6 +354,22 @@ def _validate(cfg: ClusterConfig) -> None:
         raise ConfigError("[timeouts] node_timeout_s and lease_s must exceed heartbeat_s")
     if cfg.sla.ttft_ms <= 0 or cfg.sla.tpot_ms <= 0:
         raise ConfigError("[sla] ttft_ms and tpot_ms must be positive")
+    _validate_admission(cfg.sla)
+
+
+ADMISSION_POLICIES = ("reject", "queue", "none")
+
+
+def _validate_admission(sla: SlaConfig) -> None:
+    """SLA admission fields (issue 10 part 2)."""
+    if sla.admission not in ADMISSION_POLICIES:
+        raise ConfigError(
+            f"[sla] admission must be one of {', '.join(ADMISSION_POLICIES)}, got {sla.admission!r}"
+        )
+    if sla.queue_s <= 0:
+        raise ConfigError(f"[sla] queue_s must be positive, got {sla.queue_s!r}")
+    if sla.kv_bytes_per_s <= 0:
+        raise ConfigError(f"[sla] kv_bytes_per_s must be positive, got {sla.kv_bytes_per_s!r}")
 
 
 def _check_addresses(where: str, role: _Addresses) -> None:

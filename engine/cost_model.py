@@ -17,6 +17,7 @@ MIN_PRIOR_FRACTION, which keeps the system solvable in directions the data never
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import numpy as np
 
@@ -35,6 +36,7 @@ PREFILL_SCALE = (1.0, 256.0, 256.0 * 512.0)  # typical features of one forward
 DECODE_SCALE = (1.0, 16.0, 16.0 * 512.0)
 DEFAULT_PRIOR_WEIGHT = 4.0
 DEFAULT_DECAY = 0.98  # ~50 recent forwards dominate: a node slowed by a neighbour is seen soon
+MAX_TIMING_SAMPLES = 32  # forwards a node reports per heartbeat at most (the newest)
 
 
 class LinearCostModel:
@@ -61,11 +63,11 @@ class LinearCostModel:
         self._xty = np.zeros(dim)
         self._prior_strength = self.prior_weight
         self.num_samples = 0
-        self._weights = self._prior.copy()
+        self._weights: np.ndarray | None = self._prior.copy()  # None: solve at the next read
 
     @property
     def weights(self) -> list[float]:
-        return [float(w) for w in self._weights]
+        return [float(w) for w in self._solved()]
 
     def observe(self, x: list[float] | tuple[float, ...], y: float) -> None:
         """One sample: features `x` (one per prior weight) took `y` (e.g. seconds)."""
@@ -78,11 +80,16 @@ class LinearCostModel:
         floor = self.prior_weight * MIN_PRIOR_FRACTION
         self._prior_strength = max(self._prior_strength * self.decay, floor)
         self.num_samples += 1
-        self._weights = self._solve()
+        self._weights = None  # solved lazily: a heartbeat brings dozens of samples at once
 
     def predict(self, x: list[float] | tuple[float, ...]) -> float:
         """w.x, never negative (a noisy fit may give a tiny negative intercept)."""
-        return max(0.0, float(np.dot(self._weights, np.asarray(x, dtype=np.float64))))
+        return max(0.0, float(np.dot(self._solved(), np.asarray(x, dtype=np.float64))))
+
+    def _solved(self) -> np.ndarray:
+        if self._weights is None:
+            self._weights = self._solve()
+        return self._weights
 
     def _solve(self) -> np.ndarray:
         dim = len(self._prior)
@@ -167,3 +174,19 @@ class DecodeCost:
         if per_request <= 0:
             return upper
         return max(1, min(upper, math.floor((tpot_s - a) / per_request)))
+
+
+class RecentSamples:
+    """A node's timed forwards since its last heartbeat: `add` per forward, `take` per heartbeat
+    (the newest `MAX_TIMING_SAMPLES`, then empty). Bounded, so a heartbeat stays small."""
+
+    def __init__(self, limit: int = MAX_TIMING_SAMPLES):
+        self._samples: deque[list[float]] = deque(maxlen=limit)
+
+    def add(self, x1: float, x2: float, seconds: float) -> None:
+        self._samples.append([float(x1), float(x2), float(seconds)])
+
+    def take(self) -> list[list[float]]:
+        out = list(self._samples)
+        self._samples.clear()
+        return out

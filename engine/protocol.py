@@ -82,6 +82,13 @@ class Heartbeat:
     num_prefix_evicted_pages: int = 0  # cached pages evicted to make room
     num_prefix_cached_pages: int = 0  # now
     num_prefix_cached_tokens: int = 0  # now (whole pages only)
+    # ---- SLA admission (issue 10 part 2): what the router's cost models learn from ---------
+    # The node's forwards since its previous heartbeat (the newest `engine.cost_model.
+    # MAX_TIMING_SAMPLES`): prefill [new tokens, sum of new*prefix over its chunks, seconds],
+    # decode [batch size, total context tokens, seconds].
+    timing_samples: list[list[float]] = field(default_factory=list)
+    queued_attention: float = 0.0  # prefill: sum of new*prefix over the chunks still to compute
+    queued_forwards: int = 0  # prefill: forwards its queued work needs at least
 
 
 # ---- request flow ----------------------------------------------------------------------------

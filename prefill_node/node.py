@@ -22,6 +22,7 @@ import torch
 
 from engine.batch import ForwardBatch
 from engine.cluster_config import PrefillNodeConfig, TimeoutConfig
+from engine.cost_model import RecentSamples
 from engine.errors import DuetError
 from engine.generate import validate_prompt
 from engine.lease import RouterLease
@@ -83,6 +84,7 @@ class PrefillNode:
         handshake_s = min(timeouts.reserve_s, timeouts.node_timeout_s / 2)
         self.senders = SenderPool(sender_factory, self.fingerprint, handshake_s)
         self.stage_times = StageTimes()
+        self.timing_samples = RecentSamples()  # forwards since the last heartbeat (SLA admission)
         self.kv_bytes_sent = 0
         self.num_cancelled_by_decode = 0  # requests stopped by a kv_cancel
         self.lease = RouterLease()
@@ -151,7 +153,9 @@ class PrefillNode:
         chunks = self.scheduler.schedule(now)
         self._is_stalled = not chunks
         if chunks:
+            started = time.monotonic()
             self._run_chunks(chunks)
+            self._record_forward(chunks, started)
         # 5. Heartbeat with the load figures the router pairs by.
         self._maybe_heartbeat()
 
@@ -322,6 +326,13 @@ class PrefillNode:
         except (KVTransferError, ValueError) as exc:
             self._on_sender_error(request, exc)
 
+    def _record_forward(self, chunks: list[Chunk], started: float) -> None:
+        """One timing sample for the router's cost model of this node: the whole forward as
+        the loop spends it (rows read and handed to the senders, first tokens sampled)."""
+        new = sum(c.end - c.start for c in chunks)
+        attention = sum((c.end - c.start) * c.start for c in chunks)
+        self.timing_samples.add(new, attention, time.monotonic() - started)
+
     # ---- failures --------------------------------------------------------------------------
     def _on_sender_error(self, request: PrefillRequest, exc: Exception) -> None:
         """A broken sender loses every in-flight transfer to that endpoint: fail them all."""
@@ -355,6 +366,7 @@ class PrefillNode:
         if now < self._next_heartbeat:
             return
         self._next_heartbeat = now + self.timeouts.heartbeat_s
+        _, queued_attention, queued_forwards = self.scheduler.queued_work()
         self.outbox.send(
             Heartbeat(
                 self.name,
@@ -368,6 +380,9 @@ class PrefillNode:
                 stage_ms=self.stage_times.means(),
                 draining=self.is_draining,
                 **self._prefix_cache_figures(),
+                timing_samples=self.timing_samples.take(),
+                queued_attention=float(queued_attention),
+                queued_forwards=queued_forwards,
             )
         )
 

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.cost_model import prompt_features
 from engine.errors import InvalidRequestError, OutOfPagesError
 from engine.kv_pool import KVPool, PageTable
 from engine.logprobs import TokenLogprobs
@@ -139,6 +140,15 @@ class PrefillScheduler:
 
     def has_work(self) -> bool:
         return bool(self._requests)
+
+    def queued_work(self) -> tuple[int, int, int]:
+        """(tokens, sum of new*prefix, forwards at least) still to compute: what the router's
+        cost model turns into this node's queue time (SLA admission, issue 10 part 2)."""
+        tokens = attention = longest = 0
+        for r in self._requests.values():
+            new, attn, forwards = prompt_features(r.prompt_len, r.num_computed, self.chunk_size)
+            tokens, attention, longest = tokens + new, attention + attn, max(longest, forwards)
+        return tokens, attention, max(longest, -(-tokens // self.max_batch_tokens))
 
     # ---- changes ---------------------------------------------------------------------------
     def add(self, request: PrefillRequest) -> None:

@@ -2,7 +2,9 @@
 
 For each request (see `router.state` for its state machine):
   1. admit: refuse at once (503 + Retry-After) when too many requests are unfinished; wait
-     (up to `reserve_s`) while no node of a role is ready (one restarting or draining);
+     (up to `reserve_s`) while no node of a role is ready (one restarting or draining); refuse
+     or hold a request no prefill node is predicted to serve within the TTFT SLA, as `[sla]
+     admission` says (`router.admission`);
   2. reserve: ask decode nodes in the policy's order to reserve KV pages; a refusal moves on
      to the next node, a silent node fails the request (stage "reserve");
   3. prefill: send the prompt to the chosen prefill node with the decode node's KV endpoint;
@@ -41,6 +43,7 @@ from engine.protocol import (
 )
 from engine.sampling import SamplingParams
 from engine.security import CurveSecurity
+from router.admission import AdmissionControl, CostModelCollector
 from router.metrics import RouterMetrics
 from router.nodes import NodeRegistry, NodeState, NodeStatus
 from router.policy import PairingPolicy, default_policy
@@ -86,6 +89,10 @@ class Router(NodeLossRecovery):
         self.policy = policy or default_policy(cfg)
         self.transport: RouterTransport | None = None
         self.metrics = RouterMetrics(self.nodes, cfg.sla, self._num_bad_frames)
+        self.admission = AdmissionControl(cfg, self.metrics)  # SLA admission (issue 10 part 2)
+        if hasattr(self.policy, "cached_len"):  # a cache-aware policy: TTFT counts cache hits
+            self.admission.cached_len = self.policy.cached_len
+        self.metrics.registry.register(CostModelCollector(self.admission))
         self.requests: dict[str, RouterRequest] = {}
         self._reserve_waiters: dict[str, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
@@ -139,7 +146,7 @@ class Router(NodeLossRecovery):
         if self._closing:
             raise RouterError(503, "the router is shutting down", "shutting_down", RETRY_AFTER_S)
         limit = self.cfg.router.max_queued_requests
-        if len(self.requests) >= limit:
+        if len(self.requests) + self.admission.num_waiting >= limit:  # queued for the SLA too
             self.metrics.rejections.labels("overloaded").inc()
             raise RouterError(
                 503, f"too many unfinished requests ({limit}); retry later", "overloaded",
@@ -156,6 +163,10 @@ class Router(NodeLossRecovery):
         if request_id in self.requests:  # a client-chosen id (x-request-id) still running
             raise RouterError(400, f"request id {request_id!r} is in use", "duplicate_request_id")
         req = RouterRequest(request_id, secrets.randbits(63), prompt_ids, sampling, stop_ids)
+        await self.admission.admit(req, lambda: self.nodes.ready("prefill"))  # may 503 or wait
+        if request_id in self.requests:  # the same id started while this one waited
+            self.admission.forget(req)
+            raise RouterError(400, f"request id {request_id!r} is in use", "duplicate_request_id")
         self.requests[req.wire_id] = req
         req.advance(RequestState.RESERVING)
         try:
@@ -285,7 +296,11 @@ class Router(NodeLossRecovery):
         return reply
 
     def _dispatch_prefill(self, req: RouterRequest) -> None:
-        node = self.policy.pick_prefill(self.nodes.ready("prefill"), req.attempt_prompt_ids)
+        candidates = self.admission.candidates(req, self.nodes.ready("prefill"))
+        # What each node is expected to serve from its prefix cache, before the pick records
+        # this prompt as cached on the chosen one.
+        cached = {n.name: self.admission.cached_len(n, req.attempt_prompt_ids) for n in candidates}
+        node = self.policy.pick_prefill(candidates, req.attempt_prompt_ids)
         if node is None:
             self._abort_on_nodes(req, "no prefill node")
             self.metrics.rejections.labels("no_node").inc()
@@ -300,6 +315,7 @@ class Router(NodeLossRecovery):
             self.metrics.rejections.labels("unreachable").inc()
             self._reject(req, f"prefill node {node.name} is not accepting requests", "unreachable")
         req.timings.dispatched = time.monotonic()
+        self.admission.dispatched(req, node, cached[node.name])
         req.advance(RequestState.PREFILLING)
         self.metrics.dispatched.labels(node.name, "prefill").inc()
         self.metrics.dispatched.labels(req.decode_node, "decode").inc()
@@ -342,6 +358,7 @@ class Router(NodeLossRecovery):
             self._nodes_changed.set()
             log.info("node %s (%s) is alive", node.name, node.role)
         self.policy.observe_heartbeat(node)
+        self.admission.on_heartbeat(node, msg)
 
     def _on_node_ready(self, msg: NodeReady) -> None:
         node = self.nodes.get(msg.node, msg.role)
@@ -390,6 +407,7 @@ class Router(NodeLossRecovery):
         if not req.timings.first_token:  # a moved request keeps the TTFT its client saw
             req.timings.first_token = req.timings.last_token = now
         self.nodes.release_prefill(req)
+        self.admission.first_token(req)
         for stage, ms in msg.stage_ms.items():
             self.metrics.stage.labels(stage).observe(ms / 1000)
         tokens, finish = [msg.token, *req.pending_tokens], req.pending_finish
@@ -491,6 +509,7 @@ class Router(NodeLossRecovery):
     def _forget(self, req: RouterRequest) -> None:
         self.nodes.release_prefill(req)
         self.nodes.release_decode(req)
+        self.admission.forget(req)
         self.requests.pop(req.wire_id, None)
         self._room_changed.set()
 

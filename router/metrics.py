@@ -11,11 +11,14 @@ router's own control socket dropped.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -26,6 +29,11 @@ from engine.cluster_config import SlaConfig
 from router.nodes import NodeRegistry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+GOODPUT_WINDOW_S = 60.0
+_ERROR_BUCKETS = (
+    -5.0, -1.0, -0.5, -0.25, -0.1, -0.05, -0.025, -0.01, 0.0,
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
+)  # fmt: skip
 
 disable_created_metrics()  # the *_created series only add noise to a scrape
 
@@ -99,6 +107,22 @@ class RouterMetrics:
         )  # fmt: skip
         self.num_finished = 0  # plain counts for the SLA share (read at scrape time)
         self.num_sla_met = 0
+        # ---- SLA admission (issue 10 part 2): goodput and the TTFT prediction's error ------
+        # Goodput as a counter is duet_sla_met_requests (rate() gives requests/s); this gauge is
+        # the same over the last GOODPUT_WINDOW_S, for a dashboard without PromQL.
+        self._sla_met_times: deque[float] = deque()
+        self.goodput = Gauge(
+            "duet_goodput_requests_per_second",
+            f"Finished requests within both SLAs per second, over the last {GOODPUT_WINDOW_S:g} s",
+            registry=r,
+        )
+        self.goodput.set_function(self._goodput)
+        self.ttft_prediction_error = Histogram(
+            "duet_ttft_prediction_error_seconds",
+            "Measured minus predicted TTFT of each request (router/admission.py)",
+            buckets=_ERROR_BUCKETS,
+            registry=r,
+        )
         r.register(NodeCollector(nodes, self))
 
     def observe_finished(self, ttft: float, tpot: float | None, latency: float) -> None:
@@ -114,6 +138,14 @@ class RouterMetrics:
         if within:
             self.num_sla_met += 1
             self.sla_met.inc()
+            self._sla_met_times.append(time.monotonic())
+            self._goodput()  # prunes the window, so it stays bounded without scrapes
+
+    def _goodput(self) -> float:
+        horizon = time.monotonic() - GOODPUT_WINDOW_S
+        while self._sla_met_times and self._sla_met_times[0] < horizon:
+            self._sla_met_times.popleft()
+        return len(self._sla_met_times) / GOODPUT_WINDOW_S
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -68,6 +68,7 @@ class Pair:
         kv_reservation="on_demand",
         kv_headroom_tokens=32,
         prefix_cache=True,
+        sla=None,
     ):
         self.model = model
         self.timeouts = timeouts or TimeoutConfig(heartbeat_s=0.05)
@@ -93,7 +94,7 @@ class Pair:
             "p", model, p_cfg, self.timeouts, self.p_in, self.p_out, sender_factory
         )
         self.decode = DecodeNode(
-            "d", model, d_cfg, self.timeouts, self.d_in, self.d_out, self.receiver
+            "d", model, d_cfg, self.timeouts, self.d_in, self.d_out, self.receiver, sla
         )
         self.seen: dict[str, Seen] = {}
         self.heartbeats: list[Heartbeat] = []

@@ -202,3 +202,37 @@ def test_running_requests_hold_distinct_slots_given_back_on_every_path():
     assert len({r.slot for r in running}) == 3 and all(0 <= r.slot < 3 for r in running)
     assert [r.request_id for r in sched.expire(1000.0)] == ["d", "e", "f"]
     assert sorted(sched._free_slots) == [0, 1, 2]
+
+
+def test_batch_cap_holds_newcomers_in_ready_and_never_pauses_running():
+    sched = make_scheduler(max_batch=4)
+    for rid in "abc":
+        admit(sched, rid, max_new=3)
+    assert [r.request_id for r in sched.schedule(batch_cap=1)] == ["a"]  # oldest first
+    assert sched.count(DecodeState.READY) == 2
+    sched.update(sched.requests[:1], [11])
+    assert [r.request_id for r in sched.schedule(batch_cap=2)] == ["a", "b"]
+    # A tighter cap than the running count pauses no one (they keep their slots).
+    assert [r.request_id for r in sched.schedule(batch_cap=1)] == ["a", "b"]
+    assert sched.get("c").state == DecodeState.READY
+    # Never below one: a cap of 0 still runs a request.
+    other = make_scheduler(max_batch=4)
+    admit(other, "x")
+    assert [r.request_id for r in other.schedule(batch_cap=0)] == ["x"]
+
+
+def test_requests_waiting_under_a_cap_all_finish():
+    sched = make_scheduler(max_batch=4)
+    for rid in "abc":
+        admit(sched, rid, max_new=3)
+    finished, max_batch_seen = {}, 0
+    for _ in range(20):
+        batch = sched.schedule(batch_cap=1)
+        if not batch:
+            break
+        max_batch_seen = max(max_batch_seen, len(batch))
+        for out in sched.update(batch, [11] * len(batch)):
+            if out.finish_reason:
+                finished[out.request_id] = out.finish_reason
+    assert finished == {"a": "length", "b": "length", "c": "length"}
+    assert max_batch_seen == 1 and sched.pool.allocator.num_used == 0

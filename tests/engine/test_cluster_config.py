@@ -111,3 +111,28 @@ def test_prefix_cache_settings_default_on_and_are_checked():
         _cfg(router={"cache_balance_tokens": -1})
     with pytest.raises(ConfigError, match=r"\[prefill.p\] prefix_cache must be bool"):
         _cfg(prefill={"prefix_cache": "yes"})
+
+
+@pytest.mark.parametrize(
+    "sla, match",
+    [
+        ({"admission": "drop"}, "admission must be one of"),
+        ({"queue_s": 0}, "queue_s must be positive"),
+        ({"kv_bytes_per_s": -1.0}, "kv_bytes_per_s must be positive"),
+        ({"cap_decode_batch": "yes"}, "cap_decode_batch must be bool"),
+    ],
+)
+def test_bad_sla_admission_fields_are_config_errors_naming_the_field(sla, match):
+    raw = {"prefill": [{"name": "p"}], "decode": [{"name": "d"}], "sla": sla}
+    with pytest.raises(ConfigError, match=match):
+        ClusterConfig.from_dict(raw)
+
+
+def test_sla_admission_defaults_keep_todays_behaviour():
+    cfg = ClusterConfig.from_dict({"prefill": [{"name": "p"}], "decode": [{"name": "d"}]})
+    assert cfg.sla.admission == "none" and cfg.sla.queue_s == 5.0 and cfg.sla.cap_decode_batch
+    cfg = ClusterConfig.from_dict(
+        {"prefill": [{"name": "p"}], "decode": [{"name": "d"}],
+         "sla": {"admission": "queue", "queue_s": 2}}
+    )  # fmt: skip
+    assert cfg.sla.admission == "queue" and cfg.sla.queue_s == 2.0

@@ -151,3 +151,35 @@ def test_bad_budget_is_refused():
     pool = KVPool(1, 4, 4, 1, torch.float32)
     with pytest.raises(ValueError):
         PrefillScheduler(pool, chunk_size=8, max_batch_tokens=4)
+
+
+def test_queued_work_matches_the_chunks_the_scheduler_will_run():
+    """The router's queue estimate (SLA admission): the tokens still ahead exactly; the sum of
+    new*prefix as if every chunk were chunk_size long (the budget may cut one short, shifting
+    the later chunks), so close; the forwards as a lower bound."""
+    sched = make_scheduler(chunk_size=8, max_batch_tokens=12)
+    for rid, n in (("a", 30), ("b", 5), ("c", 17)):
+        sched.add(make_request(rid, n))
+    sched.update(sched.schedule())  # some progress first: a is part done
+    tokens, attention, forwards = sched.queued_work()
+    seen_tokens = seen_attention = seen_forwards = 0
+    while sched.has_work():
+        chunks = sched.schedule()
+        seen_tokens += sum(c.end - c.start for c in chunks)
+        seen_attention += sum((c.end - c.start) * c.start for c in chunks)
+        seen_forwards += 1
+        sched.update(chunks)
+    assert tokens == seen_tokens
+    assert attention == pytest.approx(seen_attention, rel=0.1)
+    assert forwards <= seen_forwards  # a lower bound (packing is not modelled exactly)
+    assert forwards >= -(-tokens // 12)
+    assert sched.queued_work() == (0, 0, 0)
+
+
+def test_queued_work_is_exact_for_one_request():
+    sched = make_scheduler(chunk_size=8, max_batch_tokens=8)
+    sched.add(make_request("a", 30))
+    expected = (30, 8 * 0 + 8 * 8 + 8 * 16 + 6 * 24, 4)
+    assert sched.queued_work() == expected
+    sched.update(sched.schedule())
+    assert sched.queued_work() == (22, 8 * 8 + 8 * 16 + 6 * 24, 3)

@@ -38,12 +38,13 @@ from engine.protocol import (
 FAKE_FINGERPRINT = None  # the fakes send none, so the router's check is skipped
 
 
-def fake_config(num_prefill: int = 1, num_decode: int = 1, **router) -> ClusterConfig:
-    """A cluster on free loopback ports with short timeouts (fast failure tests)."""
+def fake_config(num_prefill: int = 1, num_decode: int = 1, sla=None, **router) -> ClusterConfig:
+    """A cluster on free loopback ports with short timeouts (fast failure tests); `sla`: extra
+    [sla] fields (admission tests)."""
     ports = iter(free_ports(2 + num_prefill + 2 * num_decode))
     free_port = ports.__next__
     raw = {
-        "sla": {"ttft_ms": 1000, "tpot_ms": 200},
+        "sla": {"ttft_ms": 1000, "tpot_ms": 200, **(sla or {})},
         "router": {"port": free_port(), "control_port": free_port(), **router},
         "timeouts": {
             "reserve_s": 1.0, "prefill_queue_s": 5.0, "transfer_s": 5.0, "decode_s": 30.0,
