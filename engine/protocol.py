@@ -89,6 +89,7 @@ class Heartbeat:
     timing_samples: list[list[float]] = field(default_factory=list)
     queued_attention: float = 0.0  # prefill: sum of new*prefix over the chunks still to compute
     queued_forwards: int = 0  # prefill: forwards its queued work needs at least
+    last_prefill_seq: int = 0  # prefill: the highest Prefill.seq taken (0 after a router change)
 
 
 # ---- request flow ----------------------------------------------------------------------------
@@ -132,6 +133,10 @@ class Prefill:
     sampling: dict[str, Any]
     kv_endpoint: str
     timeout_s: float
+    # The router's count of Prefills sent to this node (1, 2, ...): the node's heartbeat says
+    # the last it took (`Heartbeat.last_prefill_seq`), so the router knows which dispatched
+    # requests that heartbeat's queued work includes (SLA admission).
+    seq: int = 0
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,7 @@ class PrefillNode:
         self.timing_samples = RecentSamples()  # forwards since the last heartbeat (SLA admission)
         self.kv_bytes_sent = 0
         self.num_cancelled_by_decode = 0  # requests stopped by a kv_cancel
+        self.last_prefill_seq = 0  # the router's numbering of its Prefills: the last one taken
         self.lease = RouterLease()
         self.is_stopping = False
         self.is_draining = False
@@ -171,6 +172,7 @@ class PrefillNode:
         elif isinstance(msg, RouterPing):
             if self.lease.renew(msg.router_id, msg.lease_s, time.monotonic()):
                 self._orphan_all("the router restarted")
+                self.last_prefill_seq = 0  # the new router numbers its Prefills from 1
                 self.outbox.send(NodeReady(self.name, "prefill", self.ready_info()))
         elif isinstance(msg, Shutdown):
             self.is_stopping = True
@@ -198,6 +200,7 @@ class PrefillNode:
             self._abort_peer(request, reason)
 
     def _on_prefill(self, msg: Prefill) -> None:
+        self.last_prefill_seq = max(self.last_prefill_seq, msg.seq)  # taken, whatever comes next
         cfg = self.model.cfg
         try:
             params = sampling_from_dict(msg.sampling)
@@ -383,6 +386,7 @@ class PrefillNode:
                 timing_samples=self.timing_samples.take(),
                 queued_attention=float(queued_attention),
                 queued_forwards=queued_forwards,
+                last_prefill_seq=self.last_prefill_seq,
             )
         )
 

@@ -9,11 +9,13 @@ prompt of L tokens on prefill node n (chunk size C_n, cost model P_n):
     queue_n    = P_n.predict_forward(Q_tokens, Q_attention, Q_forwards)
                  Q = the node's queued work in its last heartbeat (tokens, sum of new*prefix over
                  the chunks still to compute, forwards at least) + the same figures of every
-                 request the router admitted to it since (until a heartbeat sent after their
-                 Prefill went out includes them)
-    prefill_n  = P_n.predict_prompt(L, K_n, C_n)    (chunks of C_n, each after the ones before;
-                 K_n the prompt tokens the pairing policy expects node n to serve from its
-                 prefix cache, `cached_len`: 0 without a prefix cache)
+                 request the router admitted to it that the heartbeat does not include yet (a
+                 Prefill carries the router's per-node `seq`; the heartbeat, the last it took)
+    prefill_n  = P_n.predict_forward(new + fill, attention, F)   for the prompt's own chunks
+                 (F forwards of C_n tokens, after K_n tokens the pairing policy expects node n
+                 to serve from its prefix cache, `cached_len`: 0 without a prefix cache);
+                 fill = F * max_batch_tokens - new when anything is queued on the node: a busy
+                 node packs later arrivals' chunks into the prompt's forwards, slowing them
     transfer_n = min(C_n, L) * kv_bytes_per_token / [sla] kv_bytes_per_s
                  (rows stream out while the next chunk computes: only the last chunk's rows
                  are sent after the compute; bytes per token from the node's KV fingerprint)
@@ -41,7 +43,6 @@ from engine.protocol import Heartbeat
 from router.nodes import NodeState
 from router.state import RouterError, RouterRequest
 
-IN_FLIGHT_S = 0.02  # a Prefill sent this long before a heartbeat arrives is assumed counted in it
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1}
 SLA_CODE = "sla_unmet"
 
@@ -79,6 +80,7 @@ class _Admitted:
     node: str
     work: Work
     sent_at: float = math.inf  # when its Prefill went out (inf: still reserving)
+    seq: int = 0  # its Prefill's `seq` (0: not sent yet)
     predicted_ttft_s: float = 0.0  # from arrival, for the predicted-vs-measured metric
 
 
@@ -92,6 +94,7 @@ class AdmissionControl:
         self.chunk_size = {p.name: p.chunk_size for p in cfg.prefill}
         self.max_batch_tokens = {p.name: p.max_batch_tokens for p in cfg.prefill}
         self._admitted: dict[int, _Admitted] = {}  # by id() of the RouterRequest (all attempts)
+        self._last_seq: dict[str, int] = {}  # per prefill node: the last Prefill.seq sent
         self._changed: asyncio.Future | None = None  # resolved at the next heartbeat
         self.num_waiting = 0  # requests queued for admission ("queue"), not yet started
         # (node, prompt ids) -> prompt tokens it will serve from its prefix cache; the router
@@ -114,8 +117,8 @@ class AdmissionControl:
                 decode.observe(int(x1), int(x2), seconds)  # batch, total context
         if node.role == "prefill":
             for entry in self._admitted.values():
-                if entry.node == node.name and entry.sent_at <= now - IN_FLIGHT_S:
-                    entry.work = Work()  # the node's own queued figures include it now
+                if entry.node == node.name and 0 < entry.seq <= hb.last_prefill_seq:
+                    entry.work = Work()  # the node took its Prefill: its queued figures have it
         if self._changed is not None and not self._changed.done():
             self._changed.set_result(None)
         self._changed = None
@@ -131,7 +134,11 @@ class AdmissionControl:
         chunk = self.chunk_size[node.name]
         queued = self._queued(node, exclude)
         queue_s = cost.predict_forward(queued.tokens, queued.attention, queued.forwards)
-        prefill_s = cost.predict_prompt(prompt_len, cached_len, chunk)
+        new, attention, forwards = prompt_features(prompt_len, cached_len, chunk)
+        # A busy node packs the chunks of later arrivals into this prompt's forwards (up to
+        # max_batch_tokens each), which slows them: counted when anything is queued there.
+        fill = forwards * self.max_batch_tokens[node.name] - new if queued.tokens else 0
+        prefill_s = cost.predict_forward(new + max(0, fill), attention, forwards)
         last_chunk = min(chunk, prompt_len)
         transfer_s = last_chunk * _kv_bytes_per_token(node) / self.sla.kv_bytes_per_s
         total = queue_s + prefill_s + transfer_s
@@ -224,14 +231,21 @@ class AdmissionControl:
         fits = {p.node for p in preds if p.ttft_s <= target_s} or {preds[0].node}
         return [n for n in nodes if n.name in fits]
 
-    def dispatched(self, req: RouterRequest, node: NodeState, cached_len: int = 0) -> None:
+    def next_seq(self, node: str) -> int:
+        """The `seq` of the next Prefill to `node` (1, 2, ...)."""
+        self._last_seq[node] = self._last_seq.get(node, 0) + 1
+        return self._last_seq[node]
+
+    def dispatched(
+        self, req: RouterRequest, node: NodeState, cached_len: int = 0, seq: int = 0
+    ) -> None:
         """The request's Prefill went to `node`, expected to serve `cached_len` of its tokens
         from its prefix cache: its work is queued there until a heartbeat counts it; its
         predicted TTFT (from arrival) is kept for the error metric."""
         now, prompt_ids = time.monotonic(), req.attempt_prompt_ids
         pred = self.predict(node, len(prompt_ids), exclude=id(req), cached_len=cached_len)
         entry = self._hold(req, node, prompt_ids, cached_len)
-        entry.sent_at = now
+        entry.sent_at, entry.seq = now, seq
         entry.predicted_ttft_s = (now - req.timings.arrival) + pred.ttft_s
 
     def first_token(self, req: RouterRequest) -> None:

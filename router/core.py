@@ -306,16 +306,17 @@ class Router(NodeLossRecovery):
             self.metrics.rejections.labels("no_node").inc()
             self._reject(req, "no prefill node is ready", "no_node_ready")
         self.nodes.hold_prefill(req, node)
+        seq = self.admission.next_seq(node.name)
         msg = Prefill(
             req.wire_id, req.room, req.attempt_prompt_ids, sampling_to_dict(req.attempt_sampling),
-            kv_endpoint=req.kv_endpoint, timeout_s=self.t.prefill_queue_s,
+            kv_endpoint=req.kv_endpoint, timeout_s=self.t.prefill_queue_s, seq=seq,
         )  # fmt: skip
         if not self.transport.send(node.name, msg):
             self._abort_on_nodes(req, "prefill node unreachable")
             self.metrics.rejections.labels("unreachable").inc()
             self._reject(req, f"prefill node {node.name} is not accepting requests", "unreachable")
         req.timings.dispatched = time.monotonic()
-        self.admission.dispatched(req, node, cached[node.name])
+        self.admission.dispatched(req, node, cached[node.name], seq)
         req.advance(RequestState.PREFILLING)
         self.metrics.dispatched.labels(node.name, "prefill").inc()
         self.metrics.dispatched.labels(req.decode_node, "decode").inc()

@@ -76,9 +76,10 @@ class Rig:
         self.tables[rid] = table
         return table
 
-    def prefill(self, rid, room, prompt, params=GREEDY, endpoint=None, timeout_s=5.0):
+    def prefill(self, rid, room, prompt, params=GREEDY, endpoint=None, timeout_s=5.0, seq=0):
         endpoint = self.receiver.endpoint if endpoint is None else endpoint
-        self.inbox.put(Prefill(rid, room, prompt, sampling_to_dict(params), endpoint, timeout_s))
+        msg = Prefill(rid, room, prompt, sampling_to_dict(params), endpoint, timeout_s, seq=seq)
+        self.inbox.put(msg)
 
     def step_until(self, cond, what):
         deadline = time.monotonic() + DEADLINE
@@ -230,11 +231,12 @@ def test_a_broken_sender_fails_its_transfers_and_reconnects_later(rig, model):
 def test_heartbeat_reports_queued_tokens(model):
     rig = Rig(model, chunk_size=4, max_batch_tokens=4)
     rig.expect("a", 1, len(PROMPT_A))
-    rig.prefill("a", 1, PROMPT_A)
+    rig.prefill("a", 1, PROMPT_A, seq=7)
     rig.node.step()
     (hb,) = rig.outbox.take(Heartbeat)
     assert hb.role == "prefill" and hb.queued_tokens == len(PROMPT_A) - 4
     assert hb.num_running == 1 and hb.kv_bytes_sent > 0
+    assert hb.last_prefill_seq == 7  # the router's Prefill number 7 is in these figures
     rig.close()
 
 

@@ -204,11 +204,16 @@ def test_a_burst_admitted_together_sees_its_own_queue():
         with pytest.raises(RouterError):
             await start(r, "r2")
         await reserve_and_dispatch(r, first, 1)
+        ((_, prefill),) = r.transport.of(Prefill)
+        assert prefill.seq == 1  # the router numbers its Prefills to each node
         with pytest.raises(RouterError):  # dispatched, not yet in a heartbeat: still counted
             await start(r, "r3")
-        r.handle(heartbeat(queued_tokens=0))  # a heartbeat after the dispatch: P holds nothing
-        r.admission._admitted[id(r.requests["r1"])].sent_at -= 1.0  # (sent well before it)
-        r.handle(heartbeat(queued_tokens=0))
+        # A heartbeat of a node that has not taken that Prefill yet (it was in a forward) does
+        # not include it, however late it comes: still counted.
+        r.handle(heartbeat(queued_tokens=0, last_prefill_seq=0))
+        with pytest.raises(RouterError):
+            await start(r, "r3b")
+        r.handle(heartbeat(queued_tokens=0, last_prefill_seq=1))  # taken, and P holds nothing
         await reserve_and_dispatch(r, start(r, "r4"), 2)
 
     asyncio.run(main())
