@@ -14,8 +14,10 @@ prompt of L tokens on prefill node n (chunk size C_n, cost model P_n):
     prefill_n  = P_n.predict_forward(new + fill, attention, F)   for the prompt's own chunks
                  (F forwards of C_n tokens, after K_n tokens the pairing policy expects node n
                  to serve from its prefix cache, `cached_len`: 0 without a prefix cache);
-                 fill = F * max_batch_tokens - new when anything is queued on the node: a busy
-                 node packs later arrivals' chunks into the prompt's forwards, slowing them
+                 fill = min(F * max_batch_tokens - new, lambda_n * alone_n): the node packs the
+                 chunks of later arrivals into the prompt's forwards, slowing them; lambda_n is
+                 the prompt tokens/s the router sent node n over the last 10 s, alone_n the
+                 prompt's forwards' time without them (first order: arrivals during its prefill)
     transfer_n = min(C_n, L) * kv_bytes_per_token / [sla] kv_bytes_per_s
                  (rows stream out while the next chunk computes: only the last chunk's rows
                  are sent after the compute; bytes per token from the node's KV fingerprint)
@@ -32,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,6 +46,7 @@ from engine.protocol import Heartbeat
 from router.nodes import NodeState
 from router.state import RouterError, RouterRequest
 
+ARRIVAL_WINDOW_S = 10.0  # the prompt-token arrival rate per prefill node is taken over this
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1}
 SLA_CODE = "sla_unmet"
 
@@ -95,6 +99,7 @@ class AdmissionControl:
         self.max_batch_tokens = {p.name: p.max_batch_tokens for p in cfg.prefill}
         self._admitted: dict[int, _Admitted] = {}  # by id() of the RouterRequest (all attempts)
         self._last_seq: dict[str, int] = {}  # per prefill node: the last Prefill.seq sent
+        self._arrivals: dict[str, deque] = {}  # per prefill node: (time, new tokens) sent
         self._changed: asyncio.Future | None = None  # resolved at the next heartbeat
         self.num_waiting = 0  # requests queued for admission ("queue"), not yet started
         # (node, prompt ids) -> prompt tokens it will serve from its prefix cache; the router
@@ -135,10 +140,12 @@ class AdmissionControl:
         queued = self._queued(node, exclude)
         queue_s = cost.predict_forward(queued.tokens, queued.attention, queued.forwards)
         new, attention, forwards = prompt_features(prompt_len, cached_len, chunk)
-        # A busy node packs the chunks of later arrivals into this prompt's forwards (up to
-        # max_batch_tokens each), which slows them: counted when anything is queued there.
-        fill = forwards * self.max_batch_tokens[node.name] - new if queued.tokens else 0
-        prefill_s = cost.predict_forward(new + max(0, fill), attention, forwards)
+        # The node packs the chunks of later arrivals into this prompt's forwards (up to
+        # max_batch_tokens each), which slows them: the tokens expected to arrive meanwhile.
+        alone_s = cost.predict_forward(new, attention, forwards)
+        room = max(0, forwards * self.max_batch_tokens[node.name] - new)
+        fill = min(room, self.arrival_rate(node.name) * alone_s)
+        prefill_s = cost.predict_forward(new + fill, attention, forwards)
         last_chunk = min(chunk, prompt_len)
         transfer_s = last_chunk * _kv_bytes_per_token(node) / self.sla.kv_bytes_per_s
         total = queue_s + prefill_s + transfer_s
@@ -231,6 +238,16 @@ class AdmissionControl:
         fits = {p.node for p in preds if p.ttft_s <= target_s} or {preds[0].node}
         return [n for n in nodes if n.name in fits]
 
+    def arrival_rate(self, node: str, now: float | None = None) -> float:
+        """Prompt tokens per second the router sent `node` over the last ARRIVAL_WINDOW_S."""
+        now = time.monotonic() if now is None else now
+        recent = self._arrivals.get(node)
+        if not recent:
+            return 0.0
+        while recent and recent[0][0] < now - ARRIVAL_WINDOW_S:
+            recent.popleft()
+        return sum(tokens for _, tokens in recent) / ARRIVAL_WINDOW_S
+
     def next_seq(self, node: str) -> int:
         """The `seq` of the next Prefill to `node` (1, 2, ...)."""
         self._last_seq[node] = self._last_seq.get(node, 0) + 1
@@ -246,6 +263,8 @@ class AdmissionControl:
         pred = self.predict(node, len(prompt_ids), exclude=id(req), cached_len=cached_len)
         entry = self._hold(req, node, prompt_ids, cached_len)
         entry.sent_at, entry.seq = now, seq
+        arrivals = self._arrivals.setdefault(node.name, deque())
+        arrivals.append((now, max(0, len(prompt_ids) - cached_len)))
         entry.predicted_ttft_s = (now - req.timings.arrival) + pred.ttft_s
 
     def first_token(self, req: RouterRequest) -> None:

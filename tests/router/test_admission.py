@@ -6,6 +6,8 @@ queue_s); "none" serves as before; the pairing only sees nodes predicted to meet
 import asyncio
 import dataclasses
 import random
+import time
+from collections import deque
 
 import pytest
 from router_fakes import fake_config
@@ -268,3 +270,25 @@ def test_a_cached_prefix_shortens_the_predicted_prefill():
     warm = r.admission.ranked([node], prompt)[0]
     expected = PrefillCost(PREFILL_PRIOR).predict_prompt(1024, cached, 256)
     assert warm.prefill_s == pytest.approx(expected) and warm.prefill_s < cold.prefill_s / 5
+
+
+def test_later_arrivals_packed_into_its_forwards_lengthen_the_prediction():
+    """A prompt's forwards carry the chunks of prompts arriving meanwhile (up to
+    max_batch_tokens): at the tokens/s the router has been sending the node, the prediction
+    adds what arrives during the prompt's own prefill, never more than its forwards hold."""
+    r = make_router()
+    node, prior = r.nodes.nodes["p0"], PrefillCost(PREFILL_PRIOR)
+    alone = r.admission.predict(node, 256).prefill_s
+    assert alone == pytest.approx(prior.predict_forward(256, 0, 1))  # idle: nothing arrives
+    assert r.admission.arrival_rate("p0") == 0.0
+    now = time.monotonic()
+    r.admission._arrivals["p0"] = deque([(now, 1000)])  # 1000 tokens in the 10 s window
+    rate = r.admission.arrival_rate("p0", now)
+    assert rate == pytest.approx(100.0)
+    some = r.admission.predict(node, 256).prefill_s
+    assert some == pytest.approx(prior.predict_forward(256 + rate * alone, 0, 1), rel=1e-3)
+    r.admission._arrivals["p0"] = deque([(now, 10**9)])  # a flood: the forward is full
+    full = r.admission.predict(node, 256).prefill_s
+    assert full == pytest.approx(prior.predict_forward(512, 0, 1))  # max_batch_tokens = 512
+    r.admission._arrivals["p0"] = deque([(now - 11.0, 10**9)])  # older than the window
+    assert r.admission.arrival_rate("p0") == 0.0
