@@ -88,7 +88,7 @@ def search(args, fits, workload: Workload) -> list[Candidate]:
                     sizes = [tp] * x + [td] * y
                     if not fits_hosts(sizes, args.hosts, args.cores_per_host):
                         continue
-                    layout = Layout(x, y, cap, args.chunk_size)
+                    layout = Layout(x, y, cap, args.chunk_size, args.max_batch_tokens)
                     prediction = simulate(
                         workload, layout, prefill, decode, args.overhead_ms / 1000,
                         args.num_requests, args.seed,
@@ -163,6 +163,7 @@ control_port = {port + 2}
 threads = {best.prefill_threads}
 page_size = {args.page_size}
 chunk_size = {lay.chunk_size}
+max_batch_tokens = {lay.max_batch_tokens}
 
 [[decode]]
 name = "decode"
@@ -198,6 +199,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-decode", type=int, default=4)
     p.add_argument("--max-batch", type=int, default=64, help="decode batch cap at most")
     p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--max-batch-tokens", type=int, default=512, help="prefill forward budget")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--overhead-ms", type=float, default=DEFAULT_OVERHEAD_S * 1000,
                    help="router + reservation + last KV chunk, added to each TTFT")  # fmt: skip
@@ -210,7 +212,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000, help="first port of the written TOML's block")
     args = p.parse_args(argv)
     for name in ("input_len", "output_len", "hosts", "cores_per_host", "max_prefill",
-                 "max_decode", "max_batch", "chunk_size", "page_size", "num_requests"):  # fmt: skip
+                 "max_decode", "max_batch", "chunk_size", "max_batch_tokens", "page_size",
+                 "num_requests"):  # fmt: skip
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.rate <= 0 or args.sla_ttft_ms <= 0 or args.sla_tpot_ms <= 0:

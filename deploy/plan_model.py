@@ -4,10 +4,12 @@ The nodes are the fitted cost models of `engine.cost_model`: a prompt's prefill 
 `PrefillCost.predict_prompt(L, 0, chunk)` seconds, a decode step of n running requests holding C
 context tokens in all takes `DecodeCost.predict(n, C)`. The simulated cluster behaves as the
 real one schedules:
-- the router sends each request to the prefill node with the least queued work (it pairs by
-  queued tokens) and to the decode node with the fewest requests;
-- a prefill node serves its queue in order (FIFO; chunked prefill packs several prompts into a
-  forward, which keeps the node as busy as serving them one by one);
+- the router sends each request to the prefill node with the fewest queued tokens (it pairs by
+  them) and to the decode node with the fewest requests;
+- a prefill node runs chunked prefill as its scheduler does: each forward takes, in arrival
+  order, a chunk of at most `chunk_size` tokens of every queued prompt until `max_batch_tokens`
+  are used, so later arrivals share (and slow) an earlier prompt's forwards; a forward takes
+  `PrefillCost.predict_forward(its tokens, its attention, 1)`;
 - the first token reaches the client `overhead_s` after its prefill ends (router, reservation,
   the last chunk's KV transfer), and the request joins its decode node's batch then;
 - a decode node runs continuous batching: at every step boundary the waiting requests join, up
@@ -51,6 +53,7 @@ class Layout:
     num_decode: int
     max_batch: int
     chunk_size: int
+    max_batch_tokens: int = 512  # a prefill forward's token budget (`[[prefill]]` default)
 
 
 @dataclass(frozen=True)
@@ -80,15 +83,12 @@ def simulate(
     w, lay = workload, layout
     rng = random.Random(seed)
     service = prefill.predict_prompt(w.input_len, 0, lay.chunk_size)
-    prefill_free = [0.0] * lay.num_prefill  # when each prefill node's queue empties
-    first_token = []  # (time the first token reaches the client, arrival, index)
-    now = 0.0
-    for i in range(num_requests):
+    arrivals, now = [], 0.0
+    for _ in range(num_requests):
         now += rng.expovariate(w.rate)
-        node = min(range(lay.num_prefill), key=lambda p: (max(prefill_free[p], now), p))
-        done = max(prefill_free[node], now) + service
-        prefill_free[node] = done
-        first_token.append((done + overhead_s, now, i))
+        arrivals.append(now)
+    done = _simulate_prefill(arrivals, w, lay, prefill)
+    first_token = [(done[i] + overhead_s, arrivals[i], i) for i in range(num_requests)]
     ttft = [t - arrival for t, arrival, _ in first_token]
     ends = _simulate_decode(sorted(first_token), w, lay, decode)
     counted = range(int(num_requests * WARMUP_FRACTION), num_requests)
@@ -108,6 +108,51 @@ def simulate(
         median_tpot_s=statistics.median(tpot),
         prefill_load=w.rate * service / lay.num_prefill,
     )
+
+
+def _simulate_prefill(
+    arrivals: list[float], w: Workload, lay: Layout, cost: PrefillCost
+) -> list[float]:
+    """When each request's prefill ends. Events: arrivals and forward ends, per node."""
+    queues: list[list[list[int]]] = [[] for _ in range(lay.num_prefill)]  # [index, computed]
+    busy_until = [None] * lay.num_prefill  # end of the running forward, with its chunks
+    events: list[tuple[float, int, int]] = [(t, 0, i) for i, t in enumerate(arrivals)]
+    heapq.heapify(events)  # (time, kind 0 arrival / 1 forward end, request index or node)
+    done = [0.0] * len(arrivals)
+    chunks_of: list[list[tuple[list[int], int]]] = [[] for _ in range(lay.num_prefill)]
+
+    def queued(p: int) -> int:
+        return sum(w.input_len - computed for _, computed in queues[p])
+
+    def start(p: int, t: float) -> None:
+        budget, chunks, tokens, attention = lay.max_batch_tokens, [], 0, 0
+        for entry in queues[p]:
+            if budget == 0:
+                break
+            size = min(lay.chunk_size, w.input_len - entry[1], budget)
+            chunks.append((entry, size))
+            tokens, attention, budget = tokens + size, attention + size * entry[1], budget - size
+        if chunks:
+            chunks_of[p] = chunks
+            busy_until[p] = t + max(cost.predict_forward(tokens, attention, 1), 1e-9)
+            heapq.heappush(events, (busy_until[p], 1, p))
+
+    while events:
+        t, kind, who = heapq.heappop(events)
+        if kind == 0:
+            p = min(range(lay.num_prefill), key=lambda n: (queued(n), n))
+            queues[p].append([who, 0])
+        else:
+            p = who
+            for entry, size in chunks_of[p]:
+                entry[1] += size
+                if entry[1] >= w.input_len:
+                    done[entry[0]] = t
+            queues[p] = [e for e in queues[p] if e[1] < w.input_len]
+            busy_until[p] = None
+        if busy_until[p] is None:
+            start(p, t)
+    return done
 
 
 def _simulate_decode(

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from deploy.plan_model import Layout, Workload, mean_wait_md1, simulate
+from deploy.plan_model import Layout, Workload, _simulate_prefill, mean_wait_md1, simulate
 from engine.cost_model import DecodeCost, PrefillCost
 
 FIXED = 1e9  # a prior this strong is the model: no samples are observed
@@ -24,7 +24,8 @@ def decode_taking(per_step: float, per_request: float = 0.0) -> DecodeCost:
 def test_prefill_wait_matches_pollaczek_khinchine(load):
     service = 0.1
     rate = load / service
-    layout = Layout(1, 1, 64, chunk_size=1024)  # one forward a prompt: service = the prior
+    # One prompt a forward (its 64 tokens fill the budget): service = the prior, M/D/1.
+    layout = Layout(1, 1, 64, chunk_size=1024, max_batch_tokens=64)
     # TTFT target: the bare service time, so only requests that never waited meet it.
     w = Workload(64, 2, rate, ttft_s=service + 1e-9, tpot_s=10.0)
     p = simulate(w, layout, prefill_taking(service), decode_taking(0.001), overhead_s=0.0,
@@ -37,7 +38,7 @@ def test_prefill_wait_matches_pollaczek_khinchine(load):
 def test_two_prefill_nodes_pool_their_queues():
     """Join-the-shortest-queue over two nodes beats one node at half the rate."""
     service = 0.1
-    layout1, layout2 = Layout(1, 1, 64, 1024), Layout(2, 1, 64, 1024)
+    layout1, layout2 = Layout(1, 1, 64, 1024, 64), Layout(2, 1, 64, 1024, 64)
     w1 = Workload(64, 2, rate=6.0, ttft_s=0.15, tpot_s=10.0)
     w2 = Workload(64, 2, rate=12.0, ttft_s=0.15, tpot_s=10.0)
     one = simulate(w1, layout1, prefill_taking(service), decode_taking(0.001), 0.0, 20000, 3)
@@ -82,3 +83,17 @@ def test_overloaded_decode_misses_tpot():
 def test_pollaczek_khinchine_itself():
     assert mean_wait_md1(5.0, 0.1) == pytest.approx(0.5 * 0.1 / (2 * 0.5))
     assert math.isinf(mean_wait_md1(10.0, 0.1))
+
+
+def test_later_arrivals_share_an_earlier_prompts_forwards():
+    """As the prefill scheduler packs chunks (each forward costs 1 ms a token): the first of
+    three 100-token prompts arriving together starts alone (the node starts at once); the two
+    that queued meanwhile share the next forward when it holds both, else go one by one."""
+    per_token = PrefillCost(prior=(0.0, 1e-3, 0.0), prior_weight=FIXED)
+    w = Workload(100, 2, rate=1.0, ttft_s=10.0, tpot_s=10.0)
+    both = _simulate_prefill([0.0] * 3, w, Layout(1, 1, 8, 100, 200), per_token)
+    one = _simulate_prefill([0.0] * 3, w, Layout(1, 1, 8, 100, 100), per_token)
+    assert both == pytest.approx([0.1, 0.3, 0.3]) and one == pytest.approx([0.1, 0.2, 0.3])
+    # Chunks of 50, room for 100: [#0 50] [#0 50, #1 50] [#1 50, #2 50] [#2 50].
+    halves = _simulate_prefill([0.0] * 3, w, Layout(1, 1, 8, 50, 100), per_token)
+    assert halves == pytest.approx([0.15, 0.25, 0.3])
