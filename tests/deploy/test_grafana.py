@@ -116,6 +116,12 @@ def test_dashboard_has_the_operator_panels(dashboard):
         "duet_rejections_total",
         "duet_request_migrations_total",
         "duet_node_up",
+        # SLA-aware serving (issue 10)
+        "duet_prefix_cache_hit_ratio",
+        "duet_prefix_cache_hit_tokens_total",
+        "duet_ttft_prediction_error_seconds_bucket",
+        "duet_goodput_requests_per_second",
+        "duet_router_preemptions_total",
     }
     assert wanted <= read
     for title in ("TTFT", "TPOT", "ITL"):
