@@ -206,6 +206,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=1000, help="simulated requests a layout")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per profiled shape")
+    p.add_argument("--colocated", action="store_true", help="profile each role while the "
+                   "other runs beside it (nodes sharing a host share its memory bandwidth)")  # fmt: skip
     p.add_argument("--profile", help="read this saved profile instead of measuring")
     p.add_argument("--save-profile", help="write the measured profile here (JSON)")
     p.add_argument("--write-config", help="write the recommended cluster TOML here")
@@ -253,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         counts = thread_counts(args.threads, args.cores_per_host)
         profile = profile_roles(
             args.model, counts, args.input_len, args.output_len, args.max_batch,
-            args.chunk_size, args.page_size, args.repeats,
+            args.chunk_size, args.page_size, args.repeats, colocated=args.colocated,
         )  # fmt: skip
         if args.save_profile:
             profile.save(args.save_profile)

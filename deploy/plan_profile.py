@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,6 +54,7 @@ class RoleProfile:
     cpu_count: int
     by_threads: dict[int, ThreadProfile] = field(default_factory=dict)
     version: int = PROFILE_VERSION
+    colocated: bool = False  # each role measured while the other ran beside it
 
     def save(self, path: str | Path) -> None:
         body = asdict(self)
@@ -154,8 +157,10 @@ def profile_roles(
     repeats: int = 3,
     dtype: torch.dtype = torch.bfloat16,
     log=print,
+    colocated: bool = False,
 ) -> RoleProfile:
-    """Loads the model once and measures both roles at every thread count."""
+    """Loads the model once and measures both roles at every thread count; `colocated`: each
+    while the other role runs beside it (`deploy.plan_neighbour`, same thread count)."""
     from native import ops
 
     model = DeepseekModel.from_pretrained(model_dir, dtype, progress=False)
@@ -169,6 +174,7 @@ def profile_roles(
         kv_bytes_per_token=model.new_kv_pool(1, page_size).bytes_per_token,
         max_positions=cfg.max_position_embeddings,
         cpu_count=os.cpu_count() or 1,
+        colocated=colocated,
     )
     before = torch.get_num_threads()
     try:
@@ -180,11 +186,51 @@ def profile_roles(
             )
             lengths, batches = prefill_lengths(input_len, chunk_size), decode_batches(max_batch)
             samples = ThreadProfile()
-            for chunk in sorted({chunk_size, max(16, min(chunk_size, input_len) // 4)}):
-                samples.prefill += profile_prefill(model, lengths, chunk, page_size, repeats)
-            for ctx in sorted({context, max(1, context // 2)}):
-                samples.decode += profile_decode(model, batches, ctx, page_size, repeats)
+            beside = _Neighbour.of(colocated, model_dir, "decode", threads, context, chunk_size)
+            with beside:
+                for chunk in sorted({chunk_size, max(16, min(chunk_size, input_len) // 4)}):
+                    samples.prefill += profile_prefill(model, lengths, chunk, page_size, repeats)
+            beside = _Neighbour.of(colocated, model_dir, "prefill", threads, context, chunk_size)
+            with beside:
+                for ctx in sorted({context, max(1, context // 2)}):
+                    samples.decode += profile_decode(model, batches, ctx, page_size, repeats)
             profile.by_threads[threads] = samples
     finally:
         ops.set_num_threads(before)
     return profile
+
+
+class _Neighbour:
+    """`deploy.plan_neighbour` running the other role while a block measures one (a no-op when
+    not colocated); always terminated on the way out."""
+
+    def __init__(self, cmd: list[str] | None):
+        self.cmd, self.proc = cmd, None
+
+    @classmethod
+    def of(cls, colocated, model_dir, role, threads, context, chunk) -> _Neighbour:
+        if not colocated:
+            return cls(None)
+        cmd = [sys.executable, "-m", "deploy.plan_neighbour", "--model", str(model_dir),
+               "--role", role, "--threads", str(threads), "--context", str(context),
+               "--chunk", str(chunk)]  # fmt: skip
+        return cls(cmd)
+
+    def __enter__(self) -> _Neighbour:
+        if self.cmd is not None:
+            self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, text=True)
+            line = self.proc.stdout.readline()  # "ready" after its first forward, "" if it died
+            if line.strip() != "ready":
+                self.__exit__()
+                raise DuetError(f"the profile's neighbour ({' '.join(self.cmd)}) did not start")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+            self.proc = None

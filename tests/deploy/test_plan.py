@@ -2,6 +2,7 @@
 written cluster config, and a real profile of the tiny model."""
 
 import json
+import subprocess
 
 import pytest
 
@@ -124,3 +125,18 @@ def test_plan_profiles_the_tiny_model(tmp_path, capsys, tiny_dir):
     assert any(prefix > 0 for _, prefix, _ in samples.prefill)
     assert all(seconds > 0 for *_, seconds in samples.prefill + samples.decode)
     assert "1P1D" in capsys.readouterr().out
+
+
+def test_a_colocated_profile_runs_the_other_role_beside_each(tmp_path, tiny_dir):
+    """--colocated: each role is measured while `deploy.plan_neighbour` keeps the other busy;
+    the neighbour is gone afterwards."""
+    saved = tmp_path / "colocated.json"
+    argv = ["--model", str(tiny_dir), "--input-len", "32", "--output-len", "4", "--rate", "1",
+            "--sla-ttft-ms", "5000", "--sla-tpot-ms", "1000", "--threads", "1",
+            "--cores-per-host", "2", "--max-batch", "2", "--repeats", "1", "--num-requests", "100",
+            "--colocated", "--save-profile", str(saved)]  # fmt: skip
+    assert plan.main(argv) == 0
+    profile = RoleProfile.load(saved)
+    assert profile.colocated and profile.by_threads[1].prefill and profile.by_threads[1].decode
+    leftover = subprocess.run(["pgrep", "-f", "deploy.plan_neighbour"], capture_output=True)
+    assert leftover.stdout.strip() == b""
