@@ -317,3 +317,31 @@ def _tokens_logprobs(run: _Running, token: int) -> dict:
         return {}
     lp, ids, lps = fake_logprobs(token, k)
     return {"logprobs": [lp], "top_ids": [ids], "top_logprobs": [lps]}
+
+
+def start_cluster(cfg: ClusterConfig, script_ids: list[int], eos_id: int, model_dir, started,
+                  cluster_cls=None) -> tuple[FakeCluster, RouterServer]:  # fmt: skip
+    """Starts fake nodes (`cluster_cls`, FakeCluster by default) and a real router over them;
+    both are appended to `started` for `stop_all` at the test's end."""
+    fakes = (cluster_cls or FakeCluster)(cfg, script_ids, eos_id=eos_id)
+    fakes.start()
+    server = RouterServer(cfg, model_dir)
+    started.append((fakes, server))
+    server.start()
+    return fakes, server
+
+
+def stop_all(started) -> None:
+    for fakes, server in started:
+        server.stop()
+        fakes.stop()
+
+
+def wait_for(cond, timeout_s: float = 5.0) -> bool:
+    """Polls an in-process condition (the router and the fakes run in threads of this process)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return bool(cond())

@@ -10,7 +10,7 @@ import time
 import httpx
 import openai
 import pytest
-from router_fakes import FakeCluster, RouterServer, fake_config
+from router_fakes import fake_config, start_cluster, stop_all, wait_for
 
 SCRIPT_TEXT = "The quick brown fox jumps over the lazy dog. 日本語 🚀 done."
 
@@ -22,17 +22,10 @@ def make_cluster(model_dir, tok):
 
     def factory(num_prefill=1, num_decode=1, **router_cfg):
         cfg = fake_config(num_prefill, num_decode, **router_cfg)
-        fakes = FakeCluster(cfg, tok.encode(SCRIPT_TEXT), eos_id=tok.eos_token_ids[0])
-        fakes.start()
-        server = RouterServer(cfg, model_dir)
-        started.append((fakes, server))
-        server.start()
-        return fakes, server
+        return start_cluster(cfg, tok.encode(SCRIPT_TEXT), tok.eos_token_ids[0], model_dir, started)
 
     yield factory
-    for fakes, server in started:
-        server.stop()
-        fakes.stop()
+    stop_all(started)
 
 
 def client(server) -> openai.OpenAI:
@@ -51,15 +44,6 @@ def metric(server, name: str, **labels) -> float:
         if key == (f"{name}{{{want}}}" if want else name):
             return float(value)
     return 0.0
-
-
-def wait_for(cond, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_models_health_metrics(make_cluster):

@@ -6,12 +6,11 @@ concurrent requests per key, whose slot must come back after a completion, an er
 disconnect. Requests are held open by the fakes (a slow decode), never by sleeping."""
 
 import dataclasses
-import time
 
 import httpx
 import openai
 import pytest
-from router_fakes import FakeCluster, RouterServer, fake_config
+from router_fakes import fake_config, start_cluster, stop_all, wait_for
 
 import router.auth
 from engine.cluster_config import ClusterConfig, SecurityConfig
@@ -33,17 +32,10 @@ def make_cluster(model_dir, tok):
         cfg = dataclasses.replace(
             cfg, security=dataclasses.replace(cfg.security, **(security or {}))
         )
-        fakes = FakeCluster(cfg, tok.encode(SCRIPT_TEXT), eos_id=tok.eos_token_ids[0])
-        fakes.start()
-        server = RouterServer(cfg, model_dir)
-        started.append((fakes, server))
-        server.start()
-        return fakes, server
+        return start_cluster(cfg, tok.encode(SCRIPT_TEXT), tok.eos_token_ids[0], model_dir, started)
 
     yield factory
-    for fakes, server in started:
-        server.stop()
-        fakes.stop()
+    stop_all(started)
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -77,16 +69,6 @@ def assert_error(r: httpx.Response, status: int, code: str | None = None) -> dic
     if code is not None:
         assert error["code"] == code
     return error
-
-
-def wait_for(cond, timeout_s: float = 5.0) -> bool:
-    """Polls an in-process condition (the router runs in a thread of this process)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 # ---- keys ----------------------------------------------------------------------------------------

@@ -6,11 +6,10 @@ import dataclasses
 import json
 import logging
 import threading
-import time
 
 import httpx
 import pytest
-from router_fakes import FakeCluster, RouterServer, fake_config
+from router_fakes import fake_config, start_cluster, stop_all, wait_for
 
 from deploy.cli import main as duet
 from deploy.local_cluster import dump_toml, free_port
@@ -29,18 +28,14 @@ def make_cluster(model_dir, tok):
     def factory(num_prefill=1, num_decode=1, api_keys=()):
         cfg = fake_config(num_prefill, num_decode)
         cfg = dataclasses.replace(cfg, security=SecurityConfig(api_keys=tuple(api_keys)))
-        fakes = FakeCluster(cfg, tok.encode(SCRIPT_TEXT), eos_id=tok.eos_token_ids[0])
-        fakes.start()
-        server = RouterServer(cfg, model_dir)
-        started.append((fakes, server))
-        server.start()  # healthy once one node of each role is ready: wait for all of them
+        ids, eos = tok.encode(SCRIPT_TEXT), tok.eos_token_ids[0]
+        fakes, server = start_cluster(cfg, ids, eos, model_dir, started)
+        # healthy once one node of each role is ready: wait for all of them
         assert wait_for(lambda: httpx.get(server.url + "/health").json()["status"] == "ok")
         return cfg, fakes, server
 
     yield factory
-    for fakes, server in started:
-        server.stop()
-        fakes.stop()
+    stop_all(started)
 
 
 def write_toml(cfg: ClusterConfig, path) -> str:
@@ -49,15 +44,6 @@ def write_toml(cfg: ClusterConfig, path) -> str:
     path.write_text(dump_toml(raw))
     assert ClusterConfig.load(path) == cfg
     return str(path)
-
-
-def wait_for(cond, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def cluster_json(server, **headers) -> dict:

@@ -19,7 +19,7 @@ import pytest
 from http_fuzz import FuzzRequest, check_response, encode_json, ints, json_values, texts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from router_fakes import FakeCluster, RouterServer, fake_config
+from router_fakes import FakeCluster, fake_config, start_cluster, stop_all, wait_for
 
 from engine.protocol import RequestError
 
@@ -56,17 +56,11 @@ def make_cluster(model_dir, tok):
             security=dataclasses.replace(cfg.security, api_keys=tuple(api_keys)),
             decode=tuple(dataclasses.replace(d, num_pages=256) for d in cfg.decode),
         )
-        fakes = OneFails(cfg, tok.encode(SCRIPT_TEXT), eos_id=tok.eos_token_ids[0])
-        fakes.start()
-        server = RouterServer(cfg, model_dir)
-        started.append((fakes, server))
-        server.start()
-        return fakes, server
+        ids, eos = tok.encode(SCRIPT_TEXT), tok.eos_token_ids[0]
+        return start_cluster(cfg, ids, eos, model_dir, started, cluster_cls=OneFails)
 
     yield factory
-    for fakes, server in started:
-        server.stop()
-        fakes.stop()
+    stop_all(started)
 
 
 def client(server, key="none") -> openai.OpenAI:
@@ -75,15 +69,6 @@ def client(server, key="none") -> openai.OpenAI:
 
 def expected(tok, n: int) -> str:
     return tok.decode(tok.encode(SCRIPT_TEXT)[:n])
-
-
-def wait_for(cond, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def nothing_left(fakes, server) -> bool:
