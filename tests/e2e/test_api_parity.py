@@ -7,10 +7,7 @@ for token, what it gives alone offline."""
 
 import httpx
 import pytest
-from e2e_helpers import generate_reference, start_cluster, wait_until
-
-from engine.tiny_model import ensure_tiny_model
-from engine.tokenizer import Tokenizer
+from e2e_helpers import generate_reference, wait_until
 
 PROMPTS = ["Hello world", "The quick brown fox", "日本語のテキスト 🚀"]
 MAX_NEW = 12
@@ -18,21 +15,13 @@ DTYPE = "float32"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    args = ["--prefill", "1", "--decode", "1", "--dtype", DTYPE, "--threads", "1"]
-    up = start_cluster(args, tmp_path_factory)
-    yield up
-    up.stop()
+def cluster(fp32_cluster):
+    return fp32_cluster
 
 
 @pytest.fixture(scope="module")
 def refs():
     return [generate_reference(DTYPE, MAX_NEW, prompt=p) for p in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return Tokenizer(ensure_tiny_model())
 
 
 def test_batch_of_prompts_matches_duet_generate(cluster, refs, tok):

@@ -3,28 +3,18 @@ model's teacher-forced fp32 log_softmax over prompt + output (raw logprobs), loa
 
 import pytest
 import torch
-from e2e_helpers import start_cluster
 
 from engine.batch import ForwardBatch
 from engine.model import DeepseekModel
 from engine.tiny_model import ensure_tiny_model
-from engine.tokenizer import Tokenizer
 
 ATOL = 1e-4  # fp32 on both sides; chunked prefill and the decode path sum in another order
 PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    args = ["--prefill", "1", "--decode", "1", "--dtype", "float32", "--threads", "1"]
-    up = start_cluster(args, tmp_path_factory)
-    yield up
-    up.stop()
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return Tokenizer(ensure_tiny_model())
+def cluster(fp32_cluster):
+    return fp32_cluster
 
 
 @pytest.fixture(scope="module")

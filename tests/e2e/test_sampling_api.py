@@ -10,10 +10,7 @@ import json
 
 import openai
 import pytest
-from e2e_helpers import generate_reference, start_cluster
-
-from engine.tiny_model import ensure_tiny_model
-from engine.tokenizer import Tokenizer
+from e2e_helpers import generate_reference
 
 DTYPE = "float32"
 MAX_NEW = 16
@@ -21,16 +18,8 @@ PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    args = ["--prefill", "1", "--decode", "1", "--dtype", DTYPE, "--threads", "1"]
-    up = start_cluster(args, tmp_path_factory)
-    yield up
-    up.stop()
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return Tokenizer(ensure_tiny_model())
+def cluster(fp32_cluster):
+    return fp32_cluster
 
 
 @pytest.fixture(scope="module")
