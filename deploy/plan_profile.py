@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from bench.kernels import time_call
 from engine.batch import ForwardBatch
 from engine.errors import DuetError
 from engine.model import DeepseekModel
@@ -91,13 +90,8 @@ def prefill_lengths(input_len: int, chunk_size: int) -> list[int]:
 
 
 def _median_seconds(run, repeats: int) -> float:
-    run()  # warm-up: first touch of this shape's buffers
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Median seconds of `run` after a warm-up (bench-kernels' timer, no budget to speak of)."""
+    return time_call(run, repeats, budget_s=1e6)
 
 
 def profile_prefill(
