@@ -90,8 +90,7 @@ class Router(NodeLossRecovery):
         self.transport: RouterTransport | None = None
         self.metrics = RouterMetrics(self.nodes, cfg.sla, self._num_bad_frames)
         self.admission = AdmissionControl(cfg, self.metrics)  # SLA admission (issue 10 part 2)
-        if hasattr(self.policy, "cached_len"):  # a cache-aware policy: TTFT counts cache hits
-            self.admission.cached_len = self.policy.cached_len
+        self.admission.cached_len = self.policy.cached_len  # TTFT leaves out expected cache hits
         self.metrics.registry.register(CostModelCollector(self.admission))
         self.requests: dict[str, RouterRequest] = {}
         self._reserve_waiters: dict[str, asyncio.Future] = {}

@@ -29,6 +29,11 @@ class PairingPolicy(Protocol):
         """`node.heartbeat` was just updated (the router's load figures are as of it)."""
         ...
 
+    def cached_len(self, node: NodeState, prompt_ids: list[int]) -> int:
+        """Prompt tokens `node` is expected to serve from its prefix cache (SLA admission's
+        TTFT prediction leaves them out)."""
+        ...
+
 
 class LeastLoadedPolicy:
     """Prefill: fewest queued tokens (ties: fewest active requests, then name). Decode: most free
@@ -45,6 +50,9 @@ class LeastLoadedPolicy:
 
     def observe_heartbeat(self, node: NodeState) -> None:
         pass
+
+    def cached_len(self, node: NodeState, prompt_ids: list[int]) -> int:
+        return 0  # it keeps no picture of the nodes' caches
 
 
 class CacheAwarePolicy(LeastLoadedPolicy):
