@@ -83,8 +83,7 @@ class _Admitted:
 
     node: str
     work: Work
-    sent_at: float = math.inf  # when its Prefill went out (inf: still reserving)
-    seq: int = 0  # its Prefill's `seq` (0: not sent yet)
+    seq: int = 0  # its Prefill's `seq` (0: still reserving, not sent yet)
     predicted_ttft_s: float = 0.0  # from arrival, for the predicted-vs-measured metric
 
 
@@ -107,10 +106,9 @@ class AdmissionControl:
         self.cached_len: Callable[[NodeState, list[int]], int] = lambda node, prompt_ids: 0
 
     # ---- learning ----------------------------------------------------------------------------
-    def on_heartbeat(self, node: NodeState, hb: Heartbeat, now: float | None = None) -> None:
+    def on_heartbeat(self, node: NodeState, hb: Heartbeat) -> None:
         """Feeds the node's timing samples to its cost model, drops the admitted requests this
         heartbeat accounts for, and wakes the requests queued for admission."""
-        now = time.monotonic() if now is None else now
         prefill, decode = self.prefill_cost.get(node.name), self.decode_cost.get(node.name)
         for sample in hb.timing_samples:
             if len(sample) != 3 or not all(math.isfinite(v) and v >= 0 for v in sample):
@@ -253,16 +251,14 @@ class AdmissionControl:
         self._last_seq[node] = self._last_seq.get(node, 0) + 1
         return self._last_seq[node]
 
-    def dispatched(
-        self, req: RouterRequest, node: NodeState, cached_len: int = 0, seq: int = 0
-    ) -> None:
+    def dispatched(self, req: RouterRequest, node: NodeState, cached_len: int, seq: int) -> None:
         """The request's Prefill went to `node`, expected to serve `cached_len` of its tokens
         from its prefix cache: its work is queued there until a heartbeat counts it; its
         predicted TTFT (from arrival) is kept for the error metric."""
         now, prompt_ids = time.monotonic(), req.attempt_prompt_ids
         pred = self.predict(node, len(prompt_ids), exclude=id(req), cached_len=cached_len)
         entry = self._hold(req, node, prompt_ids, cached_len)
-        entry.sent_at, entry.seq = now, seq
+        entry.seq = seq
         arrivals = self._arrivals.setdefault(node.name, deque())
         arrivals.append((now, max(0, len(prompt_ids) - cached_len)))
         entry.predicted_ttft_s = (now - req.timings.arrival) + pred.ttft_s
@@ -271,7 +267,7 @@ class AdmissionControl:
         """P's first token: records measured - predicted TTFT (first attempts: a moved request
         keeps the TTFT its client saw); the node has counted its work since."""
         entry = self._admitted.pop(id(req), None)
-        if entry is not None and entry.sent_at < math.inf and req.attempt == 0:
+        if entry is not None and entry.seq > 0 and req.attempt == 0:
             measured = req.timings.first_token - req.timings.arrival
             self.metrics.ttft_prediction_error.observe(measured - entry.predicted_ttft_s)
 
