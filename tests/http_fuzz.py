@@ -14,6 +14,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 
 import httpx
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -373,3 +374,15 @@ def check_response(req: FuzzRequest, resp: httpx.Response) -> None:
         for line in resp.text.splitlines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 assert "error" not in json.loads(line[6:]), (req, line[:500])
+
+
+def fuzz_settings(max_examples: int):
+    """Hypothesis settings of the HTTP fuzzers: reproducible (derandomized, no example
+    database), no per-example deadline (a request may wait on the cluster), no health checks."""
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )

@@ -3,9 +3,9 @@ offline model over prompt + output (raw logprobs: before penalties and temperatu
 
 import pytest
 import torch
+from oracles import teacher_forced
 from pd_harness import Pair
 
-from engine.batch import ForwardBatch
 from engine.model import DeepseekModel
 from engine.sampling import SamplingParams
 
@@ -15,17 +15,6 @@ ATOL = 1e-4  # fp32, but batched chunks and the decode path sum in another order
 @pytest.fixture(scope="module")
 def model32(tiny_dir):
     return DeepseekModel.from_pretrained(tiny_dir, dtype=torch.float32, progress=False)
-
-
-def teacher_forced(model, ids: list[int]) -> torch.Tensor:
-    """log_softmax [len(ids), vocab] of the logits at every position, in one forward."""
-    pool = model.new_kv_pool(num_pages=-(-len(ids) // 16), page_size=16)
-    table = pool.new_table()
-    pool.reserve(table, len(ids))
-    batch = ForwardBatch.build(pool, [table], [ids], [0], is_decode=False)
-    batch.extra_logit_index = torch.arange(len(ids))
-    logits = model.forward(batch, pool)[1:]  # [L, vocab]: every position
-    return torch.log_softmax(logits.double(), -1)
 
 
 @pytest.mark.parametrize("prompt", [[5, 9, 11, 200, 3, 3, 7, 42, 8, 1], [17, 4]])

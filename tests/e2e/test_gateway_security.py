@@ -10,12 +10,13 @@ import pytest
 from e2e_helpers import free_port, start_cluster
 from http_fuzz import (
     check_response,
+    fuzz_settings,
     json_document_requests,
     nesting_and_unicode_requests,
     openai_requests,
     raw_requests,
 )
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from deploy.local_cluster import dump_toml, shorthand_config
@@ -75,13 +76,7 @@ def test_fuzz_burst_then_still_serving(cluster):
     statuses = []
     with httpx.Client(base_url=cluster.url, timeout=120) as http:
 
-        @settings(
-            max_examples=NUM_FUZZ,
-            deadline=None,
-            derandomize=True,
-            database=None,
-            suppress_health_check=list(HealthCheck),
-        )
+        @fuzz_settings(NUM_FUZZ)
         @given(req=requests)
         def run(req):
             resp = req.send(http)

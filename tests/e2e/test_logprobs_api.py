@@ -3,8 +3,8 @@ model's teacher-forced fp32 log_softmax over prompt + output (raw logprobs), loa
 
 import pytest
 import torch
+from oracles import teacher_forced
 
-from engine.batch import ForwardBatch
 from engine.model import DeepseekModel
 from engine.tiny_model import ensure_tiny_model
 
@@ -20,16 +20,6 @@ def cluster(fp32_cluster):
 @pytest.fixture(scope="module")
 def model():
     return DeepseekModel.from_pretrained(ensure_tiny_model(), torch.float32, progress=False)
-
-
-def teacher_forced(model, ids: list[int]) -> torch.Tensor:
-    """[len(ids), vocab] log_softmax at every position (row p predicts ids[p + 1])."""
-    pool = model.new_kv_pool(num_pages=-(-len(ids) // 16), page_size=16)
-    table = pool.new_table()
-    pool.reserve(table, len(ids))
-    batch = ForwardBatch.build(pool, [table], [ids], [0], is_decode=False)
-    batch.extra_logit_index = torch.arange(len(ids))
-    return torch.log_softmax(model.forward(batch, pool)[1:].double(), -1)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -16,8 +16,16 @@ import time
 import httpx
 import openai
 import pytest
-from http_fuzz import FuzzRequest, check_response, encode_json, ints, json_values, texts
-from hypothesis import HealthCheck, given, settings
+from http_fuzz import (
+    FuzzRequest,
+    check_response,
+    encode_json,
+    fuzz_settings,
+    ints,
+    json_values,
+    texts,
+)
+from hypothesis import given
 from hypothesis import strategies as st
 from router_fakes import FakeCluster, fake_config, start_cluster, stop_all, wait_for
 
@@ -657,13 +665,7 @@ def test_fuzz_batches_and_tokenizer_endpoints(make_cluster):
     fakes.token_interval_s = 0.0
     with httpx.Client(base_url=server.url, timeout=30) as http:
 
-        @settings(
-            max_examples=NUM_FUZZ,
-            deadline=None,
-            derandomize=True,
-            database=None,
-            suppress_health_check=list(HealthCheck),
-        )
+        @fuzz_settings(NUM_FUZZ)
         @given(req=fuzz_requests)
         def run(req):
             check_response(req, req.send(http))
@@ -671,13 +673,7 @@ def test_fuzz_batches_and_tokenizer_endpoints(make_cluster):
         run()
         paths = st.text(max_size=20).map(lambda t: FuzzRequest("GET", "/v1/models/" + t))
 
-        @settings(
-            max_examples=30,
-            deadline=None,
-            derandomize=True,
-            database=None,
-            suppress_health_check=list(HealthCheck),
-        )
+        @fuzz_settings(30)
         @given(req=paths)
         def models(req):
             try:
