@@ -7,6 +7,7 @@ keep their top-k, top-p and min-p tokens and draw from their own random stream.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from engine.penalties import PastTokens, process_logits
 
 MAX_PENALTY = 2.0  # presence and frequency penalties, as OpenAI bounds them
 MAX_BIAS = 100.0  # logit_bias values, as OpenAI bounds them
+MAX_SEQUENCES = 16  # n (and best_of): sequences one request may fork into
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,9 @@ class SamplingParams:
     # Raw logprobs (`engine.logprobs`): None = off, k = the sampled token's and the top k.
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    # n > 1 / best_of: one prefill, the KV forked on the decode node into `n` sequences;
+    # sequence i samples as a request of its own with `for_sequence(i)`.
+    n: int = 1
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
@@ -73,6 +78,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        if not 1 <= self.n <= MAX_SEQUENCES:
+            raise InvalidRequestError(f"n must be in [1, {MAX_SEQUENCES}], got {self.n}")
         for token, bias in self.logit_bias:
             if token < 0:
                 raise InvalidRequestError(f"logit_bias: token id {token} is negative")
@@ -98,6 +105,15 @@ class SamplingParams:
     def uses_prompt(self) -> bool:
         """The sampling node must know the prompt's token ids (repetition_penalty)."""
         return self.repetition_penalty != 1.0
+
+    def for_sequence(self, index: int) -> SamplingParams:
+        """The sampling of sequence `index` of an n > 1 request: one sequence (n = 1) whose seed,
+        when there is one, is seed + index (mod 2^63). So sequence i of a seeded request gives
+        exactly what a single request with seed + i gives, and the n sequences differ."""
+        if not 0 <= index < self.n:
+            raise ValueError(f"sequence {index} of a request with n = {self.n}")
+        seed = None if self.seed is None else (self.seed + index) % 2**63
+        return dataclasses.replace(self, n=1, seed=seed)
 
     def check_vocab(self, vocab_size: int) -> None:
         """InvalidRequestError for a logit_bias token outside [0, vocab_size)."""
