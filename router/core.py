@@ -575,10 +575,13 @@ class Router(NodeLossRecovery):
             self.requests.pop(fork.wire_id, None)
 
     def _close(self, req: RouterRequest, outcome: str) -> None:
-        """Terminal bookkeeping: free the load estimates, count the outcome, record latencies."""
+        """Terminal bookkeeping: free the load estimates, count the outcome, record latencies
+        (of requests: the forks of an n > 1 request are logged, not counted again)."""
         self._forget(req)
-        self.metrics.requests.labels(outcome).inc()
         log_request_end(req, outcome)
+        if req.parent is not None:
+            return
+        self.metrics.requests.labels(outcome).inc()
         if outcome == "finished" and req.timings.first_token:
             t = req.timings
             self.metrics.observe_finished(
