@@ -16,6 +16,7 @@ import torch
 from engine.errors import InvalidRequestError
 from engine.logprobs import MAX_LOGPROBS
 from engine.penalties import PastTokens, process_logits
+from engine.structured import StructuredOutput
 
 MAX_PENALTY = 2.0  # presence and frequency penalties, as OpenAI bounds them
 MAX_BIAS = 100.0  # logit_bias values, as OpenAI bounds them
@@ -42,6 +43,9 @@ class SamplingParams:
     # Raw logprobs (`engine.logprobs`): None = off, k = the sampled token's and the top k.
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    # Structured output (`engine.structured`): (kind, spec), e.g. ("json_schema", "{...}"); the
+    # sampling nodes mask each token to the grammar. None = free text.
+    structured: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
@@ -73,6 +77,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        if self.structured is not None:
+            self._check_structured()
         for token, bias in self.logit_bias:
             if token < 0:
                 raise InvalidRequestError(f"logit_bias: token id {token} is negative")
@@ -80,6 +86,20 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"logit_bias: the bias of token {token} must be in [-100, 100], got {bias}"
                 )
+
+    def _check_structured(self) -> None:
+        if not (
+            isinstance(self.structured, tuple)
+            and len(self.structured) == 2
+            and all(isinstance(part, str) for part in self.structured)
+        ):
+            raise InvalidRequestError("structured must be a (kind, spec) pair of strings")
+        StructuredOutput.of(self.structured)  # the kind and the size; compiling is the node's
+        if self.min_tokens:  # EOS is the only token a complete grammar allows
+            raise InvalidRequestError(
+                "min_tokens cannot be combined with structured output: the grammar decides "
+                "where the output ends"
+            )
 
     @property
     def is_greedy(self) -> bool:
@@ -108,8 +128,11 @@ class SamplingParams:
             )
 
     def stop_ids(self, eos_ids: Iterable[int]) -> frozenset[int]:
-        """The tokens that end the request (and that min_tokens holds back)."""
-        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else set(eos_ids))
+        """The tokens that end the request (and that min_tokens holds back). A structured
+        request always ends at EOS, ignore_eos or not: its grammar allows EOS only once
+        complete, and then nothing else, so going on could only produce garbage."""
+        ignore_eos = self.ignore_eos and self.structured is None
+        return frozenset(self.stop_token_ids) | (frozenset() if ignore_eos else set(eos_ids))
 
     def make_generator(self) -> torch.Generator | None:
         """The request's own random stream: a fixed seed gives the same tokens in any batch."""

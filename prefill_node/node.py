@@ -43,7 +43,8 @@ from engine.protocol import (
     Shutdown,
     sampling_from_dict,
 )
-from engine.sampling import sample
+from engine.sampling import SamplingParams, sample
+from engine.structured import GrammarMatcher, Grammars
 from engine.version import package_version
 from kvtransfer import KVSender, KVTransferError, Rendezvous, make_fingerprint
 from prefill_node.kv_senders import SenderPool
@@ -84,6 +85,8 @@ class PrefillNode:
         handshake_s = min(timeouts.reserve_s, timeouts.node_timeout_s / 2)
         self.senders = SenderPool(sender_factory, self.fingerprint, handshake_s)
         self.stage_times = StageTimes()
+        # Structured output: grammars over the model's vocabulary (tokenizer loaded on first use).
+        self.grammars = Grammars(model.model_dir, mcfg.vocab_size, mcfg.eos_token_id)
         self.timing_samples = RecentSamples()  # forwards since the last heartbeat (SLA admission)
         self.kv_bytes_sent = 0
         self.num_cancelled_by_decode = 0  # requests stopped by a kv_cancel
@@ -219,6 +222,7 @@ class PrefillNode:
                 arrival=now,
                 queue_deadline=now + queue_s,
                 generator=params.make_generator(),
+                grammar=self.grammar_for(params),
             )
             self.scheduler.add(request)
         except (DuetError, ValueError, TypeError) as exc:
@@ -267,10 +271,18 @@ class PrefillNode:
             past = PastTokens.of_prompts(
                 [r.token_ids for r in finished], params, cfg.eos_token_id, cfg.vocab_size
             )
-            tokens = sample(rows, params, [r.generator for r in finished], past)
+            # A fresh grammar's first mask: ~0.05 ms a row next to the forward, so in line.
+            masks = self.grammars.compute_masks([r.grammar for r in finished])
+            allowed = rows if masks is None else masks.apply(rows)
+            tokens = sample(allowed, params, [r.generator for r in finished], past)
             logprobs = token_logprobs(rows, tokens, [p.logprobs for p in params])
             for request, token, lp in zip(finished, tokens, logprobs, strict=True):
                 self._finish(request, token, lp)
+
+    def grammar_for(self, params: SamplingParams) -> GrammarMatcher | None:
+        """The matcher of a structured request at its grammar's start (None: free text);
+        InvalidRequestError when the spec does not compile."""
+        return self.grammars.matcher_for(params.structured)
 
     @staticmethod
     def _add_prompt_logprobs(logits: torch.Tensor, extra: list) -> None:
@@ -409,6 +421,7 @@ class PrefillNode:
         for request in self.scheduler.requests:
             self._fail(request, "prefill", reason)
         self.senders.close()
+        self.grammars.close()
 
 
 def _rendezvous(request: PrefillRequest) -> Rendezvous:
