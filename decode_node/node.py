@@ -222,7 +222,7 @@ class DecodeNode:
             return refuse("the decode node is draining", draining=True)
         try:
             params = self._check_sampling(msg)
-            grammar = self.grammar_for(params)
+            grammar = self.grammar_for(params, msg.prompt_ids)
         except (DuetError, ValueError, TypeError) as exc:
             return refuse(f"bad sampling parameters: {exc}")
         now = time.monotonic()
@@ -250,18 +250,19 @@ class DecodeNode:
         cfg = self.model.cfg
         params = sampling_from_dict(msg.sampling)
         params.check_vocab(cfg.vocab_size)
-        if params.uses_prompt:  # the repetition penalty reads the prompt: it must be the one
+        if params.uses_prompt:  # the repetition penalty (or a resumed grammar) reads the prompt
             if len(msg.prompt_ids) != msg.prompt_len:
-                raise ValueError(f"repetition_penalty needs the {msg.prompt_len} prompt ids")
+                raise ValueError(f"the sampling needs the {msg.prompt_len} prompt ids")
             validate_prompt(msg.prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
         return params
 
-    def grammar_for(self, params: SamplingParams) -> GrammarMatcher | None:
-        """The matcher of a structured request at its grammar's start (None: free text);
+    def grammar_for(self, params: SamplingParams, prompt_ids: list[int]) -> GrammarMatcher | None:
+        """The matcher of a structured request at its grammar's start, past the output a
+        restarted attempt replays from the end of `prompt_ids` (None: free text);
         InvalidRequestError when the spec does not compile. A sequence forked from another
         before its first token takes `parent.grammar.fork()` instead, then consumes its own
         first token."""
-        return self.grammars.matcher_for(params.structured)
+        return self.grammars.matcher_for(params.structured, params.resumed_output(prompt_ids))
 
     def _on_transfer(self, event: TransferEvent) -> None:
         request = self.scheduler.get(event.rendezvous.request_id)

@@ -202,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
         "bench.ttft_overhead:main",
     )
     _add_passthrough(sub, "bench-serve", "serving benchmark (OpenAI API)", "bench.serve:main")
+    _add_passthrough(
+        sub, "bench-masks", "structured output: the mask cost per decode step",
+        "bench.structured_masks:main",
+    )  # fmt: skip
     _add_passthrough(sub, "bench-sweep", "bench-serve over rates and configs", "bench.sweep:main")
     _add_passthrough(
         sub, "make-bench-model", "random V2-Lite-shaped checkpoint", "engine.bench_model:main"

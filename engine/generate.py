@@ -72,7 +72,7 @@ class OfflineGenerator:
         cfg = self.model.cfg
         validate_prompt(prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
         params.check_vocab(cfg.vocab_size)
-        grammar = self.grammars.matcher_for(params.structured)
+        grammar = self.grammars.matcher_for(params.structured, params.resumed_output(prompt_ids))
         stop_ids = params.stop_ids(cfg.eos_token_id)
         generator = params.make_generator()
         counts = TokenCounts(1, cfg.vocab_size)

@@ -46,6 +46,9 @@ class SamplingParams:
     # Structured output (`engine.structured`): (kind, spec), e.g. ("json_schema", "{...}"); the
     # sampling nodes mask each token to the grammar. None = free text.
     structured: tuple[str, str] | None = None
+    # A restarted attempt of a structured request (`router.state`): its last `structured_resume`
+    # prompt tokens are output already streamed, which the grammar consumes before anything new.
+    structured_resume: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
@@ -79,6 +82,10 @@ class SamplingParams:
                 raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.structured is not None:
             self._check_structured()
+        if self.structured_resume < 0 or (self.structured_resume and self.structured is None):
+            raise InvalidRequestError(
+                f"structured_resume must be >= 0 and needs structured, got {self.structured_resume}"
+            )
         for token, bias in self.logit_bias:
             if token < 0:
                 raise InvalidRequestError(f"logit_bias: token id {token} is negative")
@@ -116,8 +123,19 @@ class SamplingParams:
 
     @property
     def uses_prompt(self) -> bool:
-        """The sampling node must know the prompt's token ids (repetition_penalty)."""
-        return self.repetition_penalty != 1.0
+        """The sampling node must know the prompt's token ids (repetition_penalty, and the
+        output a resumed grammar replays)."""
+        return self.repetition_penalty != 1.0 or self.structured_resume > 0
+
+    def resumed_output(self, prompt_ids: list[int]) -> list[int]:
+        """The output a restarted structured attempt replays into its grammar: the prompt's
+        last `structured_resume` tokens."""
+        if self.structured_resume > len(prompt_ids):
+            raise InvalidRequestError(
+                f"structured_resume {self.structured_resume} exceeds the prompt's "
+                f"{len(prompt_ids)} tokens"
+            )
+        return prompt_ids[len(prompt_ids) - self.structured_resume :]
 
     def check_vocab(self, vocab_size: int) -> None:
         """InvalidRequestError for a logit_bias token outside [0, vocab_size)."""

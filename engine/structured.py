@@ -195,8 +195,10 @@ def bitmask_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bitmask [R, W] int32 (bit t % 32 of word t // 32: token t allowed) -> [R, vocab_size]
     fp32 bias, 0 where allowed and -inf elsewhere."""
     num_rows = bitmask.shape[0]
-    by_byte = bitmask.contiguous().view(torch.uint8).long()  # [R, 4W] little-endian bytes
-    return BYTE_BIAS[by_byte].view(num_rows, -1)[:, :vocab_size]  # [R, 32W] -> [R, V]
+    by_byte = bitmask.contiguous().view(torch.uint8).reshape(-1).long()  # [R * 4W] little-endian
+    # index_select: several times faster than advanced indexing for this gather on CPU.
+    bias = BYTE_BIAS.index_select(0, by_byte)  # [R * 4W, 8]
+    return bias.view(num_rows, -1)[:, :vocab_size]  # [R, 32W] -> [R, V]
 
 
 def compute_masks(
@@ -303,9 +305,22 @@ class Grammars:
             raise spec.error(_error_text(matcher.get_error()))
         return GrammarMatcher(matcher, (self.tokenizer.vocab_size + 31) // 32)
 
-    def matcher_for(self, structured: Sequence[str] | None) -> GrammarMatcher | None:
-        """`matcher`, or None for a request without structured output."""
-        return None if structured is None else self.matcher(structured)
+    def matcher_for(
+        self, structured: Sequence[str] | None, replay: Sequence[int] = ()
+    ) -> GrammarMatcher | None:
+        """`matcher` past the `replay` tokens (the output a restarted attempt streamed before),
+        or None for a request without structured output; InvalidRequestError when the spec
+        does not compile or the grammar refuses the replayed output."""
+        if structured is None:
+            return None
+        matcher = self.matcher(structured)
+        for token in replay:
+            if not matcher.consume(token):
+                raise InvalidRequestError(
+                    f"structured output: the output to resume from breaks the grammar "
+                    f"({matcher.error})"
+                )
+        return matcher
 
     def compute_masks(self, matchers: Sequence[GrammarMatcher | None]) -> TokenMasks | None:
         return compute_masks(matchers, self.vocab_size, self.executor)

@@ -222,7 +222,7 @@ class PrefillNode:
                 arrival=now,
                 queue_deadline=now + queue_s,
                 generator=params.make_generator(),
-                grammar=self.grammar_for(params),
+                grammar=self.grammar_for(params, msg.token_ids),
             )
             self.scheduler.add(request)
         except (DuetError, ValueError, TypeError) as exc:
@@ -279,10 +279,11 @@ class PrefillNode:
             for request, token, lp in zip(finished, tokens, logprobs, strict=True):
                 self._finish(request, token, lp)
 
-    def grammar_for(self, params: SamplingParams) -> GrammarMatcher | None:
-        """The matcher of a structured request at its grammar's start (None: free text);
+    def grammar_for(self, params: SamplingParams, prompt_ids: list[int]) -> GrammarMatcher | None:
+        """The matcher of a structured request at its grammar's start, past the output a
+        restarted attempt replays from the end of `prompt_ids` (None: free text);
         InvalidRequestError when the spec does not compile."""
-        return self.grammars.matcher_for(params.structured)
+        return self.grammars.matcher_for(params.structured, params.resumed_output(prompt_ids))
 
     @staticmethod
     def _add_prompt_logprobs(logits: torch.Tensor, extra: list) -> None:

@@ -119,3 +119,32 @@ def test_the_prefill_node_refuses_a_spec_that_does_not_compile(model32):
     assert error.request_id == "bad" and "structured output: invalid regex" in error.message
     assert pair.prefill_pages_used == 0
     pair.close()
+
+
+def test_a_resumed_attempt_replays_the_streamed_output(model32, offline32, tok):
+    """A restarted attempt (prompt + the output streamed so far, structured_resume = its
+    length) goes on inside the grammar: its tokens are the rest of the uninterrupted run's."""
+    structured = CASES["object"]
+    whole = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, structured=structured)
+    prompt = PROMPTS[0]
+    ref = offline32(prompt, whole).token_ids
+    assert ref[-1] == 1 and len(ref) > 12  # EOS; long enough to cut in the middle
+    pair = Pair(model32, d_num_pages=256)
+    for k in (1, 7, 12):
+        resumed = SamplingParams(
+            temperature=0.0,
+            max_new_tokens=MAX_NEW - k,
+            structured=structured,
+            structured_resume=k,
+        )
+        assert pair.submit(f"k{k}", prompt + ref[:k], resumed).ok
+    pair.run_all()
+    for k in (1, 7, 12):
+        seen = pair.seen[f"k{k}"]
+        assert not seen.errors and seen.output == ref[k:], k
+        check_output(*structured, tok.decode(ref[:k] + seen.output))
+    # a resume whose output the grammar refuses is refused at the reservation
+    bad = SamplingParams(structured=structured, structured_resume=2)
+    reply = pair.submit("bad", [5, 6, 7, 8], bad)
+    assert not reply.ok and "resume from breaks the grammar" in reply.reason
+    pair.close()

@@ -118,6 +118,18 @@ def test_sampling_params_carry_the_spec_over_the_wire():
         SamplingParams(min_tokens=2, structured=("regex", "a+"))
 
 
+def test_structured_resume_names_the_output_to_replay():
+    params = SamplingParams(structured=("regex", "a+"), structured_resume=2)
+    assert params.uses_prompt and params.resumed_output([7, 8, 9]) == [8, 9]
+    assert SamplingParams(structured=("regex", "a+")).resumed_output([7, 8]) == []
+    assert sampling_from_dict(sampling_to_dict(params)) == params
+    with pytest.raises(InvalidRequestError, match="exceeds the prompt's 1 tokens"):
+        params.resumed_output([7])
+    for bad in (dict(structured_resume=1), dict(structured=("regex", "a"), structured_resume=-1)):
+        with pytest.raises(InvalidRequestError, match="structured_resume must be >= 0"):
+            SamplingParams(**bad)
+
+
 def test_a_structured_request_always_stops_at_eos():
     """ignore_eos cannot make a complete grammar run on: EOS stays a stop token."""
     assert SamplingParams(ignore_eos=True).stop_ids([1]) == frozenset()

@@ -178,3 +178,37 @@ def test_the_openai_client_sees_the_400(cluster):
         client(server).completions.create(
             model="tiny-model", prompt="x", extra_body={"guided_regex": "(a"}
         )
+
+
+def test_a_preempted_structured_request_resumes_its_grammar():
+    """The restarted attempt's prompt holds the streamed output: both nodes are told to replay
+    it into the grammar (structured_resume), and the decode node gets the ids to replay."""
+    import asyncio
+
+    from test_core import EOS, submit
+    from test_migration import answer_reserve
+    from test_preemption_router import REASON, make_router
+
+    from engine.protocol import FirstToken, Preempted, Tokens
+
+    async def main():
+        r = make_router(num_decode=2)
+        structured = ("regex", "[a-z]+")
+        req = await submit(r, prompt_len=10, max_new=50, structured=structured)
+        (_, first_reserve) = r.transport.of(Reserve)[-1]
+        assert sampling_from_dict(first_reserve.sampling).structured_resume == 0
+        assert first_reserve.prompt_ids == []  # nothing to replay: the ids are not needed
+        r.handle(FirstToken("r1", 5, 10))
+        r.handle(Tokens("r1", [6, 7]))
+        r.handle(Preempted("r1", 3, REASON))
+        _, reserve = await answer_reserve(r, 2)
+        (prefill,) = [m for _, m in r.transport.of(Prefill) if m.request_id == "r1~1"]
+        for sampling in (reserve.sampling, prefill.sampling):
+            params = sampling_from_dict(sampling)
+            assert params.structured == structured and params.structured_resume == 3
+        assert reserve.prompt_ids == prefill.token_ids == [*range(2, 12), 5, 6, 7]
+        r.handle(FirstToken("r1~1", 8, 13))
+        r.handle(Tokens("r1~1", [EOS], "stop"))
+        assert req.output_ids == [5, 6, 7, 8, EOS]
+
+    asyncio.run(main())
