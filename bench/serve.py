@@ -49,6 +49,7 @@ class Target:
     ignore_eos: bool
     temperature: float
     timeout_s: float
+    extra_body: dict[str, Any] = dataclasses.field(default_factory=dict)  # merged into each body
 
     @property
     def endpoint(self) -> str:
@@ -69,7 +70,7 @@ class Target:
             body["model"] = self.model
         if self.ignore_eos:
             body["ignore_eos"] = True  # vLLM / SGLang / duet extension: exact output length
-        return body
+        return {**body, **self.extra_body}
 
 
 class _Failed(Exception):
@@ -253,6 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="ask for exactly --output-len tokens (a vLLM/SGLang extension)")  # fmt: skip
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--extra-body",
+        default="{}",
+        metavar="JSON",
+        help="a JSON object merged into every request body, e.g. sampling options: "
+        '\'{"repetition_penalty": 1.1, "min_p": 0.05}\'',
+    )
     p.add_argument("--ttft-ms", type=float, help="SLA on TTFT (default: the config's, else 1000)")
     p.add_argument("--tpot-ms", type=float, help="SLA on TPOT (default: the config's, else 50)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request limit (s)")
@@ -290,9 +298,31 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise ConfigError("--timeout, --ttft-ms and --tpot-ms must be positive")
     if args.endpoint == "auto":
         args.endpoint = "completions" if args.dataset == "random" else "chat"
+    args.extra_body = parse_extra_body(args.extra_body)
     if args.out is None:
         args.out = str(Path("bench-results") / time.strftime("serve-%Y%m%d-%H%M%S"))
     return args
+
+
+# What the benchmark itself sets to measure what it measures: not for --extra-body.
+OWN_FIELDS = ("prompt", "messages", "max_tokens", "stream", "stream_options", "model")
+
+
+def parse_extra_body(raw: str | dict[str, Any]) -> dict[str, Any]:
+    """--extra-body's JSON object (ConfigError for anything else, or for a field the benchmark
+    sets itself)."""
+    if isinstance(raw, dict):  # already parsed (a sweep's resolved arguments)
+        return raw
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(f"--extra-body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ConfigError("--extra-body must be a JSON object")
+    own = sorted(set(body) & set(OWN_FIELDS))
+    if own:
+        raise ConfigError(f"--extra-body must not set {', '.join(own)} (the benchmark sets it)")
+    return body
 
 
 def load_tokenizer(model_dir: str | None):
@@ -309,7 +339,7 @@ def run(args: argparse.Namespace, tokenizer=None) -> dict[str, Any]:
                              args.output_len, args.seed, args.prefix_len)  # fmt: skip
     model = args.model or asyncio.run(_model_name(args.url))
     target = Target(args.url, args.endpoint == "chat", model, args.ignore_eos,
-                    args.temperature, args.timeout)  # fmt: skip
+                    args.temperature, args.timeout, args.extra_body)  # fmt: skip
     progress = False if args.no_progress else None
     records, duration = asyncio.run(run_requests(
         target, requests, args.request_rate, args.max_concurrency, args.seed, tokenizer, progress

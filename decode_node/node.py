@@ -227,13 +227,18 @@ class DecodeNode:
             return refuse(f"bad sampling parameters: {exc}")
         now = time.monotonic()
         request, reason = self.scheduler.reserve(
-            msg.request_id, msg.room, msg.prompt_len, params, now, priority=msg.priority
-        )
+            msg.request_id, msg.room, msg.prompt_len, params, now, msg.priority,
+            tuple(msg.fork_ids),
+        )  # fmt: skip
         if request is None:
             return refuse(reason)
-        request.generator = _continued_generator(params, self.model.cfg.vocab_size)
-        request.prompt_ids = list(msg.prompt_ids)
+        for sequence in (request, *request.forks):  # n > 1: each sequence its own stream
+            sequence.generator = _continued_generator(sequence.params, self.model.cfg.vocab_size)
+            sequence.prompt_ids = list(msg.prompt_ids)
+        # Structured output: each sequence walks the grammar on its own copy.
         request.grammar = grammar
+        for fork in request.forks:
+            fork.grammar = None if grammar is None else grammar.fork()
         timeout = msg.timeout_s if msg.timeout_s > 0 else self.timeouts.transfer_s
         try:
             self.receiver.expect(_rendezvous(request), request.table, msg.prompt_len, now + timeout)
@@ -278,23 +283,46 @@ class DecodeNode:
             self.scheduler.kv_failed(request.request_id, problem)
             self._error(request.request_id, "transfer", problem)
             return
-        if not self._advance_grammar(request, event.first_token):
-            return
         now = time.monotonic()
         self.stage_times.add("reserve_to_ready", now - request.arrival)
-        output = self.scheduler.kv_ready(
-            request.request_id, event.first_token, now, self.timeouts.decode_s
+        if len(event.fork_tokens) != len(request.forks):
+            problem = (
+                f"kv_done carried {len(event.fork_tokens)} fork tokens for "
+                f"{len(request.forks)} sequences"
+            )
+            self.scheduler.kv_failed(request.request_id, problem)
+            self._error(request.request_id, "transfer", problem)
+            return
+        problem = self._first_tokens_grammar_problem(request, event)
+        if problem:  # never, as they were sampled under the mask: the request fails
+            self.scheduler.abort(request.request_id, problem)
+            self._error(request.request_id, "decode", problem)
+            return
+        outputs = self.scheduler.kv_ready(
+            request.request_id, event.first_token, now, self.timeouts.decode_s, event.fork_tokens
         )
-        if output is not None:  # the first token already ended it
-            self._emit([output])
+        self._emit(outputs)  # the sequences whose first token already ended them
+
+    @staticmethod
+    def _first_tokens_grammar_problem(request: DecodeRequest, event: TransferEvent) -> str | None:
+        """Structured output: each sequence's grammar consumes its first token (P's); why one
+        refuses it, or None."""
+        tokens = (event.first_token, *event.fork_tokens)
+        for sequence, token in zip((request, *request.forks), tokens, strict=True):
+            if sequence.grammar is not None and not sequence.grammar.consume(token):
+                error = sequence.grammar.error
+                return f"structured output: token {token} breaks the grammar ({error})"
+        return None
 
     def _transfer_problem(self, event: TransferEvent) -> str | None:
         """Why this request must not be decoded (incomplete, aborted or expired KV, a bad
         first token), or None."""
         if not event.is_ready or event.first_token is None:
             return event.reason or "KV transfer failed"
-        if not 0 <= event.first_token < self.model.cfg.vocab_size:
-            return f"kv_done carried token {event.first_token}, outside the vocabulary"
+        vocab_size = self.model.cfg.vocab_size
+        for token in (event.first_token, *event.fork_tokens):
+            if not 0 <= token < vocab_size:
+                return f"kv_done carried token {token}, outside the vocabulary"
         return None
 
     def _abort(self, request_id: str, reason: str) -> None:

@@ -230,7 +230,9 @@ class RankDecodeNode(DecodeNode):
         worst_case)."""
         max_new = msg.sampling.get("max_new_tokens", 1)
         max_new = max_new if isinstance(max_new, int) and max_new > 0 else 1
-        need = self.scheduler.pages_for(msg.prompt_len, max_new)
+        n = msg.sampling.get("n", 1)
+        n = n if isinstance(n, int) and 0 < n <= len(msg.fork_ids) + 1 else 1
+        need = self.scheduler.pages_for(msg.prompt_len, max_new, n)
         fits = [r for r in range(self.num_ranks) if free[r] >= need]
         if fits:
             rank = min(fits, key=lambda r: (in_flight[r], r))

@@ -27,6 +27,13 @@ leave it the step they finish; their pages are freed at once, as they are on abo
 A running request holds a batch slot in [0, max_batch) (the row of the node's per-slot sampling
 state, `engine.penalties.TokenCounts`), given back the same way.
 
+An n > 1 request (`reserve(..., fork_ids)`) reserves for all its sequences at once: its own
+pages as any request, and for each fork its own part (the prompt's whole pages are shared,
+`KVPool.fork`). The forks wait on the request (`DecodeRequest.forks`), holding their own
+pages, until its KV is in; `kv_ready` then makes each a request of its own (READY, with its
+own first token, id and batch slot), which decodes, finishes, is aborted or preempted alone.
+Until then the request's abort, failure or expiry frees its forks with it.
+
 A request's state only moves forward: AWAITING_KV -> READY -> RUNNING -> FINISHED, READY or
 RUNNING -> PREEMPTED, and any state -> FAILED. FINISHED, FAILED (abort included) and PREEMPTED
 are terminal: the request has left the scheduler and its pages are free. While AWAITING_KV its
@@ -76,6 +83,7 @@ class DecodeRequest:
     # (P's first one included once the KV is ready); None for free text.
     grammar: Any = None
     slot: int = -1  # batch slot while RUNNING
+    forks: list[DecodeRequest] = field(default_factory=list)  # n > 1: until the KV is in
     state: DecodeState = DecodeState.AWAITING_KV
     output_ids: list[int] = field(default_factory=list)  # the first token (from P) included
     decode_deadline: float = float("inf")
@@ -146,9 +154,14 @@ class DecodeScheduler:
             r.state in (DecodeState.READY, DecodeState.RUNNING) for r in self._requests.values()
         )
 
-    def pages_for(self, prompt_len: int, max_new_tokens: int) -> int:
-        """Pages a reservation takes now (the node's reservation rule)."""
-        return self._pages(self._reserve_len(prompt_len, max_new_tokens))
+    def pages_for(self, prompt_len: int, max_new_tokens: int, n: int = 1) -> int:
+        """Pages a reservation of `n` sequences takes now (the node's reservation rule)."""
+        return self._sequence_pages(self._reserve_len(prompt_len, max_new_tokens), prompt_len, n)
+
+    @property
+    def num_held(self) -> int:
+        """Requests held, the forks still waiting for their parent's KV included."""
+        return sum(1 + len(r.forks) for r in self._requests.values())
 
     def take_preempted(self) -> list[DecodeRequest]:
         """The requests preempted since the last call (PREEMPTED, pages already freed), in the
@@ -165,66 +178,100 @@ class DecodeScheduler:
         params: SamplingParams,
         now: float,
         priority: float = 0.0,
+        fork_ids: tuple[str, ...] = (),
     ) -> tuple[DecodeRequest | None, str]:
         """Reserves pages; returns (request, "") or (None, why it was refused). `priority`
-        orders preemption (see `_victim`)."""
-        if request_id in self._requests:
-            return None, f"request {request_id} is already on this decode node"
+        orders preemption (see `_victim`). With `fork_ids` (n > 1: params.n - 1 ids), the
+        pages of every fork too, all or nothing; each fork samples by
+        `params.for_sequence(i)`, and the request itself by `params.for_sequence(0)`."""
+        ids = (request_id, *fork_ids)
+        if len(fork_ids) != params.n - 1 or len(set(ids)) != len(ids):
+            return None, f"n = {params.n} needs {params.n - 1} distinct fork ids"
+        known = [i for i in ids if i in self._requests or self._is_pending_fork(i)]
+        if known:
+            return None, f"request {known[0]} is already on this decode node"
         if not 0 < prompt_len < self.max_position:
             return None, (
                 f"a prompt of {prompt_len} tokens does not fit the context of {self.max_position}"
             )
-        if len(self._requests) >= self.max_requests:
-            return None, f"too many requests ({len(self._requests)} on this decode node)"
+        if self.num_held + len(ids) > self.max_requests:
+            return None, f"too many requests ({self.num_held} on this decode node)"
         worst = kv_reservation.worst_case_tokens(
             prompt_len, params.max_new_tokens, self.max_position
         )
-        if (
-            self.reservation == kv_reservation.ON_DEMAND
-            and self._pages(worst) > self.pool.num_pages
-        ):
+        worst_pages = self._sequence_pages(worst, prompt_len, params.n)
+        if self.reservation == kv_reservation.ON_DEMAND and worst_pages > self.pool.num_pages:
             # (worst_case reserves all of it now: the plain "no room" below says the same)
             return None, (
-                f"cannot fit at all: needs {self._pages(worst)} KV pages to finish, the pool "
+                f"cannot fit at all: needs {worst_pages} KV pages to finish, the pool "
                 f"has {self.pool.num_pages}"
             )
         num_tokens = self._reserve_len(prompt_len, params.max_new_tokens)
-        table = self.pool.new_table()
-        try:
-            self.pool.reserve(table, num_tokens)
-        except OutOfPagesError:
-            need = -(-num_tokens // self.pool.page_size)
-            free = self.pool.allocator.num_free
-            return None, f"no room: needs {need} KV pages, {free} free"
-        request = DecodeRequest(
-            request_id,
-            room,
-            prompt_len,
-            params,
-            table,
-            num_tokens,
-            now,
-            params.stop_ids(self.eos_ids),
-            priority=priority,
-        )
+        own_tokens = kv_reservation.fork_tokens(num_tokens, prompt_len, self.pool.page_size)
+        sequences = []
+        for index, rid in enumerate(ids):
+            table = self.pool.new_table()
+            try:
+                self.pool.reserve(table, num_tokens if index == 0 else own_tokens)
+            except OutOfPagesError:
+                for sequence in sequences:
+                    self.pool.release(sequence.table)
+                need = self._sequence_pages(num_tokens, prompt_len, params.n)
+                free = self.pool.allocator.num_free + sum(len(s.table.pages) for s in sequences)
+                return None, f"no room: needs {need} KV pages, {free} free"
+            sequence_params = params.for_sequence(index)
+            sequences.append(
+                DecodeRequest(
+                    rid,
+                    room,
+                    prompt_len,
+                    sequence_params,
+                    table,
+                    num_tokens,
+                    now,
+                    sequence_params.stop_ids(self.eos_ids),
+                    priority=priority,
+                )
+            )
+        request, request.forks = sequences[0], sequences[1:]
         self._requests[request_id] = request
         return request, ""
 
     def kv_ready(
-        self, request_id: str, first_token: int, now: float, decode_timeout: float
-    ) -> StepOutput | None:
-        """The KV is complete: the request joins the ready queue with P's first token. If that
-        token already ends it, it finishes here and its StepOutput (no new tokens) is returned."""
+        self,
+        request_id: str,
+        first_token: int,
+        now: float,
+        decode_timeout: float,
+        fork_tokens: tuple[int, ...] = (),
+    ) -> list[StepOutput]:
+        """The KV is complete: the request joins the ready queue with P's first token, and
+        each of its forks (n > 1) with its own (`fork_tokens`, in fork order) right after it.
+        A sequence whose first token already ends it finishes here: its StepOutput (no new
+        tokens) is returned."""
         request = self._requests[request_id]
-        request.advance(DecodeState.READY)
-        request.ready_time = now
-        request.decode_deadline = now + decode_timeout
-        request.output_ids.append(first_token)
-        reason = self._finish_reason(request, first_token)
-        if reason is None:
-            return None
-        self._finish(request, reason)
-        return StepOutput(request_id, [], reason)
+        if len(fork_tokens) != len(request.forks):
+            raise ValueError(
+                f"request {request_id}: {len(fork_tokens)} fork tokens for "
+                f"{len(request.forks)} forks"
+            )
+        forks, request.forks = request.forks, []
+        for fork in forks:  # the prompt's pages are shared before anything can free them
+            self.pool.fork(request.table, request.prompt_len, fork.table)
+        sequences = [request, *forks]
+        for fork in forks:
+            self._requests[fork.request_id] = fork
+        outputs = []
+        for sequence, token in zip(sequences, (first_token, *fork_tokens), strict=True):
+            sequence.advance(DecodeState.READY)
+            sequence.ready_time = now
+            sequence.decode_deadline = now + decode_timeout
+            sequence.output_ids.append(token)
+            reason = self._finish_reason(sequence, token)
+            if reason is not None:
+                self._finish(sequence, reason)
+                outputs.append(StepOutput(sequence.request_id, [], reason))
+        return outputs
 
     def kv_failed(self, request_id: str, reason: str) -> DecodeRequest | None:
         """The receiver gave the pages back with incomplete rows: free them, never decode."""
@@ -239,6 +286,9 @@ class DecodeScheduler:
             self._free_slot(request)
             request.error = reason
             request.state = DecodeState.FAILED
+            for fork in request.forks:  # still waiting for the KV: they go with it
+                self.pool.release(fork.table)
+                fork.error, fork.state = reason, DecodeState.FAILED
         return request
 
     def expire(self, now: float) -> list[DecodeRequest]:
@@ -334,6 +384,15 @@ class DecodeScheduler:
 
     def _pages(self, num_tokens: int) -> int:
         return -(-num_tokens // self.pool.page_size)
+
+    def _sequence_pages(self, num_tokens: int, prompt_len: int, n: int) -> int:
+        """Pages of a request of `n` sequences reserving `num_tokens` each (forks: their own
+        part only)."""
+        own = kv_reservation.fork_tokens(num_tokens, prompt_len, self.pool.page_size)
+        return self._pages(num_tokens) + (n - 1) * self._pages(own)
+
+    def _is_pending_fork(self, request_id: str) -> bool:
+        return any(f.request_id == request_id for r in self._requests.values() for f in r.forks)
 
     def _finish_reason(self, request: DecodeRequest, token: int) -> str | None:
         """Same rule as OfflineGenerator: stop token, then max_new_tokens, then context end."""

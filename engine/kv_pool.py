@@ -7,6 +7,12 @@ addressed by token position, so two pools with different page sizes exchange row
 Ownership: pages belong to the allocator until `allocate` hands them to one request's
 `PageTable`; they return on `free`. A request only ever writes through its own page table, so
 running out of pages is an `OutOfPagesError` for the caller to handle, never an overwrite.
+
+Sharing (n > 1: the sequences of one request forked from its prompt's KV, `KVPool.fork`): a
+page may be in several tables; `share` counts one more holder and `free` returns the page only
+when its last holder frees it. Only whole pages of the prompt are shared (read-only from then
+on: every sequence writes at positions past the prompt); the page the prompt ends in is copied,
+since each sequence writes its own rows into it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ class PageAllocator:
         self.num_pages = num_pages
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._in_use: set[int] = set()
+        self._extra_holders: dict[int, int] = {}  # shared pages: holders beyond the first
 
     @property
     def num_free(self) -> int:
@@ -46,12 +53,32 @@ class PageAllocator:
         self._in_use.update(pages)
         return pages
 
+    def share(self, pages: list[int]) -> None:
+        """One more holder of each page (in use): it returns to the free list only when every
+        holder has freed it."""
+        for page in pages:
+            if page not in self._in_use:
+                raise ValueError(f"page {page} shared but not in use")
+        for page in pages:
+            self._extra_holders[page] = self._extra_holders.get(page, 0) + 1
+
+    def num_holders(self, page: int) -> int:
+        return self._extra_holders.get(page, 0) + 1 if page in self._in_use else 0
+
     def free(self, pages: list[int]) -> None:
-        """Returns pages; freeing a page that is not in use is a bug and raises."""
+        """Returns pages (a shared one: drops one holder); freeing a page that is not in use
+        is a bug and raises."""
         for page in pages:
             if page not in self._in_use:
                 raise ValueError(f"page {page} freed but not in use")
         for page in pages:
+            extra = self._extra_holders.get(page, 0)
+            if extra:
+                if extra == 1:
+                    del self._extra_holders[page]
+                else:
+                    self._extra_holders[page] = extra - 1
+                continue
             self._in_use.remove(page)
             self._free.append(page)
 
@@ -127,6 +154,21 @@ class KVPool:
         """Returns every page of `table` to the pool and empties it (safe to call twice)."""
         pages, table.pages = table.pages, []
         self.allocator.free(pages)
+
+    def fork(self, parent: PageTable, prompt_len: int, own: PageTable) -> None:
+        """Makes `own` (holding only its own pages) the page table of a sequence forked from
+        `parent` after its `prompt_len` prompt tokens: parent's whole prompt pages, shared,
+        then `own`'s pages, the first of which gets a copy of the page the prompt ends in (when
+        it ends inside one). `own` must hold at least that page."""
+        num_shared, partial = divmod(prompt_len, self.page_size)
+        if parent.capacity < prompt_len or (partial and not own.pages):
+            raise ValueError("fork: the parent does not hold the prompt, or no page to copy to")
+        shared = parent.pages[:num_shared]
+        self.allocator.share(shared)
+        if partial:
+            src, dst = parent.pages[num_shared], own.pages[0]
+            self.buffer[:, dst, :partial] = self.buffer[:, src, :partial]
+        own.pages[:0] = shared
 
     def write_rows(
         self, table: PageTable, layer_start: int, token_start: int, rows: torch.Tensor

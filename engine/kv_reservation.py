@@ -34,3 +34,21 @@ def reservation_tokens(
     if mode == WORST_CASE:
         return worst
     raise ValueError(f"unknown KV reservation mode {mode!r} (one of {', '.join(MODES)})")
+
+
+def fork_tokens(reserved_tokens: int, prompt_len: int, page_size: int) -> int:
+    """Tokens of KV a forked sequence (n > 1) holds on its own when its parent reserved
+    `reserved_tokens`: all but the prompt's whole pages, which it shares (`KVPool.fork`)."""
+    return max(0, reserved_tokens - (prompt_len // page_size) * page_size)
+
+
+def sequences_tokens(reserved_tokens: int, prompt_len: int, page_size: int, n: int) -> int:
+    """Tokens of KV an n-sequence request takes: the first sequence's reservation, plus each
+    fork's own part, each rounded up to whole pages when n > 1 (the pages are each its own),
+    so that this / page_size is the pages the decode node takes."""
+    if n == 1:
+        return reserved_tokens
+    whole = lambda tokens: -(-tokens // page_size) * page_size  # noqa: E731
+    return whole(reserved_tokens) + (n - 1) * whole(
+        fork_tokens(reserved_tokens, prompt_len, page_size)
+    )

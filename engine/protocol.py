@@ -111,6 +111,9 @@ class Reserve:
     # Preemption order (on-demand KV): the request's arrival at the router, kept across its
     # restarts; a decode node short of pages preempts the latest arrival first.
     priority: float = 0.0
+    # n > 1: the wire ids of sequences 1 .. n-1, forked from this request's KV once it is in
+    # (sampling["n"] - 1 of them); each then streams Tokens under its own id.
+    fork_ids: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,12 @@ class FirstToken:
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top_ids: list[list[int]] = field(default_factory=list)
     prompt_top_logprobs: list[list[float]] = field(default_factory=list)
+    # n > 1: the first tokens of sequences 1 .. n-1 (Reserve.fork_ids' order), and their raw
+    # logprobs when asked (one entry per fork in each).
+    fork_tokens: list[int] = field(default_factory=list)
+    fork_logprobs: list[float] = field(default_factory=list)
+    fork_top_ids: list[list[int]] = field(default_factory=list)
+    fork_top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ keep their top-k, top-p and min-p tokens and draw from their own random stream.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from engine.structured import StructuredOutput
 
 MAX_PENALTY = 2.0  # presence and frequency penalties, as OpenAI bounds them
 MAX_BIAS = 100.0  # logit_bias values, as OpenAI bounds them
+MAX_SEQUENCES = 16  # n (and best_of): sequences one request may fork into
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,9 @@ class SamplingParams:
     # A restarted attempt of a structured request (`router.state`): its last `structured_resume`
     # prompt tokens are output already streamed, which the grammar consumes before anything new.
     structured_resume: int = 0
+    # n > 1 / best_of: one prefill, the KV forked on the decode node into `n` sequences;
+    # sequence i samples as a request of its own with `for_sequence(i)`.
+    n: int = 1
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
@@ -86,6 +91,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"structured_resume must be >= 0 and needs structured, got {self.structured_resume}"
             )
+        if not 1 <= self.n <= MAX_SEQUENCES:
+            raise InvalidRequestError(f"n must be in [1, {MAX_SEQUENCES}], got {self.n}")
         for token, bias in self.logit_bias:
             if token < 0:
                 raise InvalidRequestError(f"logit_bias: token id {token} is negative")
@@ -136,6 +143,15 @@ class SamplingParams:
                 f"{len(prompt_ids)} tokens"
             )
         return prompt_ids[len(prompt_ids) - self.structured_resume :]
+
+    def for_sequence(self, index: int) -> SamplingParams:
+        """The sampling of sequence `index` of an n > 1 request: one sequence (n = 1) whose seed,
+        when there is one, is seed + index (mod 2^63). So sequence i of a seeded request gives
+        exactly what a single request with seed + i gives, and the n sequences differ."""
+        if not 0 <= index < self.n:
+            raise ValueError(f"sequence {index} of a request with n = {self.n}")
+        seed = None if self.seed is None else (self.seed + index) % 2**63
+        return dataclasses.replace(self, n=1, seed=seed)
 
     def check_vocab(self, vocab_size: int) -> None:
         """InvalidRequestError for a logit_bias token outside [0, vocab_size)."""

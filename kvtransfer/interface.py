@@ -69,7 +69,8 @@ class DropReason:
 class TransferEvent:
     """What `KVReceiver.poll` reports, once per expected rendezvous.
 
-    kind "ready": every row arrived; `first_token` is the token P sampled after the prompt.
+    kind "ready": every row arrived; `first_token` is the token P sampled after the prompt,
+    `fork_tokens` those of the sequences an n > 1 request forks into (sequences 1 .. n-1).
     kind "failed": the request must not be decoded; `reason` is one line naming the stage.
     """
 
@@ -77,6 +78,7 @@ class TransferEvent:
     rendezvous: Rendezvous
     first_token: int | None = None
     reason: str = ""
+    fork_tokens: tuple[int, ...] = ()
 
     @property
     def is_ready(self) -> bool:
@@ -135,9 +137,16 @@ class KVSender(abc.ABC):
         Raises ValueError for a bad shape/dtype/range, KVTransferError if the sender is broken."""
 
     @abc.abstractmethod
-    def send_done(self, rendezvous: Rendezvous, num_tokens: int, first_token: int) -> None:
+    def send_done(
+        self,
+        rendezvous: Rendezvous,
+        num_tokens: int,
+        first_token: int,
+        fork_tokens: tuple[int, ...] = (),
+    ) -> None:
         """Queue `kv_done` after this rendezvous's chunks: the prompt had `num_tokens` tokens,
-        all sent, and P sampled `first_token`. The rendezvous is finished on the sender."""
+        all sent, and P sampled `first_token` (and `fork_tokens` for the sequences an n > 1
+        request forks into). The rendezvous is finished on the sender."""
 
     @abc.abstractmethod
     def send_abort(self, rendezvous: Rendezvous, reason: str) -> None:

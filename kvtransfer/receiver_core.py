@@ -283,7 +283,7 @@ class ReceiverCore(KVReceiver):
                 if self._finish(exp, "failed", reason=reason):
                     self._tell_peer(exp, reason)
                 return
-            self._finish(exp, "ready", first_token=msg.first_token)
+            self._finish(exp, "ready", first_token=msg.first_token, fork_tokens=msg.fork_tokens)
 
     def _incomplete(self, exp: _Expectation, num_tokens: int) -> str | None:
         if num_tokens != exp.num_tokens:
@@ -294,7 +294,9 @@ class ReceiverCore(KVReceiver):
         why = f" (first dropped chunk: {exp.first_drop})" if exp.first_drop else ""
         return f"incomplete, layer {layer} token {token} never arrived{why}"
 
-    def _finish(self, exp: _Expectation, kind: str, first_token=None, reason: str = "") -> bool:
+    def _finish(
+        self, exp: _Expectation, kind: str, first_token=None, reason: str = "", fork_tokens=()
+    ) -> bool:
         """Hand the pages back with one event (caller holds exp.lock); True if done here, False
         (a no-op) if another path (cancel, expiry, kv_done) already did."""
         with self._lock:
@@ -302,7 +304,8 @@ class ReceiverCore(KVReceiver):
                 return False
             del self._expected[exp.rendezvous]
             exp.is_active = False
-            self._events.append(TransferEvent(kind, exp.rendezvous, first_token, reason))  # type: ignore[arg-type]
+            event = TransferEvent(kind, exp.rendezvous, first_token, reason, tuple(fork_tokens))  # type: ignore[arg-type]
+            self._events.append(event)
             if kind == "ready":
                 self._num_ready += 1
             else:

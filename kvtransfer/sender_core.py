@@ -24,6 +24,7 @@ import torch
 from kvtransfer.interface import DropReason, KVSender
 from kvtransfer.wire import (
     DTYPE_NAMES,
+    MAX_FORKS,
     MAX_ID_LEN,
     MAX_LAYERS,
     MAX_REASON_LEN,
@@ -232,14 +233,22 @@ class SenderCore(KVSender):
         seq = self._next_seq(rendezvous, is_last=False)
         self._deliver(ChunkItem(rendezvous, seq, layer_start, token_start, rows))
 
-    def send_done(self, rendezvous: Rendezvous, num_tokens: int, first_token: int) -> None:
+    def send_done(
+        self,
+        rendezvous: Rendezvous,
+        num_tokens: int,
+        first_token: int,
+        fork_tokens: tuple[int, ...] = (),
+    ) -> None:
         self._check_usable()
         if not 0 < num_tokens <= MAX_TOKENS:
             raise ValueError(f"num_tokens must be in [1, {MAX_TOKENS}], got {num_tokens}")
-        if not 0 <= first_token <= MAX_TOKEN_ID:
-            raise ValueError(f"first_token must be a token id, got {first_token}")
+        if not all(0 <= t <= MAX_TOKEN_ID for t in (first_token, *fork_tokens)):
+            raise ValueError(f"first tokens must be token ids, got {first_token}, {fork_tokens}")
+        if len(fork_tokens) > MAX_FORKS:
+            raise ValueError(f"at most {MAX_FORKS} fork tokens, got {len(fork_tokens)}")
         seq = self._next_seq(rendezvous, is_last=True)
-        self._deliver(KVDone(rendezvous, seq, num_tokens, first_token))
+        self._deliver(KVDone(rendezvous, seq, num_tokens, first_token, tuple(fork_tokens)))
 
     def send_abort(self, rendezvous: Rendezvous, reason: str) -> None:
         self._check_usable()

@@ -41,7 +41,7 @@ import xxhash
 
 from engine.errors import DuetError
 
-PROTOCOL_VERSION = 2  # 2: per-request headers carry `hcrc`
+PROTOCOL_VERSION = 3  # 2: per-request headers carry `hcrc`; 3: kv_done carries `fork`
 
 # Bounds: generous for real models, tight enough that a hostile header cannot make the receiver
 # allocate or loop much.
@@ -54,6 +54,7 @@ MAX_ROW_WIDTH = 1 << 16
 MAX_PAYLOAD_BYTES = 1 << 32
 MAX_FINGERPRINT_FIELDS = 64
 MAX_TOKEN_ID = (1 << 31) - 1
+MAX_FORKS = 64  # kv_done's fork tokens (n - 1 of an n > 1 request) at most
 U64_MAX = (1 << 64) - 1
 U32_MAX = (1 << 32) - 1
 
@@ -142,6 +143,8 @@ class KVDone:
     seq: int
     num_tokens: int
     first_token: int
+    # n > 1: the first tokens of the sequences forked from this KV (sequences 1 .. n-1).
+    fork_tokens: tuple[int, ...] = ()
     version: int = PROTOCOL_VERSION
 
 
@@ -275,7 +278,7 @@ def encode(msg: Message) -> bytes:
     elif isinstance(msg, KVDone):
         head.update(
             kind="kv_done", **_rdv(msg.rendezvous), seq=msg.seq,
-            num_tokens=msg.num_tokens, first_token=msg.first_token,
+            num_tokens=msg.num_tokens, first_token=msg.first_token, fork=list(msg.fork_tokens),
         )  # fmt: skip
     elif isinstance(msg, KVAbort):
         head.update(kind="kv_abort", **_rdv(msg.rendezvous), seq=msg.seq, reason=msg.reason)
@@ -306,7 +309,7 @@ _KEYS = {
     "hello": {"v", "kind", "sender", "fp"},
     "hello_ack": {"v", "kind", "ok", "fp", "error"},
     "kv_chunk": _RDV_KEYS | {"l0", "l1", "t0", "t1", "dtype", "w", "len", "crc"},
-    "kv_done": _RDV_KEYS | {"num_tokens", "first_token"},
+    "kv_done": _RDV_KEYS | {"num_tokens", "first_token", "fork"},
     "kv_abort": _RDV_KEYS | {"reason"},
     "kv_cancel": (_RDV_KEYS - {"seq"}) | {"reason"},
 }
@@ -356,6 +359,7 @@ def decode(frame: Any) -> Message:
             seq,
             _int(head, "num_tokens", 1, MAX_TOKENS),
             _int(head, "first_token", 0, MAX_TOKEN_ID),
+            _fork_tokens(head),
         )
     elif kind == "kv_abort":
         msg = KVAbort(rdv, seq, _str(head, "reason", MAX_REASON_LEN, 0))
@@ -395,6 +399,15 @@ def peek_kind(frame: Any) -> str | None:
         return None
     kind = head.get("kind") if isinstance(head, dict) else None
     return kind if isinstance(kind, str) else None
+
+
+def _fork_tokens(head: dict[str, Any]) -> tuple[int, ...]:
+    fork = head["fork"]
+    if not isinstance(fork, list) or len(fork) > MAX_FORKS:
+        raise WireError(f"kv_done: 'fork' must be a list of at most {MAX_FORKS} token ids")
+    if not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in fork):
+        raise WireError("kv_done: 'fork' holds something other than token ids")
+    return tuple(fork)
 
 
 def _int(head: dict[str, Any], key: str, lo: int, hi: int) -> int:

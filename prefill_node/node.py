@@ -267,17 +267,37 @@ class PrefillNode:
         finished = self.scheduler.update(chunks)
         if finished:
             rows = logits[[row_of[id(r)] for r in finished]]
-            params, cfg = [r.params for r in finished], self.model.cfg
-            past = PastTokens.of_prompts(
-                [r.token_ids for r in finished], params, cfg.eos_token_id, cfg.vocab_size
-            )
-            # A fresh grammar's first mask: ~0.05 ms a row next to the forward, so in line.
-            masks = self.grammars.compute_masks([r.grammar for r in finished])
-            allowed = rows if masks is None else masks.apply(rows)
-            tokens = sample(allowed, params, [r.generator for r in finished], past)
-            logprobs = token_logprobs(rows, tokens, [p.logprobs for p in params])
-            for request, token, lp in zip(finished, tokens, logprobs, strict=True):
-                self._finish(request, token, lp)
+            for request, (tokens, lps) in zip(
+                finished, self._first_tokens(rows, finished), strict=True
+            ):
+                self._finish(request, tokens, lps)
+
+    def _first_tokens(self, rows: torch.Tensor, finished: list[PrefillRequest]):
+        """Each finished request's first tokens, one per sequence (n > 1: sequence i samples
+        by `params.for_sequence(i)` from the same logits), with their logprobs: one batched
+        sample over every sequence of every request."""
+        owner = [j for j, r in enumerate(finished) for _ in range(r.params.n)]
+        index = [i for r in finished for i in range(r.params.n)]
+        params = [finished[j].params.for_sequence(i) for j, i in zip(owner, index, strict=True)]
+        generators = [
+            finished[j].generator if i == 0 else p.make_generator()
+            for j, i, p in zip(owner, index, params, strict=True)
+        ]
+        prompts = [finished[j].token_ids for j in owner]
+        cfg = self.model.cfg
+        past = PastTokens.of_prompts(prompts, params, cfg.eos_token_id, cfg.vocab_size)
+        rows = rows[owner] if len(owner) > len(finished) else rows
+        # Structured output: a fresh grammar's first mask (computed once per request, shared by
+        # its sequences), ~0.05 ms a row next to the forward, so in line.
+        masks = self.grammars.compute_masks([finished[j].grammar for j in owner])
+        allowed = rows if masks is None else masks.apply(rows)
+        tokens = sample(allowed, params, generators, past)
+        logprobs = token_logprobs(rows, tokens, [p.logprobs for p in params])
+        out = [([], []) for _ in finished]
+        for j, token, lp in zip(owner, tokens, logprobs, strict=True):
+            out[j][0].append(token)
+            out[j][1].append(lp)
+        return out
 
     def grammar_for(self, params: SamplingParams, prompt_ids: list[int]) -> GrammarMatcher | None:
         """The matcher of a structured request at its grammar's start, past the output a
@@ -318,10 +338,13 @@ class PrefillNode:
             return
         self.kv_bytes_sent += rows.numel() * rows.element_size()
 
-    def _finish(self, request: PrefillRequest, token: int, lp: TokenLogprobs | None) -> None:
-        """Hands the request on: FirstToken to the router, then kv_done to D. In this order the
-        router practically always sees the first token before D's next ones (they travel on
-        different connections, so the router must still tolerate the reverse)."""
+    def _finish(
+        self, request: PrefillRequest, tokens: list[int], lps: list[TokenLogprobs | None]
+    ) -> None:
+        """Hands the request on: FirstToken to the router, then kv_done to D, each with the
+        first token of every sequence (n > 1: the first is the request's own). In this order
+        the router practically always sees the first token before D's next ones (they travel
+        on different connections, so the router must still tolerate the reverse)."""
         now = time.monotonic()
         stage_ms = {
             "queue": (request.start_time - request.arrival) * 1000.0,
@@ -329,7 +352,7 @@ class PrefillNode:
         }
         for stage, ms in stage_ms.items():
             self.stage_times.add(stage, ms / 1000.0)
-        self.outbox.send(_first_token(request, token, stage_ms, lp))
+        self.outbox.send(_first_token(request, tokens, stage_ms, lps))
         log.info(
             "request %s: prefilled %d tokens, %d from the cache (queue %.1f ms, prefill %.1f ms)"
             " -> %s",
@@ -338,7 +361,7 @@ class PrefillNode:
         )  # fmt: skip
         try:
             sender = self.senders.get(request.kv_endpoint)
-            sender.send_done(_rendezvous(request), request.prompt_len, token)
+            sender.send_done(_rendezvous(request), request.prompt_len, tokens[0], tuple(tokens[1:]))
         except (KVTransferError, ValueError) as exc:
             self._on_sender_error(request, exc)
 
@@ -443,17 +466,25 @@ def _prompt_logprob_positions(chunks: list[Chunk]) -> list[tuple[int, PrefillReq
 
 
 def _first_token(
-    request: PrefillRequest, token: int, stage_ms: dict[str, float], lp: TokenLogprobs | None
+    request: PrefillRequest,
+    tokens: list[int],
+    stage_ms: dict[str, float],
+    lps: list[TokenLogprobs | None],
 ) -> FirstToken:
     prompt = request.prompt_logprobs
+    lp, fork_lps = lps[0], [x for x in lps[1:] if x is not None]
     return FirstToken(
         request.request_id,
-        token,
+        tokens[0],
         request.prompt_len,
         stage_ms,
         logprob=[] if lp is None else [lp.logprob],
         top_ids=[] if lp is None else lp.top_ids,
         top_logprobs=[] if lp is None else lp.top_logprobs,
+        fork_tokens=tokens[1:],
+        fork_logprobs=[x.logprob for x in fork_lps],
+        fork_top_ids=[x.top_ids for x in fork_lps],
+        fork_top_logprobs=[x.top_logprobs for x in fork_lps],
         prompt_logprobs=[p.logprob for p in prompt],
         prompt_top_ids=[p.top_ids for p in prompt],
         prompt_top_logprobs=[p.top_logprobs for p in prompt],

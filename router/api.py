@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import InvalidRequestError
 from engine.logprobs import MAX_LOGPROBS
-from engine.sampling import SamplingParams
+from engine.sampling import MAX_SEQUENCES, SamplingParams
 from router.unknown_fields import CHAT, GENERATION_KINDS, PROMPT, ignored_fields_headers, refusal
 
 log = logging.getLogger("router")
@@ -332,14 +332,37 @@ def _unsupported(param: str, why: str) -> ApiError:
     return ApiError(400, f"{param}: {why}", param=param, code="unsupported")
 
 
+def sequences(body: _SamplingFields) -> tuple[int, int]:
+    """(n, best_of) of a request: the choices returned per prompt, and the sequences generated
+    per prompt (completions' `best_of`, the n with the highest cumulative logprob are
+    returned). ApiError 400 for values out of range, and for best_of > n streamed (the choice
+    is only known at the end, as OpenAI and vLLM refuse it too)."""
+    n = body.n
+    if not 1 <= n <= MAX_SEQUENCES:
+        raise ApiError(
+            400, f"n must be in [1, {MAX_SEQUENCES}], got {n}", param="n", code="invalid_value"
+        )
+    best_of = body.best_of if isinstance(body, CompletionRequest) else None
+    if best_of is None:
+        return n, n
+    if not n <= best_of <= MAX_SEQUENCES:
+        raise ApiError(
+            400, f"best_of must be in [n = {n}, {MAX_SEQUENCES}], got {best_of}",
+            param="best_of", code="invalid_value",
+        )  # fmt: skip
+    if best_of > n and body.stream:
+        raise ApiError(
+            400, "best_of > n cannot be streamed (the best are known only at the end)",
+            param="best_of", code="invalid_value",
+        )  # fmt: skip
+    return n, best_of
+
+
 def check_common(body: _SamplingFields) -> None:
     """Values the schema accepts but this server does not support: 400."""
-    if body.n != 1:
-        raise _unsupported("n", "only n=1 is supported")
+    sequences(body)
     if isinstance(body, CompletionRequest):
         _check_num_logprobs("logprobs", body.logprobs)
-        if body.best_of not in (None, 1):
-            raise _unsupported("best_of", "only best_of=1 is supported")
         if body.suffix:
             raise _unsupported("suffix", "suffix is not supported")
     if isinstance(body, ChatCompletionRequest):
@@ -422,6 +445,10 @@ def sampling_params(
             param="min_tokens", code="invalid_value",
         )  # fmt: skip
     max_new_tokens = max(1, min(max_tokens, room))
+    n, best_of = sequences(body)
+    logprobs = logprob_fields(body)
+    if best_of > n and logprobs["logprobs"] is None:  # the ranking needs each token's logprob
+        logprobs["logprobs"] = 0
     try:
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -437,7 +464,8 @@ def sampling_params(
             min_p=0.0 if body.min_p is None else body.min_p,
             min_tokens=min(body.min_tokens, max_new_tokens),
             logit_bias=_logit_bias(body.logit_bias or {}, vocab_size),
-            **logprob_fields(body),
+            n=best_of,
+            **logprobs,
             structured=structured,
         )
         params.check_vocab(vocab_size)

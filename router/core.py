@@ -19,6 +19,7 @@ send Abort to both nodes, so pages are freed on both sides whatever happened.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -160,11 +161,24 @@ class Router(NodeLossRecovery):
         if request_id in self.requests:  # a client-chosen id (x-request-id) still running
             raise RouterError(400, f"request id {request_id!r} is in use", "duplicate_request_id")
         req = RouterRequest(request_id, secrets.randbits(63), prompt_ids, sampling, stop_ids)
+        req.forks = [
+            RouterRequest(
+                f"{request_id}/{i}",
+                req.room,
+                prompt_ids,
+                sampling.for_sequence(i),
+                stop_ids,
+                parent=req,
+            )  # fmt: skip
+            for i in range(1, sampling.n)
+        ]
         await self.admission.admit(req, lambda: self.nodes.ready("prefill"))  # may 503 or wait
         if request_id in self.requests:  # the same id started while this one waited
             self.admission.forget(req)
             raise RouterError(400, f"request id {request_id!r} is in use", "duplicate_request_id")
         self.requests[req.wire_id] = req
+        for fork in req.forks:  # registered now: D may stream one before P's first token
+            self.requests[fork.wire_id] = fork
         req.advance(RequestState.RESERVING)
         try:
             await self._reserve_somewhere(req)
@@ -211,25 +225,29 @@ class Router(NodeLossRecovery):
         `wait_for_room_s` (a preempted request), refusals for want of room are retried as
         decode holds end, for up to that long."""
         num_prompt = len(req.attempt_prompt_ids)
-        max_new = req.attempt_sampling.max_new_tokens
+        max_new, n = req.attempt_sampling.max_new_tokens, req.attempt_sampling.n
+        shape = (num_prompt, max_new, self.max_positions, n)
         deadline = time.monotonic() + max(self.t.reserve_s, wait_for_room_s)
         refusals = []
-        worst = min(num_prompt + max_new, self.max_positions)
         while True:
             # A node never admits what could not finish in its whole pool; each reserves by its
             # own rule (on_demand or worst_case): the policy ranks by the smallest (the nodes
             # normally share one), and each node is held for its own.
-            ready = [n for n in self.nodes.ready("decode") if n.pages_for(worst) <= n.total_pages]
+            ready = [
+                node
+                for node in self.nodes.ready("decode")
+                if node.pages_for(node.worst_case_tokens(*shape)) <= node.total_pages
+            ]
             num_tokens = min(
-                (n.reservation_tokens(num_prompt, max_new, self.max_positions) for n in ready),
-                default=worst,
+                (node.reservation_tokens(*shape) for node in ready),
+                default=min(num_prompt + max_new, self.max_positions),
             )
             candidates = self.policy.rank_decode(ready, num_tokens)
             refusals = []
             for node in candidates:
                 if not node.is_ready:  # died or began draining while we asked another
                     continue
-                need = node.reservation_tokens(num_prompt, max_new, self.max_positions)
+                need = node.reservation_tokens(*shape)
                 reply = await self._reserve_on(req, node, need)
                 if req.is_done:  # failed meanwhile (node death, router shutdown)
                     break
@@ -270,6 +288,7 @@ class Router(NodeLossRecovery):
             timeout_s=self.t.transfer_s,
             prompt_ids=list(req.attempt_prompt_ids) if sampling.uses_prompt else [],
             priority=req.timings.arrival,  # the first arrival: a restart keeps its place
+            fork_ids=[fork.wire_id for fork in req.pending_forks],
         )  # fmt: skip
         waiter = asyncio.get_running_loop().create_future()
         self._reserve_waiters[req.wire_id] = waiter
@@ -408,16 +427,53 @@ class Router(NodeLossRecovery):
         self.admission.first_token(req)
         for stage, ms in msg.stage_ms.items():
             self.metrics.stage.labels(stage).observe(ms / 1000)
-        tokens, finish = [msg.token, *req.pending_tokens], req.pending_finish
-        logprobs = [*_first_logprobs(msg), *req.pending_logprobs]
         if req.attempt == 0 and req.sampling.prompt_logprobs is not None:
             req.prompt_logprobs = _logprobs_list(
                 msg.prompt_logprobs, msg.prompt_top_ids, msg.prompt_top_logprobs
             )
+        self._start_forks(req, msg, now)
+        self._first_output(req, msg.token, _first_logprobs(msg), now)
+
+    def _first_output(
+        self, req: RouterRequest, token: int, logprobs: list[TokenLogprobs], now: float
+    ) -> None:
+        """The first token and whatever of D's beat it here, then a Preempted that did."""
+        tokens, finish = [token, *req.pending_tokens], req.pending_finish
+        logprobs = [*logprobs, *req.pending_logprobs]
         req.pending_tokens, req.pending_logprobs = [], []
         self._emit(req, tokens, finish, now, logprobs)
         if req.pending_preempt is not None and not req.is_done:  # D's Preempted came first
             self._preempt(req, req.pending_preempt)
+
+    def _start_forks(self, req: RouterRequest, msg: FirstToken, now: float) -> None:
+        """n > 1: each fork starts DECODING on the request's decode node with its own first
+        token (from `msg`); the request itself is one sequence from now on (its restarts
+        re-prefill only it)."""
+        forks = req.pending_forks
+        if not forks:
+            return
+        req.sampling = req.sampling.for_sequence(0)  # from now on: no pending forks
+        if len(msg.fork_tokens) != len(forks):
+            for fork in forks:
+                self._fail(
+                    fork, "prefill",
+                    f"the prefill node sent {len(msg.fork_tokens)} first tokens for "
+                    f"{len(forks)} forked sequences",
+                )  # fmt: skip
+            return
+        logprobs = _logprobs_list(msg.fork_logprobs, msg.fork_top_ids, msg.fork_top_logprobs)
+        node = self.nodes.nodes.get(req.decode_node or "")
+        for i, (fork, token) in enumerate(zip(forks, msg.fork_tokens, strict=True)):
+            if not fork.advance(RequestState.DECODING):  # ended meanwhile
+                continue
+            fork.kv_endpoint = req.kv_endpoint
+            fork.timings = dataclasses.replace(req.timings)
+            fork.prompt_logprobs = req.prompt_logprobs
+            if node is not None:  # counted as active there (its pages are in req's hold)
+                self.nodes.hold_decode(fork, node, 0)
+            else:
+                fork.decode_node = req.decode_node
+            self._first_output(fork, token, logprobs[i : i + 1] if logprobs else [], now)
 
     def _on_tokens(self, msg: Tokens) -> None:
         req = self.requests.get(msg.request_id)
@@ -510,6 +566,11 @@ class Router(NodeLossRecovery):
         self.admission.forget(req)
         self.requests.pop(req.wire_id, None)
         self._room_changed.set()
+        for fork in req.pending_forks:  # it ended before its first token: its forks with it
+            if fork.advance(RequestState.FAILED):
+                fork.error = req.error or ErrorEvent("router", "the request ended")
+                fork.events.put_nowait(fork.error)
+            self.requests.pop(fork.wire_id, None)
 
     def _close(self, req: RouterRequest, outcome: str) -> None:
         """Terminal bookkeeping: free the load estimates, count the outcome, record latencies."""

@@ -16,7 +16,12 @@ from typing import Any
 
 from engine.cluster_config import ClusterConfig
 from engine.kv_reservation import MODES as KV_RESERVATION_MODES
-from engine.kv_reservation import WORST_CASE, reservation_tokens
+from engine.kv_reservation import (
+    WORST_CASE,
+    reservation_tokens,
+    sequences_tokens,
+    worst_case_tokens,
+)
 from engine.protocol import Heartbeat
 from router.state import RouterRequest
 
@@ -66,12 +71,23 @@ class NodeState:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def reservation_tokens(self, prompt_len: int, max_new_tokens: int, max_positions: int) -> int:
-        """Tokens this decode node reserves up front for such a request (its own rule)."""
-        return reservation_tokens(
+    def reservation_tokens(
+        self, prompt_len: int, max_new_tokens: int, max_positions: int, n: int = 1
+    ) -> int:
+        """Tokens this decode node reserves up front for such a request (its own rule), for
+        all `n` sequences (the forks share the prompt's whole pages)."""
+        one = reservation_tokens(
             self.kv_reservation, self.kv_headroom_tokens, prompt_len, max_new_tokens,
             max_positions,
         )  # fmt: skip
+        return sequences_tokens(one, prompt_len, self.page_size, n)
+
+    def worst_case_tokens(
+        self, prompt_len: int, max_new_tokens: int, max_positions: int, n: int = 1
+    ) -> int:
+        """Every position the request's `n` sequences may ever hold on this node."""
+        one = worst_case_tokens(prompt_len, max_new_tokens, max_positions)
+        return sequences_tokens(one, prompt_len, self.page_size, n)
 
 
 class NodeRegistry:

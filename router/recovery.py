@@ -110,6 +110,10 @@ class NodeLossRecovery:
         self._room_changed.set()
         req.restart(secrets.randbits(63))
         self.requests[req.wire_id] = req
+        for fork in req.pending_forks:  # n > 1 before the first token: they follow its attempt
+            self.requests.pop(fork.wire_id, None)
+            fork.attempt, fork.room = req.attempt, req.room
+            self.requests[fork.wire_id] = fork
         attempt = self._run_attempt(req, why, wait_for_room_s)
         task = asyncio.create_task(attempt, name=f"move-{req.wire_id}")
         self._moves.add(task)

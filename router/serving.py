@@ -8,6 +8,12 @@ becomes its own router request, all submitted at once (as vLLM does), and its ch
 are aborted and the refusal is the response. Every started request ends with a completion or an
 error: the first error, or the client going away, aborts every request still running, so no
 node decodes for nobody.
+
+`n` > 1: each prompt's router request forks into n sequences (one prefill; `router.state`),
+choice `index` = prompt position * n + sequence, as vLLM numbers them. `best_of` (completions,
+not streamed): best_of sequences are generated, the n with the highest cumulative logprob
+(every generated token's, the stop token's included) are returned, in that order; `usage`
+counts every generated token.
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ from router.api import (
     ChatMessage,
     CompletionRequest,
     check_common,
+    logprob_fields,
     sampling_params,
+    sequences,
     stop_strings,
 )
 from router.core import Router, RouterError
@@ -83,14 +91,22 @@ class RequestFailed(Exception):
 
 @dataclass
 class _Sub:
-    """One prompt of the request: its router request and its output text; with `echo`, the
-    prompt's text and ids, output before the first token; with logprobs, their formatter."""
+    """One sequence of one prompt of the request: its router request and its output text; with
+    `echo`, the prompt's text and ids, output before the first token; with logprobs, their
+    formatter. `index`: its choice index; `prompt_index`: its prompt's position."""
 
     index: int
+    prompt_index: int
     req: RouterRequest
     text: TextStream
     echo: tuple[str, list[int]] | None = None
     logprobs: LogprobFormatter | None = None
+    cumulative_logprob: float = 0.0  # of every token generated (best_of ranks by it)
+    echo_only: bool = False  # echo with max_tokens 0: the prompt is the whole output
+
+    @property
+    def num_output_tokens(self) -> int:
+        return 0 if self.echo_only else self.req.num_output_tokens
 
 
 class Serving:
@@ -191,6 +207,11 @@ class Serving:
         max_tokens = body.max_tokens
         if chat and body.max_completion_tokens is not None:
             max_tokens = body.max_completion_tokens
+        # echo with max_tokens 0 (lm-evaluation-harness's loglikelihood): the prompt and its
+        # logprobs only. It runs as a one-token request whose token is dropped.
+        echo_only = not chat and body.echo and max_tokens == 0
+        if echo_only:
+            max_tokens = 1
         jobs = []
         for i, ids in enumerate(prompts.token_ids):
             self._check_prompt(ids, prompts.where(i))
@@ -202,14 +223,19 @@ class Serving:
             sub_id = f"{request_id}-{i}" if prompts.is_batch else request_id
             jobs.append((sub_id, ids, sampling))
         reqs = await self._submit_all(jobs, prompts)
-        subs = [self._sub(i, req, body, stop) for i, req in enumerate(reqs)]
+        n, best_of = sequences(body)
+        subs = [
+            self._sub(i * best_of + j, i, seq, body, stop, echo_only)
+            for i, req in enumerate(reqs)
+            for j, seq in enumerate([req, *req.forks])
+        ]
         prompt_lens = tuple(len(ids) for ids in prompts.token_ids)
-        fmt = _Format(request_id, self.model.name, chat, prompt_lens, prompts.is_batch)
+        fmt = _Format(request_id, self.model.name, chat, prompt_lens, prompts.is_batch, n)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             stream = self._sse(request, subs, fmt, usage)
             return StreamingResponse(stream, media_type="text/event-stream")
-        return JSONResponse(await self._complete(request, subs, fmt))
+        return JSONResponse(await self._complete(request, subs, fmt, best_of))
 
     async def _structured(self, body: Any) -> tuple[str, str] | None:
         """The (kind, spec) the body asks for, compiled: a 400 naming the field when it is
@@ -222,20 +248,29 @@ class Serving:
             raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
         return None if asked is None else asked.structured
 
-    def _sub(self, index: int, req: RouterRequest, body: Any, stop: list[str]) -> _Sub:
+    def _sub(
+        self,
+        index: int,
+        prompt_index: int,
+        req: RouterRequest,
+        body: Any,
+        stop: list[str],
+        echo_only: bool = False,
+    ) -> _Sub:
         chat = isinstance(body, ChatCompletionRequest)
         echo = None
         if not chat and body.echo:
             prompt = body.prompt if isinstance(body.prompt, str) else None
             if isinstance(body.prompt, list) and isinstance(body.prompt[0], str):
-                prompt = body.prompt[index]
+                prompt = body.prompt[prompt_index]
             if prompt is None:  # token ids: their text
                 prompt = self.tokenizer.decode(req.prompt_ids)
             echo = (prompt, req.prompt_ids)
         formatter = None
-        if req.sampling.logprobs is not None:
+        if logprob_fields(body)["logprobs"] is not None:  # (best_of may ask them for itself)
             formatter = LogprobFormatter(self.tokenizer, chat)
-        return _Sub(index, req, TextStream(self.tokenizer, stop), echo, formatter)
+        text = TextStream(self.tokenizer, stop)
+        return _Sub(index, prompt_index, req, text, echo, formatter, echo_only=echo_only)
 
     def _check_prompt(self, ids: list[int], where: str) -> None:
         try:
@@ -293,8 +328,12 @@ class Serving:
         echo = sub.echo
         async for event in self.router.events(req):
             if isinstance(event, ErrorEvent):
-                raise RequestFailed(sub.index, event)
+                raise RequestFailed(sub.prompt_index, event)
             ids, lps = event.token_ids, event.logprobs
+            if sub.echo_only:  # its one token is not output: the prompt is, then it ends
+                ids, lps = [], []
+                self.router.finish_early(req, "length")
+            sub.cumulative_logprob += sum(lp.logprob for lp in lps)
             if event.finish_reason == "stop" and ids and ids[-1] in req.stop_ids:
                 ids = ids[:-1]  # the stop token's own text is not output (OpenAI semantics)
             delta = text.push(ids, is_last=event.finish_reason is not None)
@@ -310,6 +349,9 @@ class Serving:
             if text.stopped:
                 self.router.finish_early(req, "stop")
                 yield delta, "stop", logprobs
+                return
+            if sub.echo_only:
+                yield delta, "length", logprobs
                 return
             yield delta, event.finish_reason, logprobs
 
@@ -346,13 +388,16 @@ class Serving:
         watcher = asyncio.create_task(self._abort_on_disconnect(request, subs))
         try:
             if fmt.chat:
-                yield _sse_event(fmt.chunk(0, {"role": "assistant", "content": ""}, None))
+                for sub in subs:
+                    yield _sse_event(
+                        fmt.chunk(sub.index, {"role": "assistant", "content": ""}, None)
+                    )
             async with contextlib.aclosing(self._merged(subs)) as events:
                 async for index, delta, finish, logprobs in events:
                     if delta or finish or logprobs:
                         yield _sse_event(fmt.chunk(index, delta, finish, logprobs))
             if usage:
-                yield _sse_event(fmt.usage_chunk([s.req.num_output_tokens for s in subs]))
+                yield _sse_event(fmt.usage_chunk([s.num_output_tokens for s in subs]))
         except RequestFailed as exc:
             # The others are aborted before the client hears of the error, not after it read it.
             self._abort_all([s.req for s in subs], "another prompt of the request failed")
@@ -366,7 +411,9 @@ class Serving:
             self._abort_all([s.req for s in subs], "client disconnected")
         yield "data: [DONE]\n\n"
 
-    async def _complete(self, request: Request, subs: list[_Sub], fmt: _Format) -> dict[str, Any]:
+    async def _complete(
+        self, request: Request, subs: list[_Sub], fmt: _Format, best_of: int
+    ) -> dict[str, Any]:
         watcher = asyncio.create_task(self._abort_on_disconnect(request, subs))
         reason = "client disconnected"
         parts: list[list[str]] = [[] for _ in subs]
@@ -387,7 +434,17 @@ class Serving:
             self._abort_all([s.req for s in subs], reason)
         texts = ["".join(p) for p in parts]
         merged = [merge(lps) if s.logprobs else None for s, lps in zip(subs, logprobs, strict=True)]
-        return fmt.full(texts, finishes, [s.req.num_output_tokens for s in subs], merged)
+        choices = [
+            {"text": text, "finish_reason": finish, "logprobs": lps}
+            for text, finish, lps in zip(texts, finishes, merged, strict=True)
+        ]
+        if best_of > fmt.n:  # each prompt's n best, by cumulative logprob (ties: first made)
+            shown = []
+            for start in range(0, len(subs), best_of):
+                group = range(start, start + best_of)
+                shown += sorted(group, key=lambda i: -subs[i].cumulative_logprob)[: fmt.n]
+            choices = [choices[i] for i in shown]
+        return fmt.full(choices, [s.num_output_tokens for s in subs])
 
     async def _abort_on_disconnect(self, request: Request, subs: list[_Sub]) -> None:
         """Waits for the client to go away (the body is already read, so the next ASGI message
@@ -435,6 +492,7 @@ class _Format:
     chat: bool
     prompt_lens: tuple[int, ...]
     is_batch: bool = False
+    n: int = 1  # choices per prompt
     created: int = field(default_factory=lambda: int(time.time()))  # the same in every chunk
 
     def _base(self, obj: str) -> dict[str, Any]:
@@ -472,25 +530,25 @@ class _Format:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._base(obj), "choices": [], "usage": self.usage(num_outputs)}
 
-    def full(
-        self,
-        texts: list[str],
-        finishes: list[str | None],
-        num_outputs: list[int],
-        logprobs: list[dict[str, Any] | None],
-    ) -> dict[str, Any]:
+    def full(self, choices: list[dict[str, Any]], num_outputs: list[int]) -> dict[str, Any]:
+        """The whole response: `choices` (text, finish_reason, logprobs each) in index order;
+        `num_outputs`: the tokens of every sequence generated (shown or not)."""
         if self.chat:
-            message = {"role": "assistant", "content": texts[0]}
-            choice = {"index": 0, "message": message, "logprobs": logprobs[0]}
-            choices = [{**choice, "finish_reason": finishes[0]}]
+            out = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": c["text"]},
+                    "logprobs": c["logprobs"],
+                    "finish_reason": c["finish_reason"],
+                }
+                for i, c in enumerate(choices)
+            ]
             base = self._base("chat.completion")
         else:
-            choices = [
-                {"index": i, "text": text, "logprobs": lps, "finish_reason": finish}
-                for i, (text, finish, lps) in enumerate(zip(texts, finishes, logprobs, strict=True))
-            ]
+            out = [{"index": i, **c} for i, c in enumerate(choices)]
+            out = [{k: c[k] for k in ("index", "text", "logprobs", "finish_reason")} for c in out]
             base = self._base("text_completion")
-        return {**base, "choices": choices, "usage": self.usage(num_outputs)}
+        return {**base, "choices": out, "usage": self.usage(num_outputs)}
 
     def error(self, exc: RequestFailed) -> ApiError:
         where = f"prompt[{exc.index}]: " if self.is_batch else ""

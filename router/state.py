@@ -12,6 +12,13 @@ attempt find nothing; a decode-side restart re-prefills the prompt plus the toke
 streamed, and the stream goes on where it stopped. The HTTP handler
 consumes `events`: `TokenEvent`s in output order, then exactly one terminal event (a
 `TokenEvent` with `finish_reason` set, or an `ErrorEvent`).
+
+n > 1: the request is sequence 0; sequences 1 .. n-1 are `forks`, RouterRequests of their own
+(id `<request id>/<i>`, sampling `for_sequence(i)`) that wait in CREATED while the request is
+reserved and prefilled (the decode node forks them from its KV), follow its restarts (their
+wire ids carry its attempt), and end with it if it ends before its first token. At P's first
+token each starts DECODING on the same decode node and is on its own from then on: its own
+tokens, finish, abort, preemption and restarts (as one sequence: prompt + its output).
 """
 
 from __future__ import annotations
@@ -112,6 +119,15 @@ class RouterRequest:
     # FirstToken (its reason), applied once that token is in.
     num_preemptions: int = 0
     pending_preempt: str | None = None
+    # n > 1 (see the module docstring): sequences 1 .. n-1, and for a fork its parent.
+    forks: list[RouterRequest] = field(default_factory=list, repr=False, compare=False)
+    parent: RouterRequest | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def pending_forks(self) -> list[RouterRequest]:
+        """Every fork (n - 1) until they start at this request's first token (its sampling is
+        then one sequence's), then none. One of them may already have ended (router shutdown)."""
+        return self.forks if self.sampling.n > 1 else []
 
     @property
     def num_migrations(self) -> int:
@@ -192,6 +208,11 @@ class RouterRequest:
         """The error for a request past its stage deadline: no first token `prefill_limit_s`
         after dispatch, or still decoding `decode_limit_s` after the first token."""
         t = self.timings
+        parent = self.parent
+        if self.state == RequestState.CREATED and parent is not None:
+            if parent.is_done or parent.state >= RequestState.DECODING:  # never: a backstop
+                return ErrorEvent("prefill", "the forked sequence never started (stage prefill)")
+            return None
         if self.state == RequestState.PREFILLING and now - t.dispatched > prefill_limit_s:
             return ErrorEvent(
                 "prefill_queue",

@@ -32,7 +32,7 @@ GENERATION_KINDS = frozenset({SAMPLING, OUTPUT, PROMPT})
 NOT_IMPLEMENTED: dict[str, tuple[str, tuple[Any, ...], str]] = {
     # sampling (vLLM's extensions and the other endpoint's fields)
     "max_completion_tokens": (SAMPLING, (None,), "use max_tokens on /v1/completions"),
-    "best_of": (SAMPLING, (None, 1), "only best_of=1 is supported"),
+    "best_of": (SAMPLING, (None, 1), "best_of is only supported on /v1/completions"),
     "use_beam_search": (SAMPLING, (None, False), "beam search is not supported"),
     "length_penalty": (SAMPLING, (None, 1), "beam search is not supported"),
     "allowed_token_ids": (SAMPLING, (None,), "allowed_token_ids is not supported"),

@@ -181,3 +181,26 @@ def test_poisson_arrivals(tmp_path):
     planned = serve.arrival_times(8, 40.0, seed=3)
     for r in records:  # each request leaves no earlier than its planned arrival
         assert r["start_s"] >= planned[r["index"]] - 1e-6
+
+
+def test_extra_body_reaches_every_request(tmp_path):
+    app, state = make_app(FakeBehavior(ttft_s=0.0, itl_s=0.0))
+    extra = {"repetition_penalty": 1.1, "min_p": 0.05, "presence_penalty": 0.5, "seed": 4}
+    with ServerThread(app) as server:
+        summary, _ = run_bench(server.url, tmp_path, "--num-prompts", "5", "--input-len", "4",
+                               "--output-len", "3", "--extra-body", json.dumps(extra))  # fmt: skip
+    assert summary["completed"] == 5 and len(state.received) == 5
+    for body in state.received:
+        assert {k: body[k] for k in extra} == extra and body["max_tokens"] == 3
+    saved = json.loads((tmp_path / "result.json").read_text())
+    assert saved["args"]["extra_body"] == extra
+
+
+@pytest.mark.parametrize(
+    "raw,message",
+    [("{", "not JSON"), ("[1]", "a JSON object"), ('{"stream": false}', "must not set stream")],
+)
+def test_bad_extra_body_is_a_one_line_error(raw, message):
+    argv = ["--url", "http://x", "--extra-body", raw]
+    with pytest.raises(DuetError, match=message):
+        serve.resolve(serve.build_parser().parse_args(argv))

@@ -97,19 +97,28 @@ class Pair:
             "d", model, d_cfg, self.timeouts, self.d_in, self.d_out, self.receiver, sla
         )
         self.seen: dict[str, Seen] = {}
+        self.forks: dict[str, list[str]] = {}  # n > 1: the fork ids of each request
         self.heartbeats: list[Heartbeat] = []
         self._rooms = iter(range(1000, 10**6))
 
     # ---- the router's moves ------------------------------------------------------------------
     def reserve(self, rid: str, prompt_len: int, params: SamplingParams, timeout_s=5.0, prompt=()):
-        """`prompt`: its ids, sent as the router sends them (when the sampling reads them)."""
+        """`prompt`: its ids, sent as the router sends them (when the sampling reads them).
+        n > 1: the forks are named `<rid>/<i>`, as the router names them."""
         room = next(self._rooms)
         prompt_ids = list(prompt) if params.uses_prompt else []
         sampling = sampling_to_dict(params)
-        self.d_in.put(Reserve(rid, room, prompt_len, sampling, timeout_s, prompt_ids))
+        fork_ids = [f"{rid}/{i}" for i in range(1, params.n)]
+        self.d_in.put(
+            Reserve(rid, room, prompt_len, sampling, timeout_s, prompt_ids, fork_ids=fork_ids)
+        )
         self.decode.step()
         (reply,) = self.d_out.take(ReserveReply)
         self.seen.setdefault(rid, Seen())
+        if reply.ok:
+            self.forks[rid] = fork_ids
+            for fork_id in fork_ids:
+                self.seen.setdefault(fork_id, Seen())
         return reply, room
 
     def submit(
@@ -148,6 +157,10 @@ class Pair:
             elif isinstance(msg, FirstToken):
                 self.seen[msg.request_id].first_token = msg.token
                 self.seen[msg.request_id].first = msg
+                fork_ids = self.forks.get(msg.request_id, [])
+                assert len(msg.fork_tokens) == len(fork_ids), msg
+                for fork_id, token in zip(fork_ids, msg.fork_tokens, strict=True):
+                    self.seen[fork_id].first_token = token
             elif isinstance(msg, Tokens):
                 seen = self.seen[msg.request_id]
                 assert seen.finish_reason is None, f"tokens after the finish of {msg.request_id}"

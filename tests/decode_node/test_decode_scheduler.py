@@ -28,7 +28,7 @@ def params(max_new=8, **kw):
 def admit(sched, rid, prompt_len=5, first=10, now=0.0, **kw):
     request, reason = sched.reserve(rid, 7, prompt_len, params(**kw), now)
     assert request is not None, reason
-    assert sched.kv_ready(rid, first, now, decode_timeout=100.0) is None
+    assert sched.kv_ready(rid, first, now, decode_timeout=100.0) == []
     return request
 
 
@@ -117,9 +117,9 @@ def test_first_token_can_end_the_request_without_decoding():
     ]:
         sched.reserve(rid, 7, 5, params(**kw), now=0.0)
         out = sched.kv_ready(rid, first, now=0.0, decode_timeout=10.0)
-        assert out == StepOutput(rid, [], reason)
+        assert out == [StepOutput(rid, [], reason)]
     edge, _ = sched.reserve("edge", 7, MAX_POS - 1, params(), now=0.0)  # context end
-    assert sched.kv_ready("edge", 10, 0.0, 10.0) == StepOutput("edge", [], "length")
+    assert sched.kv_ready("edge", 10, 0.0, 10.0) == [StepOutput("edge", [], "length")]
     assert sched.schedule() == [] and sched.pool.allocator.num_used == 0
 
 

@@ -148,3 +148,27 @@ def test_a_resumed_attempt_replays_the_streamed_output(model32, offline32, tok):
     reply = pair.submit("bad", [5, 6, 7, 8], bad)
     assert not reply.ok and "resume from breaks the grammar" in reply.reason
     pair.close()
+
+
+def test_n_sequences_each_walk_the_grammar_on_their_own(model32, offline32, tok):
+    """n > 1: P samples every sequence's first token under the one first mask, D forks the
+    grammar with the KV; sequence i equals the single request sampled by for_sequence(i)."""
+    n = 4
+    for name in ("regex", "object"):
+        pair = Pair(model32, max_batch=2, d_num_pages=256)  # forks wait for a slot
+        params = SamplingParams(
+            temperature=1.5, seed=3, top_k=50, max_new_tokens=MAX_NEW, n=n, structured=CASES[name]
+        )
+        assert pair.submit("s", PROMPTS[0], params).ok
+        pair.run_all()
+        ids = ["s", *(f"s/{i}" for i in range(1, n))]
+        outputs = [pair.seen[rid].output for rid in ids]
+        assert outputs == [
+            offline32(PROMPTS[0], params.for_sequence(i)).token_ids for i in range(n)
+        ]
+        for out, rid in zip(outputs, ids, strict=True):
+            assert pair.seen[rid].finish_reason == "stop" and not pair.seen[rid].errors
+            check_output(*CASES[name], tok.decode(out))
+        assert len({tuple(o) for o in outputs}) > 1, name  # the sequences differ
+        assert pair.decode_pages_used == 0
+        pair.close()

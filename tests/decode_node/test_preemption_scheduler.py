@@ -37,7 +37,7 @@ def reserve(sched, rid, prompt_len, max_new=8):
 
 def admit(sched, rid, prompt_len, max_new=8, first=10):
     request = reserve(sched, rid, prompt_len, max_new)
-    assert sched.kv_ready(rid, first, 0.0, decode_timeout=100.0) is None
+    assert sched.kv_ready(rid, first, 0.0, decode_timeout=100.0) == []
     return request
 
 
@@ -122,7 +122,7 @@ def test_the_latest_arrival_is_preempted_not_the_latest_admission():
     for rid, prompt_len, arrival in (("a", 4, 1.0), ("new", 5, 3.0), ("again", 5, 2.0)):
         request, reason = sched.reserve(rid, 7, prompt_len, params(8), 0.0, priority=arrival)
         assert request is not None, reason
-        assert sched.kv_ready(rid, 10, 0.0, decode_timeout=100.0) is None
+        assert sched.kv_ready(rid, 10, 0.0, decode_timeout=100.0) == []
     assert step(sched) == ["a", "again"]  # a's page came from "new", admitted before "again"
     (gone,) = sched.take_preempted()
     assert gone.request_id == "new" and sched.get("again").state == DecodeState.RUNNING

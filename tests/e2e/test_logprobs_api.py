@@ -1,6 +1,7 @@
 """Logprobs from a float32 `duet up` cluster through the openai client, against the offline
 model's teacher-forced fp32 log_softmax over prompt + output (raw logprobs), loaded here."""
 
+import openai
 import pytest
 import torch
 from oracles import teacher_forced
@@ -54,6 +55,38 @@ def test_completion_logprobs_with_echo(cluster, tok, model, stream):
         want.setdefault(tok.decode([ids[p]], skip_special_tokens=False), ref[p - 1, ids[p]].item())
         assert tops[p].keys() == want.keys()
         assert list(tops[p].values()) == pytest.approx(list(want.values()), abs=ATOL)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_scores_the_prompt(cluster, tok, model, stream):
+    """lm-evaluation-harness's loglikelihood request: the prompt's text and logprobs only, no
+    completion token (usage 0), finish_reason "length"."""
+    text = "The quick brown fox jumps over the lazy dog"
+    out = cluster.client().completions.create(
+        model="tiny-model", prompt=[text, PROMPT], max_tokens=0, logprobs=1, echo=True,
+        stream=stream, stream_options={"include_usage": True} if stream else None,
+    )  # fmt: skip
+    chunks = list(out) if stream else [out]
+    texts, lps, finishes = {}, {}, {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.logprobs is not None:
+                lps[choice.index] = lps.get(choice.index, []) + choice.logprobs.token_logprobs
+            finishes[choice.index] = choice.finish_reason or finishes.get(choice.index)
+    assert texts == {0: text, 1: PROMPT} and finishes == {0: "length", 1: "length"}
+    assert chunks[-1].usage.completion_tokens == 0
+    for i, prompt in enumerate([text, PROMPT]):
+        ids = tok.encode_prompt(prompt)
+        ref = teacher_forced(model, ids)
+        assert lps[i][0] is None and len(lps[i]) == len(ids)
+        want = [ref[p - 1, ids[p]].item() for p in range(1, len(ids))]
+        assert lps[i][1:] == pytest.approx(want, abs=ATOL)
+
+
+def test_max_tokens_0_without_echo_is_a_400(cluster):
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be in"):
+        cluster.client().completions.create(model="tiny-model", prompt="x", max_tokens=0)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -121,3 +121,26 @@ def test_bad_specs_are_a_400(cluster, kwargs, message):
             messages=MESSAGES,
             response_format={"type": "json_schema", "json_schema": bad_chat},
         )
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_n_choices_each_validate_and_match_their_seed(cluster, tok, endpoint):
+    """n = 3: one prefill, the grammar forked with the KV; choice i is `duet generate` with
+    seed + i, and each one validates."""
+    kind, spec = CASES["object"]
+    chat = endpoint == "chat"
+    sampling = {"temperature": 1.5, "seed": 11}
+    fields = api_fields(kind, spec, chat)
+    kwargs = dict(model="tiny-model", max_tokens=MAX_NEW, n=3, **sampling, **fields)
+    c = cluster.client()
+    if chat:
+        out = c.chat.completions.create(messages=MESSAGES, **kwargs)
+        texts = {ch.index: ch.message.content for ch in out.choices}
+    else:
+        out = c.completions.create(prompt=PROMPT, **kwargs)
+        texts = {ch.index: ch.text for ch in out.choices}
+    assert sorted(texts) == [0, 1, 2] and all(ch.finish_reason == "stop" for ch in out.choices)
+    for i, text in texts.items():
+        check_output(kind, spec, text)
+        ref = reference(tok, kind, spec, {"temperature": 1.5, "seed": 11 + i}, chat)
+        assert text == ref["text"], i

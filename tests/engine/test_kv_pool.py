@@ -48,3 +48,49 @@ def test_writes_outside_a_reservation_are_refused():
     pool.release(table)
     pool.release(table)  # releasing twice is harmless
     assert pool.allocator.num_free == 8
+
+
+def test_shared_pages_return_only_when_the_last_holder_frees_them():
+    alloc = PageAllocator(4)
+    pages = alloc.allocate(2)
+    alloc.share(pages)
+    alloc.share(pages[:1])
+    assert [alloc.num_holders(p) for p in pages] == [3, 2]
+    alloc.free(pages)
+    assert alloc.num_free == 2 and alloc.num_holders(pages[0]) == 2
+    alloc.free(pages)
+    assert alloc.num_free == 3 and alloc.num_holders(pages[1]) == 0
+    alloc.free(pages[:1])
+    assert alloc.num_free == 4 and alloc.num_used == 0
+    with pytest.raises(ValueError):
+        alloc.free(pages[:1])
+    with pytest.raises(ValueError):
+        alloc.share(pages[:1])
+
+
+@pytest.mark.parametrize("prompt_len", [7, 8, 9])  # page size 4: ends inside a page, on one
+def test_fork_shares_whole_prompt_pages_and_copies_the_last(prompt_len):
+    """Oracle: a plain copy of the parent's rows. The fork reads the parent's prompt rows; rows
+    either writes after the prompt stay its own."""
+    pool = KVPool(num_layers=2, num_pages=12, page_size=4, row_width=3, dtype=torch.float32)
+    parent = pool.new_table()
+    pool.reserve(parent, prompt_len + 4)
+    prompt_rows = torch.randn(2, prompt_len, 3)
+    pool.write_rows(parent, 0, 0, prompt_rows)
+    own = pool.new_table()
+    pool.reserve(own, prompt_len + 4 - (prompt_len // 4) * 4)
+    own_pages = list(own.pages)
+    pool.fork(parent, prompt_len, own)
+    assert own.pages[: prompt_len // 4] == parent.pages[: prompt_len // 4]
+    assert own.pages[prompt_len // 4 :] == own_pages and own.capacity >= prompt_len + 4
+    assert torch.equal(pool.read_rows(own, 0, 2, 0, prompt_len), prompt_rows)
+    mine, theirs = torch.randn(2, 4, 3), torch.randn(2, 4, 3)
+    pool.write_rows(own, 0, prompt_len, mine)
+    pool.write_rows(parent, 0, prompt_len, theirs)
+    assert torch.equal(pool.read_rows(own, 0, 2, prompt_len, prompt_len + 4), mine)
+    assert torch.equal(pool.read_rows(parent, 0, 2, prompt_len, prompt_len + 4), theirs)
+    assert torch.equal(pool.read_rows(parent, 0, 2, 0, prompt_len), prompt_rows)
+    pool.release(parent)
+    assert torch.equal(pool.read_rows(own, 0, 2, 0, prompt_len), prompt_rows)  # still held
+    pool.release(own)
+    assert pool.allocator.num_used == 0

@@ -63,6 +63,7 @@ def _sealed(head):
         HelloAck(False, {"row_width": 576}, "fingerprint field 'row_width' differs"),
         KVChunk(RDV, 3, 0, 27, 256, 512, "bfloat16", 576, 27 * 256 * 576 * 2, 0xDEADBEEF),
         KVDone(RDV, 9, 2048, 151_000),
+        KVDone(RDV, 9, 2048, 151_000, (0, 7, 151_000)),
         KVAbort(RDV, 2, "client went away"),
         KVCancel(RDV, "aborted: the client went away"),
         KVCancel(RDV, ""),
@@ -128,6 +129,7 @@ BAD_HEADERS = {
                 "seq": 0,
                 "num_tokens": 4,
                 "first_token": 1 << 40,
+                "fork": [],
             }
         )
     ),  # fmt: skip
@@ -141,9 +143,34 @@ BAD_HEADERS = {
                 "seq": 0,
                 "num_tokens": 0,
                 "first_token": 1,
+                "fork": [],
             }
         )
     ),  # fmt: skip
+    **{
+        f"fork {name}": msgpack.packb(
+            _sealed(
+                {
+                    "v": PROTOCOL_VERSION,
+                    "kind": "kv_done",
+                    "rid": "r",
+                    "room": 1,
+                    "seq": 0,
+                    "num_tokens": 4,
+                    "first_token": 1,
+                    "fork": fork,
+                }
+            )
+        )  # fmt: skip
+        for name, fork in [
+            ("not a list", 5),
+            ("a string id", [1, "2"]),
+            ("a bool id", [True]),
+            ("id too big", [1 << 40]),
+            ("negative id", [-1]),
+            ("too long", [1] * 65),
+        ]
+    },
     "cancel with a seq": msgpack.packb(_sealed(_cancel_head(seq=0))),
     "cancel without hcrc": msgpack.packb(_cancel_head()),
     "cancel reason too long": msgpack.packb(_sealed(_cancel_head(reason="x" * 1025))),
@@ -171,7 +198,7 @@ def test_other_protocol_version_named():
 
 PER_REQUEST = [
     KVChunk(RDV, 3, 0, 27, 256, 512, "bfloat16", 576, 27 * 256 * 576 * 2, 0xDEADBEEF),
-    KVDone(RDV, 9, 2048, 151_000),
+    KVDone(RDV, 9, 2048, 151_000, (3, 151_000)),
     KVAbort(RDV, 2, "client went away"),
     KVCancel(RDV, "KV transfer timed out"),
 ]

@@ -491,7 +491,8 @@ def test_fields_that_would_change_the_result_are_refused(make_cluster, path, fie
 @pytest.mark.parametrize(
     "body,status,param",
     [
-        ({"prompt": "x", "n": 2}, 400, "n"),
+        ({"prompt": "x", "n": 0}, 400, "n"),
+        ({"messages": [{"role": "user"}], "n": 17}, 400, "n"),
         ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
         ({"prompt": "x", "logprobs": -1}, 400, "logprobs"),
         (
@@ -500,7 +501,8 @@ def test_fields_that_would_change_the_result_are_refused(make_cluster, path, fie
             "top_logprobs",
         ),
         ({"messages": [{"role": "user"}], "top_logprobs": 2}, 400, "top_logprobs"),
-        ({"prompt": "x", "best_of": 2}, 400, "best_of"),
+        ({"prompt": "x", "best_of": 17}, 400, "best_of"),
+        ({"messages": [{"role": "user"}], "best_of": 2}, 400, "best_of"),
         (
             {"messages": [{"role": "user"}], "response_format": {"type": "structural_tag"}},
             400,
