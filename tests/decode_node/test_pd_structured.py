@@ -15,6 +15,7 @@ from engine.generate import OfflineGenerator
 from engine.model import DeepseekModel
 from engine.protocol import Prefill, RequestError, sampling_to_dict
 from engine.sampling import SamplingParams
+from engine.structured import MIN_OVERLAP_ROWS
 from engine.tokenizer import Tokenizer
 
 PROMPTS = [
@@ -65,8 +66,15 @@ def mixed_params() -> list[SamplingParams]:
     return out
 
 
-def test_constrained_outputs_match_offline_and_validate(model32, offline32, tok):
-    pair = Pair(model32, max_batch=4, d_num_pages=512)  # slots are given back and reused
+@pytest.mark.parametrize("max_batch", [4, 12])  # slots reused; steps whose masks use the thread
+def test_constrained_outputs_match_offline_and_validate(model32, offline32, tok, max_batch):
+    pair = Pair(model32, max_batch=max_batch, d_num_pages=512)
+    threaded = []
+    start = pair.decode.grammars.start_masks
+    pair.decode.grammars.start_masks = lambda ms: (
+        threaded.append(sum(m is not None for m in ms) >= MIN_OVERLAP_ROWS),
+        start(ms),
+    )[1]
     params = mixed_params()
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
@@ -79,6 +87,7 @@ def test_constrained_outputs_match_offline_and_validate(model32, offline32, tok)
         if p.structured is not None:
             assert seen.finish_reason == "stop", f"r{i} did not complete"
             check_output(*p.structured, tok.decode(seen.output))
+    assert any(threaded) == (max_batch >= MIN_OVERLAP_ROWS) and not all(threaded)
     assert pair.decode_pages_used == 0 and pair.prefill_pages_used == 0
     pair.close()
 

@@ -15,6 +15,7 @@ from engine.protocol import sampling_from_dict, sampling_to_dict
 from engine.sampling import SamplingParams
 from engine.structured import (
     MAX_SPEC_CHARS,
+    MIN_OVERLAP_ROWS,
     Grammars,
     StructuredOutput,
     apply_masks,
@@ -192,9 +193,11 @@ def test_bitmask_bias_reads_bits_little_endian():
 
 def test_masks_on_the_helper_thread_equal_the_inline_ones(grammars, tok):
     states = walk(grammars, tok, *CASES["string"], '{"name": "bob"}')
-    inline = grammars.compute_masks(states)
-    threaded = grammars.start_masks(states).result(timeout=30)
-    assert threaded.rows == inline.rows and torch.equal(threaded.bias, inline.bias)
+    assert len(states) >= MIN_OVERLAP_ROWS  # enough rows to go to the thread
+    for batch in (states, [None, *states[:2]]):  # on the thread; at once (too few rows)
+        inline = grammars.compute_masks(batch)
+        started = grammars.start_masks(batch).result(timeout=30)
+        assert started.rows == inline.rows and torch.equal(started.bias, inline.bias)
     assert grammars.start_masks([None, None]).result(timeout=1) is None
 
 
