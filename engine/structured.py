@@ -19,8 +19,8 @@ pad forever without closing the object. A schema may override that with llguidan
 
 Masks of a batch are computed in parallel by llguidance's executor (GIL released), and turned
 into an additive 0 / -inf bias in torch; both can run on a helper thread while the forward runs
-(`Grammars.start_masks`, from MIN_OVERLAP_ROWS rows), leaving one add on the sampling path. The apply is plain torch:
-llguidance.torch's apply is torch.compile'd (seconds to import and compile on a node).
+(`Grammars.start_masks`, from MIN_OVERLAP_ROWS rows), leaving one add on the sampling path. The
+apply is plain torch: llguidance.torch's is torch.compile'd (seconds to import and compile).
 """
 
 from __future__ import annotations
