@@ -49,6 +49,7 @@ from engine.protocol import (
     sampling_from_dict,
 )
 from engine.sampling import SamplingParams, sample, skip_draw
+from engine.structured import GrammarMatcher, Grammars, TokenMasks
 from engine.version import package_version
 from kvtransfer import KVReceiver, Rendezvous, TransferEvent, make_fingerprint
 
@@ -99,6 +100,8 @@ class DecodeNode:
             mcfg.fingerprint(), mcfg.num_hidden_layers, mcfg.kv_row_width, model.dtype
         )
         self.stage_times = StageTimes()
+        # Structured output: grammars over the model's vocabulary (tokenizer loaded on first use).
+        self.grammars = Grammars(model.model_dir, mcfg.vocab_size, mcfg.eos_token_id)
         # SLA (issue 10 part 2): this node's step-time model, its samples for the router.
         self.step_cost = DecodeCost()
         self.timing_samples = RecentSamples()
@@ -219,6 +222,7 @@ class DecodeNode:
             return refuse("the decode node is draining", draining=True)
         try:
             params = self._check_sampling(msg)
+            grammar = self.grammar_for(params, msg.prompt_ids)
         except (DuetError, ValueError, TypeError) as exc:
             return refuse(f"bad sampling parameters: {exc}")
         now = time.monotonic()
@@ -231,6 +235,10 @@ class DecodeNode:
         for sequence in (request, *request.forks):  # n > 1: each sequence its own stream
             sequence.generator = _continued_generator(sequence.params, self.model.cfg.vocab_size)
             sequence.prompt_ids = list(msg.prompt_ids)
+        # Structured output: each sequence walks the grammar on its own copy.
+        request.grammar = grammar
+        for fork in request.forks:
+            fork.grammar = None if grammar is None else grammar.fork()
         timeout = msg.timeout_s if msg.timeout_s > 0 else self.timeouts.transfer_s
         try:
             self.receiver.expect(_rendezvous(request), request.table, msg.prompt_len, now + timeout)
@@ -247,11 +255,19 @@ class DecodeNode:
         cfg = self.model.cfg
         params = sampling_from_dict(msg.sampling)
         params.check_vocab(cfg.vocab_size)
-        if params.uses_prompt:  # the repetition penalty reads the prompt: it must be the one
+        if params.uses_prompt:  # the repetition penalty (or a resumed grammar) reads the prompt
             if len(msg.prompt_ids) != msg.prompt_len:
-                raise ValueError(f"repetition_penalty needs the {msg.prompt_len} prompt ids")
+                raise ValueError(f"the sampling needs the {msg.prompt_len} prompt ids")
             validate_prompt(msg.prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
         return params
+
+    def grammar_for(self, params: SamplingParams, prompt_ids: list[int]) -> GrammarMatcher | None:
+        """The matcher of a structured request at its grammar's start, past the output a
+        restarted attempt replays from the end of `prompt_ids` (None: free text);
+        InvalidRequestError when the spec does not compile. A sequence forked from another
+        before its first token takes `parent.grammar.fork()` instead, then consumes its own
+        first token."""
+        return self.grammars.matcher_for(params.structured, params.resumed_output(prompt_ids))
 
     def _on_transfer(self, event: TransferEvent) -> None:
         request = self.scheduler.get(event.rendezvous.request_id)
@@ -277,10 +293,26 @@ class DecodeNode:
             self.scheduler.kv_failed(request.request_id, problem)
             self._error(request.request_id, "transfer", problem)
             return
+        problem = self._first_tokens_grammar_problem(request, event)
+        if problem:  # never, as they were sampled under the mask: the request fails
+            self.scheduler.abort(request.request_id, problem)
+            self._error(request.request_id, "decode", problem)
+            return
         outputs = self.scheduler.kv_ready(
             request.request_id, event.first_token, now, self.timeouts.decode_s, event.fork_tokens
         )
         self._emit(outputs)  # the sequences whose first token already ended them
+
+    @staticmethod
+    def _first_tokens_grammar_problem(request: DecodeRequest, event: TransferEvent) -> str | None:
+        """Structured output: each sequence's grammar consumes its first token (P's); why one
+        refuses it, or None."""
+        tokens = (event.first_token, *event.fork_tokens)
+        for sequence, token in zip((request, *request.forks), tokens, strict=True):
+            if sequence.grammar is not None and not sequence.grammar.consume(token):
+                error = sequence.grammar.error
+                return f"structured output: token {token} breaks the grammar ({error})"
+        return None
 
     def _transfer_problem(self, event: TransferEvent) -> str | None:
         """Why this request must not be decoded (incomplete, aborted or expired KV, a bad
@@ -313,6 +345,9 @@ class DecodeNode:
             is_decode=True,
         )
         started = time.monotonic()
+        # The structured rows' masks: on a helper thread while the forward runs (both release
+        # the GIL), taken before the matchers move again.
+        pending_masks = self.grammars.start_masks([r.grammar for r in batch])
         try:
             logits = self.model.forward(fb, self.pool)  # [B, vocab] fp32
         except Exception as exc:  # fail these requests loudly, keep serving the others
@@ -323,7 +358,11 @@ class DecodeNode:
                 self.scheduler.abort(request.request_id)
                 self._error(request.request_id, "decode", f"decode forward failed: {exc}")
             return
-        tokens = self._sample(logits, batch)
+        finally:
+            masks = pending_masks.result()
+        tokens = self._sample(logits, batch, masks)
+        for request, token in zip(batch, tokens, strict=True):
+            self._advance_grammar(request, token)
         logprobs = token_logprobs(logits, tokens, [r.params.logprobs for r in batch])
         logprobs_of = {r.request_id: lp for r, lp in zip(batch, logprobs, strict=True) if lp}
         elapsed = time.monotonic() - started
@@ -347,9 +386,12 @@ class DecodeNode:
         upper = self.scheduler.max_batch
         return self.step_cost.max_batch_within(self.tpot_s, mean_context, upper)
 
-    def _sample(self, logits: torch.Tensor, batch: list[DecodeRequest]) -> list[int]:
+    def _sample(
+        self, logits: torch.Tensor, batch: list[DecodeRequest], masks: TokenMasks | None = None
+    ) -> list[int]:
         """The step's tokens. The penalties read the output counts kept by batch slot: a row is
-        set when its request joins the batch and grows by each token sampled."""
+        set when its request joins the batch and grows by each token sampled. `masks` (the
+        structured rows') leave each such row only its grammar's next tokens."""
         counts, params = self.token_counts, [r.params for r in batch]
         joined = [r for r in batch if r.is_joining]
         counts.start(
@@ -361,9 +403,20 @@ class DecodeNode:
         slots = [r.slot for r in batch]
         num_generated = [len(r.output_ids) for r in batch]
         past = counts.past(slots, params, num_generated, [r.stop_ids for r in batch])
-        tokens = sample(logits, params, [r.generator for r in batch], past)
+        allowed = logits if masks is None else masks.apply(logits)
+        tokens = sample(allowed, params, [r.generator for r in batch], past)
         counts.add(slots, tokens)
         return tokens
+
+    def _advance_grammar(self, request: DecodeRequest, token: int) -> bool:
+        """The request's grammar consumes `token`; False when it refuses it (it never should: the
+        token was sampled under its mask), and the request fails then."""
+        if request.grammar is None or request.grammar.consume(token):
+            return True
+        message = f"structured output: token {token} breaks the grammar ({request.grammar.error})"
+        self.scheduler.abort(request.request_id, message)
+        self._error(request.request_id, "decode", message)
+        return False
 
     def _emit(
         self, outputs: list[StepOutput], logprobs_of: dict[str, TokenLogprobs] | None = None
@@ -424,6 +477,7 @@ class DecodeNode:
             self._abort(request.request_id, reason)
             self._error(request.request_id, "decode", reason)
         self.receiver.close()
+        self.grammars.close()
 
 
 def _rendezvous(request: DecodeRequest) -> Rendezvous:

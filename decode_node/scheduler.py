@@ -79,6 +79,9 @@ class DecodeRequest:
     generator: Any = None  # torch.Generator for seeded/random sampling; None when greedy
     prompt_ids: list[int] = field(default_factory=list)  # only when the sampling reads them
     priority: float = 0.0  # the router's arrival time of the request: larger is preempted first
+    # Structured output: the grammar's matcher (engine.structured), past every output token
+    # (P's first one included once the KV is ready); None for free text.
+    grammar: Any = None
     slot: int = -1  # batch slot while RUNNING
     forks: list[DecodeRequest] = field(default_factory=list)  # n > 1: until the KV is in
     state: DecodeState = DecodeState.AWAITING_KV

@@ -32,6 +32,20 @@ def _parse_logit_bias(text: str) -> tuple[tuple[int, float], ...]:
         ) from None
 
 
+def _parse_structured(text: str) -> tuple[str, str]:
+    """`KIND:SPEC` (SPEC `@FILE`: the file's text) -> SamplingParams' (kind, spec)."""
+    kind, sep, spec = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--structured must be KIND:SPEC, got {text!r}")
+    if spec.startswith("@"):
+        try:
+            with open(spec[1:], encoding="utf-8") as f:
+                spec = f.read()
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"--structured: {exc}") from None
+    return kind, spec
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="offline generation (chunked prefill + paged decode)")
     p.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
@@ -53,6 +67,14 @@ def _add_generate(sub) -> None:
     )
     p.add_argument("--stop-token-ids", type=_parse_ids, default=[], help="comma-separated ids")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument(
+        "--structured",
+        type=_parse_structured,
+        default=None,
+        metavar="KIND:SPEC",
+        help="constrain the output: json_object:, json_schema:SCHEMA, regex:RE, "
+        'choice:["a","b"], grammar:LARK; SPEC "@FILE" reads it from FILE',
+    )
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--page-size", type=int, default=16)
@@ -94,6 +116,7 @@ def _run_generate(args) -> int:
         min_p=args.min_p,
         min_tokens=args.min_tokens,
         logit_bias=args.logit_bias,
+        structured=args.structured,
     )
     dtype = getattr(torch, args.dtype)
     model = DeepseekModel.from_pretrained(model_dir, dtype=dtype, progress=not args.json)
@@ -179,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
         "bench.ttft_overhead:main",
     )
     _add_passthrough(sub, "bench-serve", "serving benchmark (OpenAI API)", "bench.serve:main")
+    _add_passthrough(
+        sub, "bench-masks", "structured output: the mask cost per decode step",
+        "bench.structured_masks:main",
+    )  # fmt: skip
     _add_passthrough(sub, "bench-sweep", "bench-serve over rates and configs", "bench.sweep:main")
     _add_passthrough(
         sub, "make-bench-model", "random V2-Lite-shaped checkpoint", "engine.bench_model:main"

@@ -13,6 +13,7 @@ from engine.kv_pool import PageTable
 from engine.model import DeepseekModel
 from engine.penalties import PastTokens, TokenCounts
 from engine.sampling import SamplingParams, sample
+from engine.structured import Grammars
 
 
 @dataclass
@@ -46,6 +47,7 @@ class OfflineGenerator:
         self.chunk_size = chunk_size
         max_pos = model.cfg.max_position_embeddings
         self.pool = model.new_kv_pool(num_pages=-(-max_pos // page_size), page_size=page_size)
+        self.grammars = Grammars(model.model_dir, model.cfg.vocab_size, model.cfg.eos_token_id)
 
     def prefill(self, table: PageTable, prompt_ids: list[int]) -> torch.Tensor:
         """Fills the cache with the prompt, chunk by chunk; returns the last logits [vocab]."""
@@ -65,10 +67,12 @@ class OfflineGenerator:
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         """The first token as the prefill node samples it (the prompt is all its past), the
-        rest as the decode node does (output counts kept in a one-slot TokenCounts)."""
+        rest as the decode node does (output counts kept in a one-slot TokenCounts; with
+        structured output, each token masked to the grammar first)."""
         cfg = self.model.cfg
         validate_prompt(prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
         params.check_vocab(cfg.vocab_size)
+        grammar = self.grammars.matcher_for(params.structured, params.resumed_output(prompt_ids))
         stop_ids = params.stop_ids(cfg.eos_token_id)
         generator = params.make_generator()
         counts = TokenCounts(1, cfg.vocab_size)
@@ -78,7 +82,12 @@ class OfflineGenerator:
             past = PastTokens.of_prompts([prompt_ids], [params], cfg.eos_token_id, cfg.vocab_size)
             tokens: list[int] = []
             while True:
-                token = sample(logits[None], [params], [generator], past)[0]
+                logits = logits[None]  # [1, V]
+                if grammar is not None:
+                    logits = self.grammars.compute_masks([grammar]).apply(logits)
+                token = sample(logits, [params], [generator], past)[0]
+                if grammar is not None and not grammar.consume(token):
+                    raise InvalidRequestError(f"structured output failed: {grammar.error}")
                 tokens.append(token)
                 if len(tokens) == 1:
                     counts.start([0], [params], [prompt_ids], [tokens])

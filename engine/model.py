@@ -215,6 +215,9 @@ class DeepseekModel:
 
     def __init__(self, cfg: ModelConfig, weights: Weights, dtype: torch.dtype, expert_range=None):
         self.cfg = cfg
+        # Where it was loaded from (`from_pretrained`): structured output loads the tokenizer
+        # there. None for a model built from weights in memory.
+        self.model_dir: Path | None = None
         self.dtype = dtype
         self.expert_range = expert_range or range(cfg.n_routed_experts)
         self.cos_sin = rope_cos_sin(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
@@ -244,7 +247,9 @@ class DeepseekModel:
         shapes = checkpoint_shapes(cfg, keep)
         block = cfg.quant.weight_block_size if cfg.quant else None
         weights = load_checkpoint(model_dir, shapes, dtype, progress=progress, fp8_block=block)
-        return cls(cfg, weights, dtype, expert_range)
+        model = cls(cfg, weights, dtype, expert_range)
+        model.model_dir = Path(model_dir)
+        return model
 
     def new_kv_pool(self, num_pages: int, page_size: int, device="cpu") -> KVPool:
         cfg = self.cfg

@@ -17,6 +17,7 @@ import torch
 from engine.errors import InvalidRequestError
 from engine.logprobs import MAX_LOGPROBS
 from engine.penalties import PastTokens, process_logits
+from engine.structured import StructuredOutput
 
 MAX_PENALTY = 2.0  # presence and frequency penalties, as OpenAI bounds them
 MAX_BIAS = 100.0  # logit_bias values, as OpenAI bounds them
@@ -44,6 +45,12 @@ class SamplingParams:
     # Raw logprobs (`engine.logprobs`): None = off, k = the sampled token's and the top k.
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    # Structured output (`engine.structured`): (kind, spec), e.g. ("json_schema", "{...}"); the
+    # sampling nodes mask each token to the grammar. None = free text.
+    structured: tuple[str, str] | None = None
+    # A restarted attempt of a structured request (`router.state`): its last `structured_resume`
+    # prompt tokens are output already streamed, which the grammar consumes before anything new.
+    structured_resume: int = 0
     # n > 1 / best_of: one prefill, the KV forked on the decode node into `n` sequences;
     # sequence i samples as a request of its own with `for_sequence(i)`.
     n: int = 1
@@ -78,6 +85,12 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        if self.structured is not None:
+            self._check_structured()
+        if self.structured_resume < 0 or (self.structured_resume and self.structured is None):
+            raise InvalidRequestError(
+                f"structured_resume must be >= 0 and needs structured, got {self.structured_resume}"
+            )
         if not 1 <= self.n <= MAX_SEQUENCES:
             raise InvalidRequestError(f"n must be in [1, {MAX_SEQUENCES}], got {self.n}")
         for token, bias in self.logit_bias:
@@ -87,6 +100,20 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"logit_bias: the bias of token {token} must be in [-100, 100], got {bias}"
                 )
+
+    def _check_structured(self) -> None:
+        if not (
+            isinstance(self.structured, tuple)
+            and len(self.structured) == 2
+            and all(isinstance(part, str) for part in self.structured)
+        ):
+            raise InvalidRequestError("structured must be a (kind, spec) pair of strings")
+        StructuredOutput.of(self.structured)  # the kind and the size; compiling is the node's
+        if self.min_tokens:  # EOS is the only token a complete grammar allows
+            raise InvalidRequestError(
+                "min_tokens cannot be combined with structured output: the grammar decides "
+                "where the output ends"
+            )
 
     @property
     def is_greedy(self) -> bool:
@@ -103,8 +130,19 @@ class SamplingParams:
 
     @property
     def uses_prompt(self) -> bool:
-        """The sampling node must know the prompt's token ids (repetition_penalty)."""
-        return self.repetition_penalty != 1.0
+        """The sampling node must know the prompt's token ids (repetition_penalty, and the
+        output a resumed grammar replays)."""
+        return self.repetition_penalty != 1.0 or self.structured_resume > 0
+
+    def resumed_output(self, prompt_ids: list[int]) -> list[int]:
+        """The output a restarted structured attempt replays into its grammar: the prompt's
+        last `structured_resume` tokens."""
+        if self.structured_resume > len(prompt_ids):
+            raise InvalidRequestError(
+                f"structured_resume {self.structured_resume} exceeds the prompt's "
+                f"{len(prompt_ids)} tokens"
+            )
+        return prompt_ids[len(prompt_ids) - self.structured_resume :]
 
     def for_sequence(self, index: int) -> SamplingParams:
         """The sampling of sequence `index` of an n > 1 request: one sequence (n = 1) whose seed,
@@ -124,8 +162,11 @@ class SamplingParams:
             )
 
     def stop_ids(self, eos_ids: Iterable[int]) -> frozenset[int]:
-        """The tokens that end the request (and that min_tokens holds back)."""
-        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else set(eos_ids))
+        """The tokens that end the request (and that min_tokens holds back). A structured
+        request always ends at EOS, ignore_eos or not: its grammar allows EOS only once
+        complete, and then nothing else, so going on could only produce garbage."""
+        ignore_eos = self.ignore_eos and self.structured is None
+        return frozenset(self.stop_token_ids) | (frozenset() if ignore_eos else set(eos_ids))
 
     def make_generator(self) -> torch.Generator | None:
         """The request's own random stream: a fixed seed gives the same tokens in any batch."""

@@ -43,7 +43,8 @@ from engine.protocol import (
     Shutdown,
     sampling_from_dict,
 )
-from engine.sampling import sample
+from engine.sampling import SamplingParams, sample
+from engine.structured import GrammarMatcher, Grammars
 from engine.version import package_version
 from kvtransfer import KVSender, KVTransferError, Rendezvous, make_fingerprint
 from prefill_node.kv_senders import SenderPool
@@ -84,6 +85,8 @@ class PrefillNode:
         handshake_s = min(timeouts.reserve_s, timeouts.node_timeout_s / 2)
         self.senders = SenderPool(sender_factory, self.fingerprint, handshake_s)
         self.stage_times = StageTimes()
+        # Structured output: grammars over the model's vocabulary (tokenizer loaded on first use).
+        self.grammars = Grammars(model.model_dir, mcfg.vocab_size, mcfg.eos_token_id)
         self.timing_samples = RecentSamples()  # forwards since the last heartbeat (SLA admission)
         self.kv_bytes_sent = 0
         self.num_cancelled_by_decode = 0  # requests stopped by a kv_cancel
@@ -219,6 +222,7 @@ class PrefillNode:
                 arrival=now,
                 queue_deadline=now + queue_s,
                 generator=params.make_generator(),
+                grammar=self.grammar_for(params, msg.token_ids),
             )
             self.scheduler.add(request)
         except (DuetError, ValueError, TypeError) as exc:
@@ -283,13 +287,23 @@ class PrefillNode:
         cfg = self.model.cfg
         past = PastTokens.of_prompts(prompts, params, cfg.eos_token_id, cfg.vocab_size)
         rows = rows[owner] if len(owner) > len(finished) else rows
-        tokens = sample(rows, params, generators, past)
+        # Structured output: a fresh grammar's first mask (computed once per request, shared by
+        # its sequences), ~0.05 ms a row next to the forward, so in line.
+        masks = self.grammars.compute_masks([finished[j].grammar for j in owner])
+        allowed = rows if masks is None else masks.apply(rows)
+        tokens = sample(allowed, params, generators, past)
         logprobs = token_logprobs(rows, tokens, [p.logprobs for p in params])
         out = [([], []) for _ in finished]
         for j, token, lp in zip(owner, tokens, logprobs, strict=True):
             out[j][0].append(token)
             out[j][1].append(lp)
         return out
+
+    def grammar_for(self, params: SamplingParams, prompt_ids: list[int]) -> GrammarMatcher | None:
+        """The matcher of a structured request at its grammar's start, past the output a
+        restarted attempt replays from the end of `prompt_ids` (None: free text);
+        InvalidRequestError when the spec does not compile."""
+        return self.grammars.matcher_for(params.structured, params.resumed_output(prompt_ids))
 
     @staticmethod
     def _add_prompt_logprobs(logits: torch.Tensor, extra: list) -> None:
@@ -431,6 +445,7 @@ class PrefillNode:
         for request in self.scheduler.requests:
             self._fail(request, "prefill", reason)
         self.senders.close()
+        self.grammars.close()
 
 
 def _rendezvous(request: PrefillRequest) -> Rendezvous:

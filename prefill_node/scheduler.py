@@ -60,6 +60,9 @@ class PrefillRequest:
     num_cached: int = 0
     num_shared_pages: int = 0
     cache_match: PrefixMatch | None = None
+    # Structured output: the grammar's matcher (engine.structured), whose mask constrains the
+    # first token; None for free text.
+    grammar: Any = None
 
     @property
     def prompt_len(self) -> int:

@@ -116,6 +116,14 @@ class _SamplingFields(_Strict):
     repetition_penalty: float | None = None
     min_p: float | None = None
     min_tokens: int = 0
+    # Structured output (router.structured_output): OpenAI's response_format, vLLM's guided_*
+    # and structured_outputs; at most one per request.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -165,7 +173,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeCompletionRequest(_Strict):
@@ -367,8 +374,6 @@ def check_common(body: _SamplingFields) -> None:
             )  # fmt: skip
         if body.tools or body.tool_choice not in (None, "none"):
             raise _unsupported("tools", "tool calls are not supported")
-        if body.response_format and body.response_format.get("type") != "text":
-            raise _unsupported("response_format", "only the text format is supported")
 
 
 def _check_num_logprobs(param: str, value: int | None) -> None:
@@ -406,13 +411,14 @@ def sampling_params(
     max_positions: int,
     max_tokens_limit: int,
     vocab_size: int,
+    structured: tuple[str, str] | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams; `max_tokens` None means "up to the context end".
 
     max_tokens must be in [1, max_tokens_limit]; it is then clipped to the room left in the
     context (the request ends with finish_reason "length" there, as the nodes do), and so is
     min_tokens, which must not exceed max_tokens. logit_bias keys must be token ids in
-    [0, vocab_size).
+    [0, vocab_size). `structured`: the checked (kind, spec) of `router.structured_output`.
     """
     room = max_positions - prompt_len
     if max_tokens is None:
@@ -460,6 +466,7 @@ def sampling_params(
             logit_bias=_logit_bias(body.logit_bias or {}, vocab_size),
             n=best_of,
             **logprobs,
+            structured=structured,
         )
         params.check_vocab(vocab_size)
     except InvalidRequestError as exc:

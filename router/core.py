@@ -157,9 +157,7 @@ class Router(NodeLossRecovery):
             raise RouterError(
                 503, "no prefill or no decode node is ready", "no_node_ready", RETRY_AFTER_S
             )
-        stop_ids = frozenset(sampling.stop_token_ids) | (
-            frozenset() if sampling.ignore_eos else self.eos_ids
-        )
+        stop_ids = sampling.stop_ids(self.eos_ids)  # the nodes' rule (structured: EOS always)
         if request_id in self.requests:  # a client-chosen id (x-request-id) still running
             raise RouterError(400, f"request id {request_id!r} is in use", "duplicate_request_id")
         req = RouterRequest(request_id, secrets.randbits(63), prompt_ids, sampling, stop_ids)

@@ -35,7 +35,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.errors import ConfigError, InvalidRequestError
 from engine.generate import validate_prompt
 from engine.sampling import SamplingParams
+from engine.structured import Grammars
 from engine.tokenizer import Tokenizer
+from router import structured_output
 from router.api import (
     ApiError,
     ChatCompletionRequest,
@@ -114,6 +116,9 @@ class Serving:
         self.router = router
         self.tokenizer = tokenizer
         self.model = model
+        # Structured output: specs compiled here first, so a bad one is a 400 (tokenizer loaded
+        # on the first such request).
+        self.grammars = Grammars(model.path, model.vocab_size, sorted(router.eos_ids))
 
     # ---- model and prompts ------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -197,6 +202,7 @@ class Serving:
         chat = isinstance(body, ChatCompletionRequest)
         self.check_model(body.model)
         check_common(body)
+        structured = await self._structured(body)
         stop = stop_strings(body)
         max_tokens = body.max_tokens
         if chat and body.max_completion_tokens is not None:
@@ -211,8 +217,9 @@ class Serving:
             self._check_prompt(ids, prompts.where(i))
             limit = self.router.cfg.router.max_tokens_limit
             sampling = sampling_params(
-                body, max_tokens, len(ids), self.model.max_positions, limit, self.model.vocab_size
-            )
+                body, max_tokens, len(ids), self.model.max_positions, limit, self.model.vocab_size,
+                structured=structured,
+            )  # fmt: skip
             sub_id = f"{request_id}-{i}" if prompts.is_batch else request_id
             jobs.append((sub_id, ids, sampling))
         reqs = await self._submit_all(jobs, prompts)
@@ -229,6 +236,17 @@ class Serving:
             stream = self._sse(request, subs, fmt, usage)
             return StreamingResponse(stream, media_type="text/event-stream")
         return JSONResponse(await self._complete(request, subs, fmt, best_of))
+
+    async def _structured(self, body: Any) -> tuple[str, str] | None:
+        """The (kind, spec) the body asks for, compiled: a 400 naming the field when it is
+        malformed or does not compile. Compiling releases the GIL: off the event loop."""
+        try:
+            asked = structured_output.requested(body)
+            if asked is not None:
+                await asyncio.to_thread(asked.check, self.grammars)
+        except structured_output.StructuredFieldError as exc:
+            raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
+        return None if asked is None else asked.structured
 
     def _sub(
         self,

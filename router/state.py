@@ -163,6 +163,8 @@ class RouterRequest:
             max_new_tokens=remaining,
             min_tokens=min_tokens,
             prompt_logprobs=prompt_logprobs,
+            # Structured output: the grammar replays the output streamed so far.
+            structured_resume=done if self.sampling.structured is not None else 0,
         )
 
     def restart(self, room: int) -> None:

@@ -39,13 +39,7 @@ NOT_IMPLEMENTED: dict[str, tuple[str, tuple[Any, ...], str]] = {
     "bad_words": (SAMPLING, (None, []), "bad_words is not supported"),
     "logits_processors": (SAMPLING, (None, []), "logits processors are not supported"),
     "vllm_xargs": (SAMPLING, (None, {}), "vllm_xargs is not supported"),
-    "guided_json": (SAMPLING, (None,), "structured output is not supported"),
-    "guided_regex": (SAMPLING, (None,), "structured output is not supported"),
-    "guided_choice": (SAMPLING, (None,), "structured output is not supported"),
-    "guided_grammar": (SAMPLING, (None,), "structured output is not supported"),
-    "structured_outputs": (SAMPLING, (None,), "structured output is not supported"),
     # what the response holds
-    "response_format": (OUTPUT, (None, {"type": "text"}), "only the text format is supported"),
     "echo": (OUTPUT, (None, False), "echo is only supported on /v1/completions"),
     "suffix": (OUTPUT, (None, ""), "suffix is not supported"),
     "prompt_logprobs": (OUTPUT, (None,), "use echo with logprobs on /v1/completions"),

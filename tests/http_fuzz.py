@@ -221,6 +221,7 @@ messages_good = st.lists(
     min_size=1,
     max_size=3,
 )
+SCHEMA_KEYS = ["type", "properties", "required", "items", "enum", "$ref", "pattern", "anyOf"]
 # Per field: (good values, absurd values of the right type).
 FIELDS = {
     "model": (st.sampled_from(["tiny-model"]), texts),
@@ -248,6 +249,38 @@ FIELDS = {
     "stop_token_ids": (
         st.lists(st.integers(0, 511), max_size=3),
         st.lists(ints, max_size=5),
+    ),
+    # Structured output: well-formed specs, and any JSON (or text, for the compilers) instead.
+    "response_format": (
+        st.sampled_from([None, {"type": "text"}, {"type": "json_object"}]),
+        st.one_of(
+            json_values,
+            st.fixed_dictionaries(
+                {"type": st.just("json_schema"), "json_schema": st.dictionaries(texts, json_values)}
+            ),
+            st.fixed_dictionaries(
+                {
+                    "type": st.just("json_schema"),
+                    "json_schema": st.fixed_dictionaries(
+                        {"name": texts, "schema": st.dictionaries(texts, json_values)}
+                    ),
+                }
+            ),
+        ),
+    ),
+    "guided_json": (
+        st.sampled_from([{"type": "object", "properties": {"a": {"enum": [1, 2]}}}]),
+        st.one_of(json_values, st.dictionaries(st.sampled_from(SCHEMA_KEYS), json_values)),
+    ),
+    "guided_regex": (st.sampled_from(["[a-z]{1,4}", "\\d+"]), texts),
+    "guided_choice": (
+        st.lists(st.text(min_size=1, max_size=5), min_size=1, max_size=3),
+        json_values,
+    ),
+    "guided_grammar": (st.sampled_from(['start: "a" | "b"']), texts),
+    "structured_outputs": (
+        st.sampled_from([{"regex": "[0-9]+"}, {"choice": ["x", "y"]}]),
+        st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar", "x"]), json_values),
     ),
 }
 COMPLETION_FIELDS = {
@@ -279,7 +312,6 @@ CHAT_FIELDS = {
     "top_logprobs": (st.none(), ints),
     "tools": (st.none(), st.lists(st.dictionaries(texts, json_values, max_size=3), max_size=2)),
     "tool_choice": (st.sampled_from([None, "none"]), json_values),
-    "response_format": (st.sampled_from([None, {"type": "text"}]), json_values),
 }
 
 

@@ -461,8 +461,8 @@ def test_ignored_fields_header_is_safe(make_cluster):
         ("/v1/completions", "length_penalty", 1.2),
         ("/v1/completions", "use_beam_search", True),
         ("/v1/completions", "use_beam_search", 0),  # not JSON false
-        ("/v1/completions", "guided_json", {"type": "object"}),
-        ("/v1/completions", "response_format", {"type": "json_object"}),
+        ("/v1/completions", "bad_words", ["fox"]),
+        ("/v1/completions", "logits_processors", ["my.module:Processor"]),
         ("/v1/completions", "max_completion_tokens", 5),
         ("/v1/completions", "skip_special_tokens", False),
         ("/v1/completions", "truncate_prompt_tokens", 3),
@@ -504,7 +504,7 @@ def test_fields_that_would_change_the_result_are_refused(make_cluster, path, fie
         ({"prompt": "x", "best_of": 17}, 400, "best_of"),
         ({"messages": [{"role": "user"}], "best_of": 2}, 400, "best_of"),
         (
-            {"messages": [{"role": "user"}], "response_format": {"type": "json_object"}},
+            {"messages": [{"role": "user"}], "response_format": {"type": "structural_tag"}},
             400,
             "response_format",
         ),
