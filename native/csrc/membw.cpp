@@ -88,7 +88,8 @@ std::pair<double, int64_t> stream_read_probe(int64_t bytes, int repeats, bool hu
   const int64_t block_bytes = huge_pages && per_thread >= int64_t{kHugePage} ? kHugePage : 256;
   const int64_t slice_words = per_thread / block_bytes * block_bytes / 8;
   const int64_t words = slice_words * threads;
-  const size_t alloc_bytes = (static_cast<size_t>(words) * 8 + kHugePage - 1) / kHugePage * kHugePage;
+  const size_t alloc_bytes =
+      (static_cast<size_t>(words) * 8 + kHugePage - 1) / kHugePage * kHugePage;
   const int64_t huge_before = anon_huge_page_bytes();
   uint64_t* buf = alloc_probe_buffer(alloc_bytes, huge_pages);
   if (buf == nullptr) throw std::runtime_error("stream_read_bandwidth: allocation failed");
