@@ -1,10 +1,13 @@
 """The cases of `duet bench-kernels`: DeepSeek-V2-Lite per-layer shapes, one generator per family.
 
 A case binds its inputs into zero-argument callables: `run` goes through `native.ops` (weights
-prepacked by ops.prepack_* before timing), `reference` through `native.reference`, and `others`
-holds extra baselines (SDPA for extend attention). `num_bytes` counts weights and activations
-read and written once (for MoE only the experts the routing selected; for mla_decode the KV rows
-read); `flops` counts multiply-adds as 2.
+prepacked by ops.prepack_* before timing), `reference` through `native.reference` (the
+correctness twin), and `others` holds the baselines a user would pick (bench/kernel_comparators:
+torch's matmul for GEMM, SDPA for extend attention), each as named variants. `num_bytes` counts
+weights and activations read and written once (for MoE only the experts the routing selected;
+for mla_decode the KV rows read); `flops` counts multiply-adds as 2. `compute` names the
+instruction family of the compute roof and `level` the memory the inputs stream from
+(bench/roofline.py, bench/cache_defeat.py).
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
+from bench.cache_defeat import copies_to_defeat, cycling, memory_level
+from bench.kernel_comparators import Variants, sdpa, torch_linear_variants
 from native import ops, reference
 
 BF16 = torch.bfloat16
@@ -84,7 +88,9 @@ class Case:
     flops: int
     run: Callable[[], object]
     reference: Callable[[], object]
-    others: dict[str, Callable[[], object]] = field(default_factory=dict)
+    others: dict[str, Variants] = field(default_factory=dict)  # baseline -> {variant: fn}
+    compute: str = "bf16"  # roofline.COMPUTE_PROBES key: bf16 / int8 / fp32 / none
+    level: str = "dram"  # roofline.MEMORY_LEVELS: where the inputs stream from
 
 
 Wanted = Callable[[str], bool]
@@ -96,22 +102,6 @@ def _weight(*shape: int) -> torch.Tensor:
 
 def _act(*shape: int) -> torch.Tensor:
     return torch.randn(*shape).to(BF16)
-
-
-# NOTE: a weight read from the 32 MB L3 instead of DRAM would flatter a bandwidth-bound case, so
-# such cases cycle through enough copies of their weight to stream more than this per round.
-CACHE_DEFEAT_BYTES = 128 * 1024 * 1024
-
-
-def _cycling(items: list) -> Callable[[], object]:
-    """A callable returning items[0], items[1], ... round robin (one per timed call)."""
-    state = {"i": -1}
-
-    def next_item():
-        state["i"] = (state["i"] + 1) % len(items)
-        return items[state["i"]]
-
-    return next_item
 
 
 # ---- MoE -------------------------------------------------------------------------------------
@@ -132,19 +122,30 @@ def moe_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
     expert_bytes = 3 * d.moe_inter * d.hidden * ELEM
     for name, tokens in token_counts:
         x = _act(tokens, d.hidden)
-        logits = torch.randn(tokens, d.num_experts)
-        weights, ids = reference.grouped_topk(
-            logits, None, d.top_k, 1, 1, "softmax", "greedy", False, 1.0
-        )
-        used = int(torch.unique(ids).numel())
+        # The cache defeat of MoE: successive calls route to different experts.
+        routings = [_routing(d, tokens)]
+        used_first = int(torch.unique(routings[0][1]).numel())
+        routings += [
+            _routing(d, tokens) for _ in range(copies_to_defeat(used_first * expert_bytes) - 1)
+        ]
+        used = sum(int(torch.unique(ids).numel()) for _, ids in routings) / len(routings)
+        union = int(torch.unique(torch.cat([ids.flatten() for _, ids in routings])).numel())
+        routing = cycling(routings)
         yield Case(
             kernel=name,
             shape=f"T={tokens} E={d.num_experts} K={d.top_k} D={d.hidden} I={d.moe_inter}",
-            num_bytes=used * expert_bytes + 2 * x.numel() * ELEM + ids.numel() * 8,
+            num_bytes=round(used * expert_bytes) + 2 * x.numel() * ELEM + tokens * d.top_k * 8,
             flops=2 * tokens * d.top_k * 3 * d.moe_inter * d.hidden,
-            run=lambda x=x, w=weights, i=ids: ops.fused_moe(x, *packed, w, i),
-            reference=lambda x=x, w=weights, i=ids: reference.fused_moe(x, *ref_packed, w, i),
+            run=lambda x=x, r=routing: ops.fused_moe(x, *packed, *r()),
+            reference=lambda x=x, r=routing: reference.fused_moe(x, *ref_packed, *r()),
+            level=memory_level(union * expert_bytes),
         )
+
+
+def _routing(d: Dims, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-k weights, expert ids) of random router logits."""
+    logits = torch.randn(tokens, d.num_experts)
+    return reference.grouped_topk(logits, None, d.top_k, 1, 1, "softmax", "greedy", False, 1.0)
 
 
 # ---- dense projections -----------------------------------------------------------------------
@@ -156,10 +157,10 @@ def linear_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
         rows = [(name, m) for name, m in rows if wanted(name)]
         if not rows:
             continue
-        copies = max(1, math.ceil(CACHE_DEFEAT_BYTES / (n * k * ELEM)))
+        copies = copies_to_defeat(n * k * ELEM)
         weights = [_weight(n, k) for _ in range(copies)]
-        packed = _cycling([ops.prepack_linear(w) for w in weights])
-        ref_packed = _cycling([reference.prepack_linear(w) for w in weights])
+        packed = cycling([ops.prepack_linear(w) for w in weights])
+        ref_packed = cycling([reference.prepack_linear(w) for w in weights])
         for name, m in rows:
             x = _act(m, k)
             yield Case(
@@ -169,6 +170,8 @@ def linear_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
                 flops=2 * m * n * k,
                 run=lambda x=x, w=packed: ops.linear(x, w()),
                 reference=lambda x=x, w=ref_packed: reference.linear(x, w()),
+                others={"torch": torch_linear_variants(x, weights)},
+                level=memory_level(copies * n * k * ELEM),
             )
 
 
@@ -189,28 +192,19 @@ def mla_decode_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
             page_table = torch.randperm(num_pages).view(batch, pages_per_seq).to(torch.int32)
             seq_lens = torch.full((batch,), context, dtype=torch.int32)
             q = _act(batch, d.heads, width)
-            args = (q, kv_cache, page_table, seq_lens, sm_scale, d.kv_lora_rank)
+            copies = copies_to_defeat(kv_cache.numel() * ELEM)
+            caches = cycling([kv_cache] + [kv_cache.clone() for _ in range(copies - 1)])
+            args = (q, page_table, seq_lens, sm_scale, d.kv_lora_rank)
             yield Case(
                 kernel="mla_decode",
                 shape=f"B={batch} ctx={context} H={d.heads} W={width}",
                 num_bytes=(batch * context * width + q.numel() + batch * d.heads * d.kv_lora_rank)
                 * ELEM,
                 flops=2 * batch * d.heads * context * (width + d.kv_lora_rank),
-                run=lambda args=args: ops.mla_decode(*args),
-                reference=lambda args=args: reference.mla_decode(*args),
+                run=lambda a=args, kv=caches: ops.mla_decode(a[0], kv(), *a[1:]),
+                reference=lambda a=args, kv=caches: reference.mla_decode(a[0], kv(), *a[1:]),
+                level=memory_level(copies * kv_cache.numel() * ELEM),
             )
-
-
-def _sdpa(q, k, v, k_prefix, v_prefix, sm_scale) -> Callable[[], object]:
-    """SDPA over the same data: [1, H, S, D] copies and the prefix-plus-causal mask made here."""
-    new_len, prefix_len = q.shape[0], k_prefix.shape[0]
-    q4 = q.transpose(0, 1)[None].contiguous()
-    k4 = torch.cat((k_prefix, k)).transpose(0, 1)[None].contiguous()
-    v4 = torch.cat((v_prefix, v)).transpose(0, 1)[None].contiguous()
-    if prefix_len == 0:
-        return lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=sm_scale)
-    mask = torch.ones(new_len, prefix_len + new_len, dtype=torch.bool).tril(prefix_len)
-    return lambda: F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=sm_scale)
 
 
 def extend_attention_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
@@ -221,9 +215,16 @@ def extend_attention_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
     for prefix_len in d.extend_prefixes:
         q, k, v = _act(new_len, heads, dqk), _act(new_len, heads, dqk), _act(new_len, heads, dv)
         k_prefix, v_prefix = _act(prefix_len, heads, dqk), _act(prefix_len, heads, dv)
-        new_lens = torch.tensor([new_len], dtype=torch.int32)
-        prefix_lens = torch.tensor([prefix_len], dtype=torch.int32)
-        args = (q, k, v, k_prefix, v_prefix, new_lens, prefix_lens, sm_scale)
+        tensors = (q, k, v, k_prefix, v_prefix)
+        input_bytes = sum(t.numel() for t in tensors) * ELEM
+        copies = copies_to_defeat(input_bytes)
+        inputs = [tensors] + [tuple(t.clone() for t in tensors) for _ in range(copies - 1)]
+        lens = (
+            torch.tensor([new_len], dtype=torch.int32),
+            torch.tensor([prefix_len], dtype=torch.int32),
+        )
+        args = cycling([(*t, *lens, sm_scale) for t in inputs])
+        sdpa_calls = cycling([sdpa(*t, sm_scale) for t in inputs])
         pairs = new_len * prefix_len + new_len * (new_len + 1) // 2  # (query, key) pairs attended
         yield Case(
             kernel="extend_attention",
@@ -231,13 +232,16 @@ def extend_attention_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
             num_bytes=(2 * q.numel() + v.numel() + k_prefix.numel() + v_prefix.numel()
                        + new_len * heads * dv) * ELEM,
             flops=2 * heads * pairs * (dqk + dv),
-            run=lambda args=args: ops.extend_attention(*args),
-            reference=lambda args=args: reference.extend_attention(*args),
-            others={"sdpa": _sdpa(q, k, v, k_prefix, v_prefix, sm_scale)},
+            run=lambda a=args: ops.extend_attention(*a()),
+            reference=lambda a=args: reference.extend_attention(*a()),
+            others={"sdpa": {"sdpa": lambda s=sdpa_calls: s()()}},
+            level=memory_level(copies * input_bytes),
         )  # fmt: skip
 
 
 # ---- small per-token ops ---------------------------------------------------------------------
+# Memory-bound (compute "none"); their inputs are small enough to stay in cache between calls,
+# so each is held to the roof of the cache its bytes fit in.
 
 
 def small_op_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
@@ -245,17 +249,20 @@ def small_op_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
     w = _weight(d.hidden) + 1
     for tokens in token_counts if wanted("rmsnorm") else ():
         x = _act(tokens, d.hidden)
+        num_bytes = (2 * x.numel() + w.numel()) * ELEM
         yield Case(
-            "rmsnorm", f"T={tokens} D={d.hidden}", (2 * x.numel() + w.numel()) * ELEM,
-            4 * x.numel(), lambda x=x: ops.rms_norm(x, w, 1e-6),
-            lambda x=x: reference.rms_norm(x, w, 1e-6),
+            "rmsnorm", f"T={tokens} D={d.hidden}", num_bytes, 4 * x.numel(),
+            lambda x=x: ops.rms_norm(x, w, 1e-6), lambda x=x: reference.rms_norm(x, w, 1e-6),
+            compute="none", level=memory_level(num_bytes),
         )  # fmt: skip
     for tokens in token_counts if wanted("rmsnorm_fused_add") else ():
         x, res = _act(tokens, d.hidden), _act(tokens, d.hidden)
+        num_bytes = (4 * x.numel() + w.numel()) * ELEM
         yield Case(
-            "rmsnorm_fused_add", f"T={tokens} D={d.hidden}", (4 * x.numel() + w.numel()) * ELEM,
-            5 * x.numel(), lambda x=x, r=res: ops.fused_add_rms_norm(x, r, w, 1e-6),
+            "rmsnorm_fused_add", f"T={tokens} D={d.hidden}", num_bytes, 5 * x.numel(),
+            lambda x=x, r=res: ops.fused_add_rms_norm(x, r, w, 1e-6),
             lambda x=x, r=res: reference.fused_add_rms_norm(x, r, w, 1e-6),
+            compute="none", level=memory_level(num_bytes),
         )  # fmt: skip
     cos_sin = torch.randn(4096, d.rope_dim)
     for tokens in token_counts if wanted("rope") else ():
@@ -264,18 +271,20 @@ def small_op_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
         k = _act(tokens, d.latent_dim)[:, d.kv_lora_rank :]
         args = (q, k, torch.randint(0, 4096, (tokens,)), cos_sin)
         values = tokens * (d.heads + 1) * d.rope_dim
+        num_bytes = 2 * values * ELEM + tokens * (d.rope_dim * 4 + 8)
         yield Case(
-            "rope", f"T={tokens} H={d.heads} R={d.rope_dim}",
-            2 * values * ELEM + tokens * (d.rope_dim * 4 + 8), 3 * values,
+            "rope", f"T={tokens} H={d.heads} R={d.rope_dim}", num_bytes, 3 * values,
             lambda a=args: ops.apply_rope(*a), lambda a=args: reference.apply_rope(*a),
+            compute="none", level=memory_level(num_bytes),
         )  # fmt: skip
     for tokens in token_counts if wanted("topk") else ():
         logits = _act(tokens, d.num_experts)
         args = (logits, None, d.top_k, 1, 1, "softmax", "greedy", False, 1.0)
+        num_bytes = logits.numel() * ELEM + tokens * d.top_k * 8
         yield Case(
-            "topk", f"T={tokens} E={d.num_experts} K={d.top_k}",
-            logits.numel() * ELEM + tokens * d.top_k * 8, 8 * logits.numel(),
+            "topk", f"T={tokens} E={d.num_experts} K={d.top_k}", num_bytes, 8 * logits.numel(),
             lambda a=args: ops.grouped_topk(*a), lambda a=args: reference.grouped_topk(*a),
+            compute="none", level=memory_level(num_bytes),
         )  # fmt: skip
 
 

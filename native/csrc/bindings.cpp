@@ -11,7 +11,8 @@ void register_runtime(py::module_& m);
 void register_norm(py::module_& m);  // norm.cpp (rms_norm, silu_and_mul)
 void register_rope(py::module_& m);
 void register_topk(py::module_& m);
-void register_membw(py::module_& m);
+void register_membw(py::module_& m);       // membw.cpp (stream_read_probe)
+void register_peak_probe(py::module_& m);  // peak_probe.cpp (peak_rate)
 void register_gemm(py::module_& m);  // gemm.cpp (linear_bf16)
 void register_moe(py::module_& m);   // moe.cpp (fused_moe_bf16)
 void register_bmm(py::module_& m);   // bmm.cpp (bmm_bf16)
@@ -27,6 +28,7 @@ PYBIND11_MODULE(_C, m) {
   duet::register_rope(m);
   duet::register_topk(m);
   duet::register_membw(m);
+  duet::register_peak_probe(m);
   duet::register_gemm(m);
   duet::register_moe(m);
   duet::register_bmm(m);

@@ -1,0 +1,45 @@
+"""How a `duet bench-kernels` case keeps its inputs out of the caches, or says where they sit.
+
+A weight read from the 32 MB L3 instead of DRAM would flatter a bandwidth-bound case, so a case
+rotates through enough copies of its inputs (`cycling`) that one round streams more than
+CACHE_DEFEAT_BYTES (4x this machine's L3); it is then held to the DRAM roof. A case whose inputs
+are too small to rotate that far (capped at MAX_COPIES) is cache-resident, held to the L2 or L3
+roof (`memory_level`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from bench import roof_probes
+
+CACHE_DEFEAT_BYTES = 128 * 1024 * 1024
+# Tiny inputs (a decode-token rmsnorm) would need ten thousand copies: such a case stays in cache.
+MAX_COPIES = 256
+
+
+def copies_to_defeat(bytes_per_call: int) -> int:
+    """Copies of a case's inputs to rotate so one round streams CACHE_DEFEAT_BYTES (capped)."""
+    return max(1, min(MAX_COPIES, math.ceil(CACHE_DEFEAT_BYTES / max(1, bytes_per_call))))
+
+
+def memory_level(round_bytes: int) -> str:
+    """The level a case's inputs stream from, given the distinct bytes one round of its rotation
+    reads: "dram" from CACHE_DEFEAT_BYTES up, else "l2" if they fit one core's L2, else "l3"
+    (a round between L3 and CACHE_DEFEAT_BYTES partly hits L3: its L3 roof is the higher one)."""
+    if round_bytes >= CACHE_DEFEAT_BYTES:
+        return "dram"
+    l2_bytes, _ = roof_probes.cache_sizes()
+    return "l2" if round_bytes <= l2_bytes else "l3"
+
+
+def cycling(items: list) -> Callable[[], object]:
+    """A callable returning items[0], items[1], ... round robin (one per timed call)."""
+    state = {"i": -1}
+
+    def next_item():
+        state["i"] = (state["i"] + 1) % len(items)
+        return items[state["i"]]
+
+    return next_item
