@@ -4,25 +4,11 @@ sequence i of a request is the single request sampled by `params.for_sequence(i)
 Pages go back to baseline on every path: finish, abort before and after the fork, preemption."""
 
 import pytest
-import torch
 from pd_harness import Pair
 
-from engine.generate import OfflineGenerator
-from engine.model import DeepseekModel
 from engine.sampling import SamplingParams
 
 PROMPT = [3, 44, 18, 250, 9, 71, 130, 5, 66, 301, 12, 40, 77]  # 13 tokens: ends inside a page
-
-
-@pytest.fixture(scope="module")
-def model32(tiny_dir):
-    return DeepseekModel.from_pretrained(tiny_dir, dtype=torch.float32, progress=False)
-
-
-@pytest.fixture(scope="module")
-def offline32(model32):
-    generator = OfflineGenerator(model32, page_size=16, chunk_size=256)
-    return lambda prompt, params: generator.generate(prompt, params).token_ids
 
 
 def sequence_ids(rid: str, n: int) -> list[str]:
@@ -35,7 +21,7 @@ def test_greedy_n3_gives_three_identical_sequences(model32, offline32, d_page_si
     params = SamplingParams(temperature=0.0, max_new_tokens=9, ignore_eos=True, n=3)
     assert pair.submit("g", PROMPT, params).ok
     pair.run_all()
-    expected = offline32(PROMPT, params.for_sequence(0))
+    expected = offline32(PROMPT, params.for_sequence(0)).token_ids
     outputs = [pair.seen[rid].output for rid in sequence_ids("g", 3)]
     assert outputs == [expected] * 3
     assert all(pair.seen[rid].finish_reason == "length" for rid in sequence_ids("g", 3))
@@ -50,7 +36,7 @@ def test_seeded_sequences_differ_and_each_is_its_own_seeds_continuation(model32,
     assert pair.submit("s", PROMPT, params).ok
     pair.run_all()
     outputs = [pair.seen[rid].output for rid in sequence_ids("s", 4)]
-    expected = [offline32(PROMPT, params.for_sequence(i)) for i in range(4)]
+    expected = [offline32(PROMPT, params.for_sequence(i)).token_ids for i in range(4)]
     assert outputs == expected
     assert len({tuple(o) for o in outputs}) > 1  # random sequences of 8 tokens differ
     assert pair.decode_pages_used == 0
@@ -92,7 +78,7 @@ def test_aborting_one_fork_leaves_the_others_running(model32, offline32):
     pair.run_until(lambda: len(pair.seen["b/1"].token_ids) >= 2, "the forks to decode")
     pair.abort("b/1", prefill=False)
     pair.run_until(lambda: all(pair.seen[r].finish_reason for r in ("b", "b/2")))
-    expected = offline32(PROMPT, params.for_sequence(0))
+    expected = offline32(PROMPT, params.for_sequence(0)).token_ids
     assert pair.seen["b"].output == pair.seen["b/2"].output == expected
     assert pair.seen["b/1"].finish_reason is None
     assert pair.decode_pages_used == 0
@@ -110,8 +96,8 @@ def test_a_fork_is_preempted_alone_when_the_pool_runs_out(model32, offline32):
     preempted = [r for r in pair.seen if pair.seen[r].preempted is not None]
     assert preempted and set(preempted) <= {"p/1", "p/2"}
     for rid, prompt in [("p", PROMPT), ("q", PROMPT[::-1])]:
-        assert pair.seen[rid].output == offline32(prompt, params.for_sequence(0))
-    expected = offline32(PROMPT, params.for_sequence(0))
+        assert pair.seen[rid].output == offline32(prompt, params.for_sequence(0)).token_ids
+    expected = offline32(PROMPT, params.for_sequence(0)).token_ids
     for rid in preempted:  # what it streamed before it was dropped is the same prefix
         out = pair.seen[rid].output
         assert out == expected[: len(out)]

@@ -2,19 +2,12 @@
 offline model over prompt + output (raw logprobs: before penalties and temperature)."""
 
 import pytest
-import torch
 from oracles import teacher_forced
 from pd_harness import Pair
 
-from engine.model import DeepseekModel
 from engine.sampling import SamplingParams
 
 ATOL = 1e-4  # fp32, but batched chunks and the decode path sum in another order
-
-
-@pytest.fixture(scope="module")
-def model32(tiny_dir):
-    return DeepseekModel.from_pretrained(tiny_dir, dtype=torch.float32, progress=False)
 
 
 @pytest.mark.parametrize("prompt", [[5, 9, 11, 200, 3, 3, 7, 42, 8, 1], [17, 4]])

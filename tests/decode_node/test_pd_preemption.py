@@ -4,12 +4,9 @@ headroom but not their whole outputs preempts, each preempted request is re-pref
 the router does it (prompt + output so far, the tokens still to come), and every request ends
 with the offline generator's greedy output; the decode node's pages return to zero."""
 
-import pytest
-import torch
 from pd_harness import Pair
 
 from engine.generate import OfflineGenerator
-from engine.model import DeepseekModel
 from engine.sampling import SamplingParams
 
 PROMPTS = [[3, 44, 18, 250, 9, 71, 130, 5], [100, 200, 300, 17, 23, 99], [7, 8, 9, 10]]
@@ -61,13 +58,6 @@ class MiniRouter:
 
     def output(self, rid) -> list[int]:
         return self.outputs[rid] + self.pair.seen[self.wire_id(rid)].output
-
-
-@pytest.fixture(scope="module")
-def model32(tiny_dir):
-    # float32: a re-prefilled prefix computes its KV through the prefill kernels, so greedy
-    # equality with offline decoding is exact here (bfloat16 rounding may flip a near-tie).
-    return DeepseekModel.from_pretrained(tiny_dir, dtype=torch.float32, progress=False)
 
 
 def test_preempted_requests_are_re_prefilled_and_match_offline_greedy(model32):

@@ -7,12 +7,9 @@ does not compile is refused by either node with the reason."""
 import json
 
 import pytest
-import torch
 from pd_harness import Pair
 from structured_cases import CASES, JSON_OBJECT, MAX_NEW, check_output
 
-from engine.generate import OfflineGenerator
-from engine.model import DeepseekModel
 from engine.protocol import Prefill, RequestError, sampling_to_dict
 from engine.sampling import SamplingParams
 from engine.structured import MIN_OVERLAP_ROWS
@@ -27,17 +24,6 @@ PROMPTS = [
     [400, 12, 12, 90, 91],
     [2, 60, 61, 62],
 ]
-
-
-@pytest.fixture(scope="module")
-def model32(tiny_dir):
-    return DeepseekModel.from_pretrained(tiny_dir, dtype=torch.float32, progress=False)
-
-
-@pytest.fixture(scope="module")
-def offline32(model32):
-    generator = OfflineGenerator(model32, page_size=16, chunk_size=256)
-    return generator.generate
 
 
 @pytest.fixture(scope="module")
