@@ -9,21 +9,14 @@ import json
 import pytest
 from pd_harness import Pair
 from structured_cases import CASES, JSON_OBJECT, MAX_NEW, check_output
+from test_pd_sampling import PROMPTS as SAMPLING_PROMPTS
 
 from engine.protocol import Prefill, RequestError, sampling_to_dict
 from engine.sampling import SamplingParams
 from engine.structured import MIN_OVERLAP_ROWS
 from engine.tokenizer import Tokenizer
 
-PROMPTS = [
-    [3, 44, 18, 250, 9, 71, 130, 5, 66, 301, 12, 40, 77, 8],
-    [5, 6, 7, 8, 9] * 5,
-    [100, 200, 300],
-    list(range(10, 31)),
-    [7, 7, 7, 7],
-    [400, 12, 12, 90, 91],
-    [2, 60, 61, 62],
-]
+PROMPTS = [*SAMPLING_PROMPTS, [2, 60, 61, 62]]
 
 
 @pytest.fixture(scope="module")

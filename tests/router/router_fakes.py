@@ -345,3 +345,17 @@ def wait_for(cond, timeout_s: float = 5.0) -> bool:
             return True
         time.sleep(0.01)
     return bool(cond())
+
+
+def assert_invalid_value(cluster, path: str, fields: dict, param: str, message: str) -> None:
+    """`fields` on a minimal body of `path` is a 400 invalid_value naming `param`, with
+    `message` in its text, refused before any node heard of it. `cluster`: (fakes, server)."""
+    fakes, server = cluster
+    fakes.messages.clear()
+    body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user"}]}
+    r = httpx.post(server.url + path, json={**body, **fields}, timeout=10)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and message in error["message"], error
+    assert error["code"] == "invalid_value" and error["type"] == "invalid_request_error"
+    assert fakes.messages == []

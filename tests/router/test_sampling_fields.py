@@ -6,7 +6,7 @@ values out of range are a 400 naming the field, before anything reaches a node."
 import httpx
 import openai
 import pytest
-from router_fakes import FakeCluster, RouterServer, fake_config
+from router_fakes import FakeCluster, RouterServer, assert_invalid_value, fake_config
 
 from engine.protocol import Prefill, Reserve, sampling_from_dict
 from engine.sampling import SamplingParams
@@ -135,15 +135,7 @@ def test_the_prompt_goes_to_the_decode_node_only_for_the_repetition_penalty(clus
 )
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_values_out_of_range_are_a_400_naming_the_field(cluster, fields, param, message, path):
-    fakes, server = cluster
-    fakes.messages.clear()
-    body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user"}]}
-    r = httpx.post(server.url + path, json={**body, **fields}, timeout=10)
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["param"] == param and message in error["message"], error
-    assert error["code"] == "invalid_value" and error["type"] == "invalid_request_error"
-    assert fakes.messages == []  # refused before any node heard of it
+    assert_invalid_value(cluster, path, fields, param, message)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import json
 import httpx
 import openai
 import pytest
-from router_fakes import FakeCluster, RouterServer, fake_config
+from router_fakes import FakeCluster, RouterServer, assert_invalid_value, fake_config
 
 from engine.protocol import Prefill, Reserve, sampling_from_dict
 from engine.structured import MAX_SPEC_CHARS
@@ -154,15 +154,7 @@ BAD = [
 @pytest.mark.parametrize("fields,param,message", BAD)
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_bad_specs_are_a_400_naming_the_field(cluster, fields, param, message, path):
-    fakes, server = cluster
-    fakes.messages.clear()
-    body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user"}]}
-    r = httpx.post(server.url + path, json={**body, **fields}, timeout=10)
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["param"] == param and message in error["message"], error
-    assert error["code"] == "invalid_value" and error["type"] == "invalid_request_error"
-    assert fakes.messages == []  # refused before any node heard of it
+    assert_invalid_value(cluster, path, fields, param, message)
 
 
 def test_wrong_types_are_a_422(cluster):
