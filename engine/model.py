@@ -50,20 +50,18 @@ class MoE:
         bias = f"{prefix}.gate.e_score_correction_bias"
         self.correction_bias = weights[bias].float() if bias in weights else None
         self.expert_offset = expert_range.start
-        w13 = torch.stack(
-            [
-                torch.cat(
-                    (
-                        weights.pop(f"{prefix}.experts.{e}.gate_proj.weight"),
-                        weights.pop(f"{prefix}.experts.{e}.up_proj.weight"),
-                    )
+        # Per-expert lists, packed (or stacked) in place of the loaded tensors, one expert at a
+        # time: the experts (most of the model) are never held twice while loading.
+        w13 = [
+            torch.cat(
+                (
+                    weights.pop(f"{prefix}.experts.{e}.gate_proj.weight"),
+                    weights.pop(f"{prefix}.experts.{e}.up_proj.weight"),
                 )
-                for e in expert_range
-            ]
-        )  # [E_local, 2I, D]
-        w2 = torch.stack(
-            [weights.pop(f"{prefix}.experts.{e}.down_proj.weight") for e in expert_range]
-        )
+            )
+            for e in expert_range
+        ]  # E_local x [2I, D]
+        w2 = [weights.pop(f"{prefix}.experts.{e}.down_proj.weight") for e in expert_range]
         self.w13, self.w2 = ops.prepack_experts(w13, w2)
         self.shared = MLP(weights, f"{prefix}.shared_experts") if cfg.n_shared_experts else None
         # Expert parallelism replaces this with a dispatch/combine around the local experts.

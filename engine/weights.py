@@ -1,8 +1,8 @@
 """Checkpoint loading and writing: safetensors, single file or sharded with an index.
 
 `load_checkpoint` reads exactly the tensors the caller expects (an EP rank asks only for its own
-experts), one at a time through `safe_open`, so host memory holds the result and one tensor in
-flight, never a whole shard. FP8 e4m3 block-quantized weights (`X` + `X_scale_inv`, DeepSeek-V3
+experts), one at a time with plain reads (`engine.safetensors_reader`, not a memory map), so host
+memory holds the result and one tensor in flight, never a shard's pages. FP8 e4m3 block-quantized weights (`X` + `X_scale_inv`, DeepSeek-V3
 style) are dequantized at load. Every failure is a `WeightLoadError` whose one-line message names
 the tensor and the file.
 """
@@ -17,11 +17,11 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from engine.errors import WeightLoadError
+from engine.safetensors_reader import SafetensorsFile
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -132,7 +132,7 @@ class _FileCache:
                     f"tensor '{tensor}': shard {path} named by the index does not exist"
                 )
             try:
-                handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
+                handle = self._stack.enter_context(SafetensorsFile(path))
                 names = set(handle.keys())
             except Exception as exc:  # safetensors raises its own error types, and OSError
                 raise WeightLoadError(
@@ -149,7 +149,7 @@ def _read(files: _FileCache, name: str) -> tuple[torch.Tensor, Path]:
     handle = files.handle(name)
     path = files.path_of(name)
     try:
-        dtype = handle.get_slice(name).get_dtype()
+        dtype = handle.dtype_of(name)
         if dtype not in _FLOAT_DTYPES and dtype != _FP8_DTYPE:
             raise WeightLoadError(
                 f"tensor '{name}' in {path}: unsupported dtype {dtype} "

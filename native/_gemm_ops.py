@@ -65,6 +65,24 @@ class PackedLinear:
         self.n, self.k = view_shape[-2], view_shape[-1]
         self.packed = _pack(weight.reshape(view_shape))
 
+    @classmethod
+    def from_parts(cls, parts: list[torch.Tensor | None], view_shape: tuple[int, ...]):
+        """The PackedLinear of the stack of `parts` (E tensors of one shape; `view_shape` is the
+        stack's), packed one part at a time into one buffer. Each entry of `parts` is released
+        (set to None) once packed, so packing never holds a second copy of all of them: a
+        model's experts are loaded once and packed in place of themselves."""
+        obj = cls.__new__(cls)
+        obj.shape = torch.Size((len(parts), *parts[0].shape))
+        obj.n, obj.k = view_shape[-2], view_shape[-1]
+        obj.packed = None
+        for i in range(len(parts)):
+            one = _pack(parts[i].reshape(view_shape[1:]))
+            parts[i] = None
+            if obj.packed is None:
+                obj.packed = torch.empty((len(parts), *one.shape), dtype=one.dtype)
+            obj.packed[i] = one
+        return obj
+
     @property
     def dtype(self) -> torch.dtype:
         return self.packed.dtype
@@ -125,11 +143,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear) -> torch.Tensor
     return y.reshape(*lead, n)
 
 
-def prepack_experts(w13: torch.Tensor, w2: torch.Tensor):
-    """Packs bf16 CPU expert weights w13 [E, 2I, D], w2 [E, D, I] for `fused_moe`.
+def prepack_experts(w13: torch.Tensor | list, w2: torch.Tensor | list):
+    """Packs bf16 CPU expert weights w13 [E, 2I, D], w2 [E, D, I] for `fused_moe`; each may also
+    be a list of the E experts' tensors ([2I, D] / [D, I]), which is consumed (each entry
+    released once packed: the experts are never held twice).
 
-    Returns (PackedLinear, PackedLinear), or the tensors unchanged when the kernel does not cover
-    them (other dtype or device, native disabled)."""
+    Returns (PackedLinear, PackedLinear), or the tensors (stacked) when the kernel does not
+    cover them (other dtype or device, native disabled)."""
+    if isinstance(w13, list) or isinstance(w2, list):
+        return _prepack_expert_lists(list_of(w13), list_of(w2))
     if w13.dim() != 3 or w2.dim() != 3 or not (_packable(w13) and _packable(w2)):
         return w13, w2
     num_experts, two_inter, hidden = w13.shape
@@ -141,6 +163,29 @@ def prepack_experts(w13: torch.Tensor, w2: torch.Tensor):
     return (
         PackedLinear(w13.detach(), (num_experts, 2, inter, hidden)),
         PackedLinear(w2.detach(), (num_experts, hidden, inter)),
+    )
+
+
+def list_of(weights: torch.Tensor | list) -> list:
+    return weights if isinstance(weights, list) else list(weights.unbind(0))
+
+
+def _prepack_expert_lists(w13: list, w2: list):
+    shapes13, shapes2 = {tuple(w.shape) for w in w13}, {tuple(w.shape) for w in w2}
+    if not (len(w13) == len(w2) > 0 and len(shapes13) == len(shapes2) == 1):
+        raise ValueError("prepack_experts: the experts' tensors must be E of one shape each")
+    ((two_inter, hidden),), ((hidden2, inter),) = shapes13, shapes2
+    if two_inter != 2 * inter or hidden2 != hidden:
+        raise ValueError(
+            f"prepack_experts: w13 {(len(w13), two_inter, hidden)} and w2 "
+            f"{(len(w2), hidden2, inter)} disagree"
+        )
+    if not all(_packable(w) for w in (*w13, *w2)):
+        return reference.prepack_experts(w13, w2)
+    num_experts = len(w13)
+    return (
+        PackedLinear.from_parts(w13, (num_experts, 2, inter, hidden)),
+        PackedLinear.from_parts(w2, (num_experts, hidden, inter)),
     )
 
 

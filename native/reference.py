@@ -121,11 +121,15 @@ def grouped_topk(
     return weights * routed_scaling_factor, ids.to(torch.int32)
 
 
-def prepack_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def prepack_experts(
+    w13: torch.Tensor | list[torch.Tensor], w2: torch.Tensor | list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Prepares routed-expert weights for `fused_moe` (kernels repack; the reference keeps them).
 
-    w13: [E, 2I, D] ([gate | up] rows per expert), w2: [E, D, I]."""
-    return w13, w2
+    w13: [E, 2I, D] ([gate | up] rows per expert), w2: [E, D, I]; or each a list of the E
+    experts' tensors, stacked here."""
+    stack = lambda w: torch.stack(w) if isinstance(w, list) else w  # noqa: E731
+    return stack(w13), stack(w2)
 
 
 def fused_moe(

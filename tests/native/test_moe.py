@@ -123,3 +123,25 @@ def test_rejects_mismatched_shapes(isa):
         ops.fused_moe(torch.randn(3, 63).to(torch.bfloat16), p13, p2, weights, ids)
     with pytest.raises(ValueError, match="disagree"):
         ops.prepack_experts(w13, w2[:, :, :31])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_experts_given_one_by_one_pack_as_the_stack_and_are_consumed(dtype):
+    """The model hands its experts over as lists so they are never held twice: the result is
+    the stack's (packed or, for the reference path, stacked), and each entry is released."""
+    w13, w2 = (w.to(dtype) for w in _experts(3, 40, 50))  # off the 32-column block, odd K
+    parts13, parts2 = list(w13.unbind(0)), list(w2.unbind(0))
+    p13, p2 = ops.prepack_experts(parts13, parts2)
+    s13, s2 = ops.prepack_experts(w13, w2)
+    if dtype == torch.bfloat16:  # packed one by one, each entry released
+        assert all(p is None for p in (*parts13, *parts2))
+    for got, want in ((p13, s13), (p2, s2)):
+        if isinstance(want, _gemm_ops.PackedLinear):
+            assert torch.equal(got.packed, want.packed) and got.shape == want.shape
+            assert torch.equal(got.unpack(), want.unpack())
+        else:
+            assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="disagree"):
+        ops.prepack_experts(list(w13.unbind(0)), [w[:, :31] for w in w2.unbind(0)])
+    with pytest.raises(ValueError, match="one shape"):
+        ops.prepack_experts([w13[0], w13[1][:, :7]], list(w2.unbind(0))[:2])
