@@ -122,7 +122,7 @@ class _FileCache:
         return self._dir / self.file_of(tensor)
 
     def handle(self, tensor: str):
-        """The open safe_open handle holding `tensor` (WeightLoadError if it has none)."""
+        """The open SafetensorsFile holding `tensor` (WeightLoadError if it has none)."""
         file_name, path = self.file_of(tensor), self.path_of(tensor)
         if not file_name:
             raise WeightLoadError(f"tensor '{tensor}' is missing from {self._dir / INDEX_FILE}")
