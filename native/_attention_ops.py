@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 
 from native import reference
+from native._tags import DTYPE_TAGS
 
-_DTYPE_TAGS = {torch.float32: 0, torch.bfloat16: 1}  # duet::DType in native/csrc/common.h
+# The element dtypes these kernels take (their tags: native/_tags.py).
+_DTYPE_TAGS = {dtype: DTYPE_TAGS[dtype] for dtype in (torch.float32, torch.bfloat16)}
 _MAX_HEAD_DIM = 1024
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from native import reference
+from native._tags import tags
 
 try:
     from native import _C
@@ -138,8 +139,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear) -> torch.Tensor
     if m and n:
         ldx = x2.stride(0) if m > 1 else 2 * weight.k_pairs
         _C.linear_bf16(
-            x2.data_ptr(), m, ldx, weight.k_pairs, weight.packed.data_ptr(), n, y.data_ptr(), n
-        )
+            x2.data_ptr(), m, ldx, weight.k_pairs, weight.packed.data_ptr(), n, y.data_ptr(), n,
+            tags(x2, weight.packed, y),
+        )  # fmt: skip
     return y.reshape(*lead, n)
 
 
@@ -232,7 +234,7 @@ def fused_moe(
         x2.data_ptr(), num_tokens, ldx, w13.k_pairs,
         w13.packed.data_ptr(), w2.packed.data_ptr(), num_experts, inter, hidden,
         weights.data_ptr(), ids.data_ptr(), top_k, int(expert_offset),
-        out.data_ptr(), hidden,
+        out.data_ptr(), hidden, tags(x2, w13.packed, w2.packed, weights, ids, out),
     )  # fmt: skip
     return out
 
@@ -262,6 +264,6 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = torch.empty(batch, m, p, dtype=torch.bfloat16)
     _C.bmm_bf16(
         a.data_ptr(), batch, m, (k + 1) // 2, a.stride(0), a.stride(1),
-        b.data_ptr(), k, p, b.stride(0), b.stride(1), out.data_ptr(),
+        b.data_ptr(), k, p, b.stride(0), b.stride(1), out.data_ptr(), tags(a, b, out),
     )  # fmt: skip
     return out

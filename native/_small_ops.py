@@ -12,14 +12,15 @@ from __future__ import annotations
 import torch
 
 from native import reference
+from native._tags import DTYPE_TAGS
 
 try:
     from native import _C
 except ImportError:  # not built: the reference ops are used
     _C = None
 
-# dtype tags of native/csrc/common.h's DType.
-_DTYPE_TAG = {torch.float32: 0, torch.bfloat16: 1}
+# The element dtypes these kernels take (their tags: native/_tags.py).
+_DTYPE_TAG = {dtype: DTYPE_TAGS[dtype] for dtype in (torch.float32, torch.bfloat16)}
 # Group-ranking codes of topk.cpp: greedy (no groups), top-2 sum (noaux_tc), max.
 _GROUP_METHOD = {"greedy": 0, "noaux_tc": 1}
 

@@ -5,6 +5,7 @@
 // register tiles over every row of a against it: the repack is paid once per panel, not per row.
 #include <immintrin.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <stdexcept>
 
@@ -116,7 +117,10 @@ void register_bmm(py::module_& m) {
   m.def(
       "bmm_bf16",
       [](uintptr_t a, int64_t batch, int64_t m, int64_t k_pairs, int64_t sa0, int64_t sa1,
-         uintptr_t b, int64_t k, int64_t p, int64_t sb0, int64_t sb1, uintptr_t out) {
+         uintptr_t b, int64_t k, int64_t p, int64_t sb0, int64_t sb1, uintptr_t out,
+         const std::vector<int>& dtypes) {
+        check_dtypes("bmm_bf16", dtypes,
+                     {{"a", DType::kBFloat16}, {"b", DType::kBFloat16}, {"out", DType::kBFloat16}});
         if (batch < 0 || m < 0 || p < 0 || k < 0 || k_pairs != (k + 1) / 2) {
           throw std::invalid_argument("bmm_bf16: bad sizes");
         }

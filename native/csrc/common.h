@@ -7,6 +7,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
 
 namespace duet {
 
@@ -14,6 +19,36 @@ namespace duet {
 enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt32 = 3, kInt64 = 4 };
 
 using bf16_t = uint16_t;
+
+inline const char* dtype_name(int tag) {
+  switch (tag) {
+    case 0: return "float32";
+    case 1: return "bfloat16";
+    case 2: return "float16";
+    case 3: return "int32";
+    case 4: return "int64";
+    default: return "a dtype the kernels do not know";
+  }
+}
+
+// A binding's raw pointers come with their tensors' dtype tags (native/_tags.py), one per
+// pointer, in the order of `expected` ({argument name, dtype}): a wrapper that hands over the
+// wrong tensor gets this error, not memory read as the wrong type.
+inline void check_dtypes(const char* op, const std::vector<int>& tags,
+                         std::initializer_list<std::pair<const char*, DType>> expected) {
+  if (tags.size() != expected.size()) {
+    throw std::invalid_argument(std::string(op) + ": " + std::to_string(tags.size()) +
+                                " dtype tags for " + std::to_string(expected.size()) + " tensors");
+  }
+  size_t i = 0;
+  for (const auto& [name, want] : expected) {
+    if (tags[i] != static_cast<int>(want)) {
+      throw std::invalid_argument(std::string(op) + ": " + name + " is " + dtype_name(tags[i]) +
+                                  ", expected " + dtype_name(static_cast<int>(want)));
+    }
+    ++i;
+  }
+}
 
 inline float bf16_to_float(bf16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;

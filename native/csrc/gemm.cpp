@@ -7,6 +7,7 @@
 //   accumulating in an fp32 buffer.
 #include <immintrin.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -412,7 +413,9 @@ void register_gemm(py::module_& m) {
   m.def(
       "linear_bf16",
       [](uintptr_t x, int64_t m, int64_t ldx, int64_t k_pairs, uintptr_t w, int64_t n, uintptr_t y,
-         int64_t ldy) {
+         int64_t ldy, const std::vector<int>& dtypes) {
+        check_dtypes("linear_bf16", dtypes,
+                     {{"x", DType::kBFloat16}, {"w", DType::kBFloat16}, {"y", DType::kBFloat16}});
         if (m < 0 || n < 0 || k_pairs < 0 || ldx < 2 * k_pairs || ldy < n) {
           throw std::invalid_argument("linear_bf16: bad sizes or strides");
         }

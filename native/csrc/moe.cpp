@@ -13,6 +13,7 @@
 //    done in a fixed order, then writes its columns of out as bf16.
 // Decode (1-64 tokens) is the same code: each task streams its weight blocks once.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <memory>
 #include <stdexcept>
@@ -197,7 +198,12 @@ void register_moe(py::module_& m) {
       "fused_moe_bf16",
       [](uintptr_t x, int64_t num_tokens, int64_t ldx, int64_t d_pairs, uintptr_t w13,
          uintptr_t w2, int64_t num_experts, int64_t inter, int64_t hidden, uintptr_t topk_weights,
-         uintptr_t topk_ids, int64_t top_k, int64_t expert_offset, uintptr_t out, int64_t ldo) {
+         uintptr_t topk_ids, int64_t top_k, int64_t expert_offset, uintptr_t out, int64_t ldo,
+         const std::vector<int>& dtypes) {
+        check_dtypes("fused_moe_bf16", dtypes,
+                     {{"x", DType::kBFloat16}, {"w13", DType::kBFloat16}, {"w2", DType::kBFloat16},
+                      {"topk_weights", DType::kFloat32}, {"topk_ids", DType::kInt32},
+                      {"out", DType::kBFloat16}});
         if (num_tokens < 0 || num_experts < 0 || inter < 0 || top_k < 0 ||
             d_pairs != pack_k_pairs(hidden) || ldx < 2 * d_pairs || ldo < hidden) {
           throw std::invalid_argument("fused_moe_bf16: bad sizes or strides");
