@@ -11,9 +11,9 @@
 // - M <= 6 (decode GEMV) with vdpbf16ps + VBMI: the register tile of gemm_fp8_kernels.cpp
 //   converts each weight in registers as it streams, so the weights are read once, 1 byte each.
 // - otherwise (GEMM, or a CPU without those): per task (rows, panel of blocks) and 128-wide k
-//   block, the panel's k block is converted once into an L1-resident bf16 buffer and the bf16
-//   register tiles of gemm_kernels.h run over it (vdpbf16ps, fp32 FMA or scalar, per ISA); the
-//   block scale is folded in with an axpy.
+//   block, the panel's k block is converted once into an L1-resident bf16 buffer and bf16
+//   register tiles run over it: with vdpbf16ps the tile of gemm_fp8_kernels.cpp folds the scale
+//   in registers; otherwise gemm_kernels.h's tile_gemm (fp32 FMA or scalar) and an axpy.
 #include <pybind11/pybind11.h>
 
 #include <algorithm>

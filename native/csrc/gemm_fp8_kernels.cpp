@@ -195,10 +195,15 @@ TileLutFn tile_lut_fn(int rows, int blocks) {
     case 2 * 8 + 4: return tile_lut<2, 4>;
     case 3 * 8 + 1: return tile_lut<3, 1>;
     case 3 * 8 + 2: return tile_lut<3, 2>;
+    case 3 * 8 + 3: return tile_lut<3, 3>;
+    case 3 * 8 + 4: return tile_lut<3, 4>;
     case 4 * 8 + 1: return tile_lut<4, 1>;
     case 4 * 8 + 2: return tile_lut<4, 2>;
+    case 4 * 8 + 3: return tile_lut<4, 3>;
     case 5 * 8 + 1: return tile_lut<5, 1>;
+    case 5 * 8 + 2: return tile_lut<5, 2>;
     case 6 * 8 + 1: return tile_lut<6, 1>;
+    case 6 * 8 + 2: return tile_lut<6, 2>;
     default: return nullptr;
   }
 }

@@ -17,7 +17,8 @@ namespace duet {
 // Unpacking the low (high) 8 bytes of each 128-bit lane of the converted low/high bf16 bytes
 // then yields zmm 0 (1) of the bf16 layout, with no shuffle across lanes.
 // The Python side (native/_fp8_ops.py) builds it with a pad + permute.
-// Scales: fp32 [ceil(N/128)][ld_scale], DeepSeek's weight_scale_inv: w = fp8(W) * scale[n/128][k/128].
+// Scales: fp32 [ceil(N/128)][ld_scale], DeepSeek's weight_scale_inv:
+// w = e4m3(W) * scale[n / 128][k / 128].
 // A 32-column block lies inside one 128-row scale block, and 64 k-pairs are one scale column.
 constexpr int64_t kFp8RowBytes = 64;
 constexpr int64_t kFp8ScalePairs = 64;  // k-pairs per 128-wide scale block
@@ -34,9 +35,10 @@ bool fp8_lut_tile_available(Isa isa);
 // e4m3 -> fp16 -> fp32 (AVX-512 BW) or a table.
 void fp8_rows_to_bf16(Isa isa, const uint8_t* src, int64_t rows, bf16_t* dst);
 
-// Widest tile of the in-register GEMV for `rows` rows (rows * blocks <= 8 keeps the
-// accumulators, four lookup tables and the converted weights in the 32 zmm).
-inline int fp8_tile_max_blocks(int rows) { return std::min(4, 8 / std::max(rows, 1)); }
+// Widest tile of the in-register GEMV for `rows` rows: as gemm_kernels.h's tile_max_blocks
+// (rows * blocks <= 12: the accumulators, four lookup tables and the converted pair of a block
+// fit the 32 zmm).
+inline int fp8_tile_max_blocks(int rows) { return std::min(4, 12 / std::max(rows, 1)); }
 
 // One register tile of the GEMV, converting the weights in registers (fp8_lut_tile_available):
 //   c[r][32*i + j] (+)= sum_kb scales[i][kb] * sum_{kp in k-block kb} sum_t
@@ -50,7 +52,7 @@ void fp8_tile_lut(int rows, int num_blocks, const bf16_t* const* a_rows,
 
 // The GEMM's register tile over one converted k block (rows of the bf16 layout, as made by
 // fp8_rows_to_bf16), with vdpbf16ps (isa >= kAvx512Bf16):
-//   c[r][32*i + j] += scales[i] * sum_{kp < pairs, t < 2} a_rows[r][2kp + t] * b_blocks[i][kp][j][t]
+//   c[r][32*i + j] += scales[i] * sum_{kp<pairs,t<2} a_rows[r][2kp + t] * b_blocks[i][kp][j][t]
 // for r < rows <= 6, i < num_blocks <= tile_max_blocks(rows) (gemm_kernels.h); the sum starts
 // from zero, so the block scale multiplies exactly that k block's products.
 void fp8_tile_scaled_bf16(int rows, int num_blocks, const bf16_t* const* a_rows,
