@@ -175,6 +175,35 @@ def linear_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
             )
 
 
+def fp8_linear_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
+    """The dense projections with FP8 e4m3 weights (1 byte each, 128x128 block scales), held to
+    the bf16 roof (the kernel converts to bf16 and uses vdpbf16ps) and compared with torch's
+    bf16 matmuls on the dequantized weight."""
+    for proj, (k, n) in d.projections.items():
+        rows = [(f"{fam}_fp8_{proj}", m) for fam, m in (("gemv", 1), ("gemm", d.gemm_tokens))]
+        rows = [(name, m) for name, m in rows if wanted(name)]
+        if not rows:
+            continue
+        weight_bytes = n * k + 4 * -(-n // 128) * -(-k // 128)
+        copies = copies_to_defeat(weight_bytes)
+        packed_list = [ops.prepack_linear_fp8_from(_weight(n, k)) for _ in range(copies)]
+        dequantized = [p.dequantize().to(BF16) for p in packed_list]
+        packed = cycling(packed_list)
+        ref_packed = cycling([reference.prepack_linear_fp8(*p.unpack()) for p in packed_list])
+        for name, m in rows:
+            x = _act(m, k)
+            yield Case(
+                kernel=name,
+                shape=f"M={m} K={k} N={n}",
+                num_bytes=weight_bytes + (m * k + m * n) * ELEM,
+                flops=2 * m * n * k,
+                run=lambda x=x, w=packed: ops.linear_fp8(x, w()),
+                reference=lambda x=x, w=ref_packed: reference.linear_fp8(x, w()),
+                others={"torch": torch_linear_variants(x, dequantized)},
+                level=memory_level(copies * weight_bytes),
+            )
+
+
 # ---- attention -------------------------------------------------------------------------------
 
 
@@ -288,7 +317,10 @@ def small_op_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
         )  # fmt: skip
 
 
-FAMILIES = (moe_cases, linear_cases, mla_decode_cases, extend_attention_cases, small_op_cases)
+FAMILIES = (
+    moe_cases, linear_cases, fp8_linear_cases, mla_decode_cases, extend_attention_cases,
+    small_op_cases,
+)  # fmt: skip
 
 
 def all_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:

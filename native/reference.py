@@ -78,6 +78,65 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.float(), b.float()).to(a.dtype)
 
 
+# ---- FP8 e4m3 weight-only linear -------------------------------------------------------------
+# DeepSeek's block FP8: w [N, K] = w_fp8 * scale_inv[n // 128, k // 128] (weight_scale_inv as in the
+# checkpoints). Same math as engine/weights.py's quantize_/dequantize_fp8_blockwise (the tests pin
+# them equal); native does not import engine.
+
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def dequantize_fp8_blocks(w_fp8: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] = w_fp8 [N, K] (float8_e4m3fn) * scale_inv [ceil(N/128), ceil(K/128)]."""
+    n, k = w_fp8.shape
+    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+    return w_fp8.float() * scale[:n, :k]
+
+
+def quantize_fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantizes w [N, K] to (w_fp8 [N, K] float8_e4m3fn, scale_inv [N/128, K/128] fp32).
+
+    scale_inv = amax(|block|) / 448 (1 for an all-zero block), w_fp8 = w / scale_inv rounded to
+    nearest e4m3 (clamped to +-448)."""
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(
+            f"quantize_fp8_blocks: needs a 2-D float tensor, got {w.dtype} {list(w.shape)}"
+        )
+    n, k = w.shape
+    nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    padded = torch.zeros(nb * FP8_BLOCK, kb * FP8_BLOCK, dtype=torch.float32, device=w.device)
+    padded[:n, :k] = w
+    blocks = padded.view(nb, FP8_BLOCK, kb, FP8_BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale_inv[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
+    q = q.view(nb * FP8_BLOCK, kb * FP8_BLOCK)[:n, :k]
+    return q.to(torch.float8_e4m3fn).contiguous(), scale_inv.contiguous()
+
+
+def prepack_linear_fp8(
+    weight_fp8: torch.Tensor, scale_inv: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prepares an FP8 weight [N, K] and its block scales for `linear_fp8` (kept as they are)."""
+    return weight_fp8, scale_inv.float()
+
+
+def prepack_linear_fp8_from(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prepack_linear_fp8` of a bf16 / fp32 weight block-quantized by `quantize_fp8_blocks`."""
+    return prepack_linear_fp8(*quantize_fp8_blocks(weight))
+
+
+def linear_fp8(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """y = x @ dequantize(weight).T.   x: [..., K], weight: (w_fp8 [N, K], scale_inv) -> [..., N].
+
+    The e4m3 values are exact in bf16; the kernel sums x times them in fp32 per 128-wide k block
+    and scales each block's sum, this twin scales each weight in fp32 first. The two differ by
+    fp32 rounding and summation order only; the output is rounded to x.dtype once."""
+    w = dequantize_fp8_blocks(*weight)
+    return F.linear(x.float(), w.to(x.device)).to(x.dtype)
+
+
 # ---- MoE -------------------------------------------------------------------------------------
 
 
