@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from native import reference
+from native._tags import DTYPE_TAGS
 
 try:
     from native import _C
@@ -24,8 +25,9 @@ except ImportError:  # not built: every call takes the reference path
     _C = None
 
 _BLOCK_N = 32
-# duet::DType tags of native/csrc/common.h.
-_TAG_F32, _TAG_BF16, _TAG_FP8 = 0, 1, 6
+_TAG_F32, _TAG_BF16, _TAG_FP8 = (
+    DTYPE_TAGS[t] for t in (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
+)
 _NAN_MAGNITUDE = 0x7F  # e4m3fn NaN: 0x7f and 0xff
 
 

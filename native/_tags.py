@@ -11,6 +11,8 @@ DTYPE_TAGS = {
     torch.float16: 2,
     torch.int32: 3,
     torch.int64: 4,
+    torch.int8: 5,
+    torch.float8_e4m3fn: 6,
 }
 UNKNOWN = -1  # a dtype the kernels have no tag for: every check refuses it
 

@@ -35,6 +35,8 @@ inline const char* dtype_name(int tag) {
     case 2: return "float16";
     case 3: return "int32";
     case 4: return "int64";
+    case 5: return "int8";
+    case 6: return "float8_e4m3fn";
     default: return "a dtype the kernels do not know";
   }
 }
