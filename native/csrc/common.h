@@ -11,7 +11,14 @@
 namespace duet {
 
 // Element type tags passed from Python (native/ops.py) with every raw pointer.
-enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt32 = 3, kInt64 = 4 };
+enum class DType : int {
+  kFloat32 = 0,
+  kBFloat16 = 1,
+  kFloat16 = 2,
+  kInt32 = 3,
+  kInt64 = 4,
+  kInt8 = 5,  // INT8 W8A8 packed weights (gemm_int8.cpp)
+};
 
 using bf16_t = uint16_t;
 

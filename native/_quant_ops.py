@@ -1,0 +1,119 @@
+"""INT8 W8A8 linear: weights packed for the kernel of native/csrc/gemm_int8.cpp and its wrapper.
+
+`native.ops` re-exports `prepack_linear_int8` and `linear_int8` from here; they keep the contracts
+of their twins in `native/reference.py` (same quantization, same integers, same epilogue).
+
+Packed layout (see the NOTE in native/csrc/gemm_int8.h): the int8 weight [N, K] is zero-padded
+to N a multiple of 16 and K a multiple of 4, then stored as [N/16, K/4, 16, 4]: per block of 16
+output columns, per group of 4 inputs, the 16 columns' 4 weights side by side (one zmm of
+vpdpbusd). Per padded column it keeps the fp32 scale and comp = 128 * sum_k q[n, k] (int32), the
+term that turns the kernel's u8 activations (q + 128) back into the signed product.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from native import reference
+
+try:
+    from native import _C
+except ImportError:  # not built: every call takes the reference path
+    _C = None
+
+_BLOCK_N = 16
+_GROUP_K = 4
+_MAX_K = 65536  # kInt8MaxK of gemm_int8.h: the kernel's u8 x s8 sums must fit in int32
+# dtype tags of native/csrc/common.h's DType (the binding checks every pointer's tag).
+_TAGS = {torch.float32: 0, torch.bfloat16: 1, torch.int32: 3, torch.int8: 5}
+_X_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _native_on() -> bool:
+    from native import ops  # ops imports this module; its switch is read at call time
+
+    return ops.native_available()
+
+
+class PackedLinearInt8:
+    """A weight [N, K] quantized per output channel and packed for `linear_int8`.
+
+    packed: int8 [ceil(N/16), ceil(K/4), 16, 4]; scale: fp32 [16 * ceil(N/16)] (0 past N);
+    comp: int32 [16 * ceil(N/16)]. `unpack()` returns the reference's Int8Weight."""
+
+    __slots__ = ("packed", "scale", "comp", "n", "k")
+
+    def __init__(self, quantized: reference.Int8Weight):
+        q, scale = quantized
+        self.n, self.k = q.shape
+        num_blocks, k_groups = -(-self.n // _BLOCK_N), -(-self.k // _GROUP_K)
+        pad_n, pad_k = num_blocks * _BLOCK_N - self.n, k_groups * _GROUP_K - self.k
+        q = F.pad(q, (0, pad_k, 0, pad_n))
+        blocked = q.reshape(num_blocks, _BLOCK_N, k_groups, _GROUP_K)
+        self.packed = blocked.transpose(1, 2).contiguous()
+        self.scale = F.pad(scale.float(), (0, pad_n)).contiguous()
+        self.comp = (128 * q.sum(1, dtype=torch.int32)).to(torch.int32).contiguous()
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.n, self.k))
+
+    @property
+    def k_groups(self) -> int:
+        return self.packed.shape[1]
+
+    def unpack(self) -> reference.Int8Weight:
+        num_blocks, k_groups = self.packed.shape[:2]
+        q = self.packed.transpose(1, 2).reshape(num_blocks * _BLOCK_N, k_groups * _GROUP_K)
+        return reference.Int8Weight(q[: self.n, : self.k].contiguous(), self.scale[: self.n])
+
+    def __repr__(self) -> str:
+        return f"PackedLinearInt8(shape={tuple(self.shape)})"
+
+
+def prepack_linear_int8(weight: torch.Tensor) -> PackedLinearInt8 | reference.Int8Weight:
+    """Quantizes a float weight [N, K] per output channel; packs it when the kernel is on."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(
+            f"prepack_linear_int8: expected a float [N, K] weight, got {weight.dtype} "
+            f"{tuple(weight.shape)}"
+        )
+    if weight.shape[1] > _MAX_K:
+        raise ValueError(f"prepack_linear_int8: K = {weight.shape[1]} exceeds {_MAX_K}")
+    quantized = reference.quantize_weight_int8(weight.detach())
+    if weight.device.type != "cpu" or not _native_on():
+        return quantized
+    return PackedLinearInt8(quantized)
+
+
+def linear_int8(x: torch.Tensor, weight: PackedLinearInt8 | reference.Int8Weight) -> torch.Tensor:
+    """W8A8 y ~= x @ W.T (the contract of `reference.linear_int8`). x: [..., K] bf16 or fp32,
+    unit stride in its last dim -> [..., N] of x's dtype."""
+    if x.dtype not in _X_DTYPES:
+        raise TypeError(f"linear_int8: x must be bfloat16 or float32, got {x.dtype}")
+    n, k = weight.shape if isinstance(weight, PackedLinearInt8) else weight.qweight.shape
+    if x.dim() == 0 or x.shape[-1] != k:
+        raise ValueError(f"linear_int8: x {tuple(x.shape)} does not have the weight's K = {k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(lead.numel(), k)
+    if x2.stride(1) != 1 and k > 1:
+        raise ValueError("linear_int8: x must be contiguous in its last dimension")
+    if x2.shape[0] > 1 and x2.stride(0) < k:  # broadcast rows (stride 0): give them memory
+        x2 = x2.contiguous()
+    if not isinstance(weight, PackedLinearInt8):
+        return reference.linear_int8(x2, weight).reshape(*lead, n)
+    if not (_native_on() and x.device.type == "cpu"):
+        return reference.linear_int8(x2, weight.unpack()).reshape(*lead, n)
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype)
+    if m and n:
+        w = weight
+        _C.linear_int8(
+            x2.data_ptr(), _TAGS[x2.dtype], m, k, x2.stride(0) if m > 1 else k,
+            w.packed.data_ptr(), _TAGS.get(w.packed.dtype, -1),
+            w.scale.data_ptr(), _TAGS.get(w.scale.dtype, -1),
+            w.comp.data_ptr(), _TAGS.get(w.comp.dtype, -1),
+            n, w.k_groups, y.data_ptr(), _TAGS[y.dtype], n,
+        )  # fmt: skip
+    return y.reshape(*lead, n)
