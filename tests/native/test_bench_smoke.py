@@ -14,6 +14,7 @@ ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3, "amx": 4}
 FAMILIES = (
     "moe_decode", "moe_prefill", "gemv", "gemm", "mla_decode", "extend_attention", "rmsnorm",
     "rope", "topk",
+    "int8_gemv", "int8_gemm",
 )  # fmt: skip
 ROW_KEYS = {
     "kernel", "shape", "time_ms", "bytes", "flops", "roofline", "bound", "bound_ms", "compute",
@@ -49,6 +50,8 @@ def test_bench_kernels_quick_json(capsys):
     assert all(row["speedup_vs_sdpa"] > 0 for row in extend_rows)
     linear_rows = [row for row in rows if row["kernel"].startswith(("gemv", "gemm"))]
     assert linear_rows and all(row["speedup_vs_torch"] > 0 for row in linear_rows)
+    int8_rows = [row for row in rows if row["kernel"].startswith("int8_")]
+    assert int8_rows and all(row["compute"] == "int8" for row in int8_rows)
 
 
 def test_bench_kernels_filter(capsys):

@@ -69,6 +69,20 @@ def test_integer_sums_are_exact(isa):
     assert torch.equal(y, sums.float())
 
 
+def test_activation_ties_round_half_to_even(isa):
+    # A row with absmax 127 quantizes with 127 / absmax = 1, so q = round(x) and the halves
+    # -126.5 ... 126.5 are all ties. With the weight 127 * identity (scale 1), y = 127 * q exactly.
+    halves = torch.arange(-126.5, 127.0, 1.0)
+    x = torch.cat((torch.tensor([127.0]), halves))[None]
+    k = x.shape[1]
+    w = 127 * torch.eye(k)
+    for dtype in (torch.float32, torch.bfloat16):  # bf16 holds every half below 128 exactly
+        y = ops.linear_int8(x.to(dtype), ops.prepack_linear_int8(w)).float()
+        q = torch.round(x)  # torch.round: half to even
+        assert torch.equal(y, (127 * q).to(dtype).float())
+        assert torch.equal(q[0, 1:4], torch.tensor([-126.0, -126.0, -124.0]))
+
+
 def _quantization_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Worst case of |linear_int8 - x @ w.T| before the output rounding: with per-row steps
     s_x = absmax(x[m]) / 127, s_w = absmax(w[n]) / 127 and rounding errors of at most half a step,
