@@ -42,7 +42,7 @@ class PackedLinearInt8:
     packed: int8 [ceil(N/16), ceil(K/4), 16, 4]; scale: fp32 [16 * ceil(N/16)] (0 past N);
     comp: int32 [16 * ceil(N/16)]. `unpack()` returns the reference's Int8Weight."""
 
-    __slots__ = ("packed", "scale", "comp", "n", "k")
+    __slots__ = ("packed", "scale", "comp", "n", "k", "kernel_args")
 
     def __init__(self, quantized: reference.Int8Weight):
         q, scale = quantized
@@ -54,6 +54,14 @@ class PackedLinearInt8:
         self.packed = blocked.transpose(1, 2).contiguous()
         self.scale = F.pad(scale.float(), (0, pad_n)).contiguous()
         self.comp = (128 * q.sum(1, dtype=torch.int32)).to(torch.int32).contiguous()
+        # The weight's arguments of _C.linear_int8, read once here rather than on every call
+        # (the decode step calls this a few hundred times).
+        self.kernel_args = (
+            self.packed.data_ptr(), _TAGS[self.packed.dtype],
+            self.scale.data_ptr(), _TAGS[self.scale.dtype],
+            self.comp.data_ptr(), _TAGS[self.comp.dtype],
+            self.n, k_groups,
+        )  # fmt: skip
 
     @property
     def shape(self) -> torch.Size:
@@ -92,28 +100,25 @@ def linear_int8(x: torch.Tensor, weight: PackedLinearInt8 | reference.Int8Weight
     unit stride in its last dim -> [..., N] of x's dtype."""
     if x.dtype not in _X_DTYPES:
         raise TypeError(f"linear_int8: x must be bfloat16 or float32, got {x.dtype}")
-    n, k = weight.shape if isinstance(weight, PackedLinearInt8) else weight.qweight.shape
-    if x.dim() == 0 or x.shape[-1] != k:
-        raise ValueError(f"linear_int8: x {tuple(x.shape)} does not have the weight's K = {k}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(lead.numel(), k)
+    packed = isinstance(weight, PackedLinearInt8)
+    n, k = (weight.n, weight.k) if packed else weight.qweight.shape
+    shape = x.shape
+    if not shape or shape[-1] != k:
+        raise ValueError(f"linear_int8: x {tuple(shape)} does not have the weight's K = {k}")
+    x2 = x if len(shape) == 2 else x.reshape(shape[:-1].numel(), k)
     if x2.stride(1) != 1 and k > 1:
         raise ValueError("linear_int8: x must be contiguous in its last dimension")
-    if x2.shape[0] > 1 and x2.stride(0) < k:  # broadcast rows (stride 0): give them memory
-        x2 = x2.contiguous()
-    if not isinstance(weight, PackedLinearInt8):
-        return reference.linear_int8(x2, weight).reshape(*lead, n)
-    if not (_native_on() and x.device.type == "cpu"):
-        return reference.linear_int8(x2, weight.unpack()).reshape(*lead, n)
     m = x2.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype)
-    if m and n:
-        w = weight
-        _C.linear_int8(
-            x2.data_ptr(), _TAGS[x2.dtype], m, k, x2.stride(0) if m > 1 else k,
-            w.packed.data_ptr(), _TAGS.get(w.packed.dtype, -1),
-            w.scale.data_ptr(), _TAGS.get(w.scale.dtype, -1),
-            w.comp.data_ptr(), _TAGS.get(w.comp.dtype, -1),
-            n, w.k_groups, y.data_ptr(), _TAGS[y.dtype], n,
-        )  # fmt: skip
-    return y.reshape(*lead, n)
+    if m > 1 and x2.stride(0) < k:  # broadcast rows (stride 0): give them memory
+        x2 = x2.contiguous()
+    if not packed:
+        y = reference.linear_int8(x2, weight)
+    elif not (x.is_cpu and _native_on()):
+        y = reference.linear_int8(x2, weight.unpack())
+    else:
+        y = torch.empty(m, n, dtype=x.dtype)
+        if m and n:
+            tag = _TAGS[x.dtype]
+            ldx = x2.stride(0) if m > 1 else k
+            _C.linear_int8(x2.data_ptr(), tag, m, k, ldx, *weight.kernel_args, y.data_ptr(), tag, n)
+    return y if len(shape) == 2 else y.view(*shape[:-1], n)
