@@ -114,7 +114,9 @@ void gemv_panel(Isa isa, const Args& p, const QuantizedRows& a, int64_t block, i
   const uint8_t* a_rows[kInt8TileMaxRows];
   const int8_t* b_blocks[kInt8TileMaxBlocks];
   for (int r = 0; r < rows; ++r) a_rows[r] = a.q + r * a.ld;
-  for (int i = 0; i < num_blocks; ++i) b_blocks[i] = p.w + (block + i) * int8_block_bytes(p.k_groups);
+  for (int i = 0; i < num_blocks; ++i) {
+    b_blocks[i] = p.w + (block + i) * int8_block_bytes(p.k_groups);
+  }
   tile_int8(isa, rows, num_blocks, a_rows, b_blocks, p.k_groups, tile, ldt, false);
   const int64_t col0 = block * kInt8BlockN;
   store_tile(isa, p, a, tile, ldt, 0, rows, col0,
@@ -218,7 +220,8 @@ void register_gemm_int8(py::module_& m) {
           throw std::invalid_argument("linear_int8: bad sizes or strides");
         }
         linear_int8(Args{reinterpret_cast<const void*>(x), static_cast<DType>(x_dtype), m, ldx, k,
-                         reinterpret_cast<const int8_t*>(w), reinterpret_cast<const float*>(w_scale),
+                         reinterpret_cast<const int8_t*>(w),
+                         reinterpret_cast<const float*>(w_scale),
                          reinterpret_cast<const int32_t*>(comp), n, k_groups,
                          reinterpret_cast<void*>(y), ldy});
       },

@@ -50,8 +50,8 @@ void quantize_rows_int8(Isa isa, const void* x, DType dtype, int64_t ldx, int64_
 //   c[r][16*i + j] (+)= sum_{g < k_groups, t < 4} a_rows[r][4g + t] * b_blocks[i][g][j][t]
 // for r < rows <= 6, i < num_blocks <= 4, j < 16; a_rows are u8 bytes, b_blocks s8, each pointing
 // at the first k-group to use; c has row stride ldc; `accumulate` adds to c.
-// `isa` picks the path: vpdpbusd (avx512_bf16+, which has VNNI), 16-bit multiply-adds (avx512),
-// scalar.
+// `isa` picks the path: vpdpbusd (avx512_bf16+, which has VNNI), 16-bit multiply-adds on zmm
+// (avx512) or ymm (avx2, one block at a time), scalar.
 void tile_int8(Isa isa, int rows, int num_blocks, const uint8_t* const* a_rows,
                const int8_t* const* b_blocks, int64_t k_groups, int32_t* c, int64_t ldc,
                bool accumulate);
