@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bench.cache_defeat import copies_to_defeat, cycling, memory_level
-from bench.kernel_comparators import Variants, sdpa, torch_linear_variants
+from bench.kernel_comparators import Variants, int8_mm, sdpa, torch_linear_variants
 from native import ops, reference
 
 BF16 = torch.bfloat16
@@ -204,6 +204,43 @@ def fp8_linear_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
             )
 
 
+# ---- INT8 W8A8 dense projections ------------------------------------------------------------
+
+
+def int8_linear_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
+    """ops.linear_int8 (per-token activation quantization fused in) on the projection shapes;
+    the baseline is torch._int_mm on the already quantized operands (int32 out, no epilogue)."""
+    for proj, (k, n) in d.projections.items():
+        rows = [(f"{fam}_int8_{proj}", m) for fam, m in (("gemv", 1), ("gemm", d.gemm_tokens))]
+        rows = [(name, m) for name, m in rows if wanted(name)]
+        if not rows:
+            continue
+        copies = copies_to_defeat(n * k)
+        quantized, packed = [], []
+        for _ in range(copies):
+            w = _weight(n, k)
+            quantized.append(reference.prepack_linear_int8(w))
+            packed.append(ops.prepack_linear_int8(w))
+        next_packed, next_ref = cycling(packed), cycling(quantized)
+        for name, m in rows:
+            x = _act(m, k)
+            x_q = reference.quantize_per_token_int8(x)[0]
+            int_mm = [int8_mm(x_q, q.qweight.t()) for q in quantized]
+            baseline = {"_int_mm(x_q, w_q.t())": lambda c=cycling(int_mm): c()()}
+            others = {} if None in int_mm else {"int_mm": baseline}
+            yield Case(
+                kernel=name,
+                shape=f"M={m} K={k} N={n}",
+                num_bytes=n * k + 8 * n + (m * k + m * n) * ELEM,  # + fp32 scale, int32 comp
+                flops=2 * m * n * k,
+                run=lambda x=x, w=next_packed: ops.linear_int8(x, w()),
+                reference=lambda x=x, w=next_ref: reference.linear_int8(x, w()),
+                others=others,
+                compute="int8",
+                level=memory_level(copies * n * k),
+            )
+
+
 # ---- attention -------------------------------------------------------------------------------
 
 
@@ -318,8 +355,8 @@ def small_op_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
 
 
 FAMILIES = (
-    moe_cases, linear_cases, fp8_linear_cases, mla_decode_cases, extend_attention_cases,
-    small_op_cases,
+    moe_cases, linear_cases, int8_linear_cases, fp8_linear_cases, mla_decode_cases,
+    extend_attention_cases, small_op_cases,
 )  # fmt: skip
 
 

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from native import _attention_ops, _fp8_ops, _gemm_ops, _small_ops, reference
+from native import _attention_ops, _fp8_ops, _gemm_ops, _quant_ops, _small_ops, reference
 
 try:
     from native import _C
@@ -48,6 +48,8 @@ linear = _gemm_ops.linear
 prepack_linear_fp8 = _fp8_ops.prepack_linear_fp8
 prepack_linear_fp8_from = _fp8_ops.prepack_linear_fp8_from
 linear_fp8 = _fp8_ops.linear_fp8
+prepack_linear_int8 = _quant_ops.prepack_linear_int8
+linear_int8 = _quant_ops.linear_int8
 silu_and_mul = _small_ops.silu_and_mul
 bmm = _gemm_ops.bmm
 grouped_topk = _small_ops.grouped_topk

@@ -8,6 +8,8 @@ R rope dim, W = L + R (one cached latent row).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -135,6 +137,59 @@ def linear_fp8(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor]) -> to
     fp32 rounding and summation order only; the output is rounded to x.dtype once."""
     w = dequantize_fp8_blocks(*weight)
     return F.linear(x.float(), w.to(x.device)).to(x.dtype)
+
+
+# ---- INT8 W8A8 linear ------------------------------------------------------------------------
+# Symmetric int8 with one fp32 scale per row (weights: per output channel; activations: per
+# token): scale = absmax / 127, q = round_half_even(v * (127 / absmax)) clamped to [-127, 127];
+# rows with absmax < INT8_MIN_ABSMAX quantize to zeros with scale 0. The kernel
+# (native/csrc/gemm_int8.h) computes exactly these integers and the same epilogue.
+
+INT8_MIN_ABSMAX = 1e-30  # kInt8MinAbsmax of gemm_int8.h
+
+
+class Int8Weight(NamedTuple):
+    """A weight quantized for `linear_int8`: qweight int8 [N, K], scale fp32 [N]."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+
+
+def _quantize_rows_int8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 of a [R, C] tensor -> (q int8 [R, C], scale fp32 [R])."""
+    vf = v.float()
+    absmax = vf.abs().amax(-1) if vf.shape[-1] else vf.new_zeros(vf.shape[:-1])
+    ok = absmax >= INT8_MIN_ABSMAX
+    # Two correctly rounded fp32 divisions, as the kernel does them (`127.0 / t` would be computed
+    # as t.reciprocal() * 127, rounded twice).
+    c127 = torch.full_like(absmax, 127.0)
+    inv = torch.where(ok, c127 / absmax, 0.0)
+    scale = torch.where(ok, absmax / c127, 0.0)
+    q = torch.round(vf * inv[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q int8 [M, K], scale fp32 [M]) with x ~= q * scale[:, None]."""
+    return _quantize_rows_int8(x)
+
+
+def quantize_weight_int8(weight: torch.Tensor) -> Int8Weight:
+    """weight [N, K] -> per-output-channel int8 with weight ~= qweight * scale[:, None]."""
+    return Int8Weight(*_quantize_rows_int8(weight))
+
+
+def prepack_linear_int8(weight: torch.Tensor) -> Int8Weight:
+    """Quantizes a float weight [N, K] for `linear_int8` (the kernels also repack it)."""
+    return quantize_weight_int8(weight)
+
+
+def linear_int8(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+    """W8A8 y ~= x @ W.T: x [M, K] quantized per token, int32 sums of the int8 products,
+    y = float(sum) * x_scale[m] * w_scale[n] (in that order), returned in x.dtype. [M, N]."""
+    q, x_scale = quantize_per_token_int8(x)
+    sums = q.int() @ weight.qweight.int().T
+    return (sums.float() * x_scale[:, None] * weight.scale[None, :]).to(x.dtype)
 
 
 # ---- MoE -------------------------------------------------------------------------------------

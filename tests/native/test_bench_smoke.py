@@ -47,7 +47,11 @@ def test_bench_kernels_quick_json(capsys):
         assert any(name.startswith(family) for name in kernel_names), family
     extend_rows = [row for row in rows if row["kernel"] == "extend_attention"]
     assert all(row["speedup_vs_sdpa"] > 0 for row in extend_rows)
-    linear_rows = [row for row in rows if row["kernel"].startswith(("gemv", "gemm"))]
+    int8_rows = [row for row in rows if "_int8_" in row["kernel"]]
+    assert int8_rows and all(row["compute"] == "int8" for row in int8_rows)
+    linear_rows = [
+        row for row in rows if row["kernel"].startswith(("gemv", "gemm")) and row not in int8_rows
+    ]  # bf16 and fp8 weights: against torch's bf16 matmuls
     assert linear_rows and all(row["speedup_vs_torch"] > 0 for row in linear_rows)
 
 

@@ -1,0 +1,125 @@
+"""INT8 W8A8 linear: weights packed for the kernel of native/csrc/gemm_int8.cpp and its wrapper.
+
+`native.ops` re-exports `prepack_linear_int8` and `linear_int8` from here; they keep the contracts
+of their twins in `native/reference.py` (same quantization, same integers, same epilogue).
+
+Packed layout (see the NOTE in native/csrc/gemm_int8.h): the int8 weight [N, K] is zero-padded
+to N a multiple of 16 and K a multiple of 4, then stored as [N/16, K/4, 16, 4]: per block of 16
+output columns, per group of 4 inputs, the 16 columns' 4 weights side by side (one zmm of
+vpdpbusd). Per padded column it keeps the fp32 scale and comp = 128 * sum_k q[n, k] (int32), the
+term that turns the kernel's u8 activations (q + 128) back into the signed product.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from native import reference
+from native._tags import DTYPE_TAGS
+
+try:
+    from native import _C
+except ImportError:  # not built: every call takes the reference path
+    _C = None
+
+_BLOCK_N = 16
+_GROUP_K = 4
+_MAX_K = 65536  # kInt8MaxK of gemm_int8.h: the kernel's u8 x s8 sums must fit in int32
+# dtype tags of native/csrc/common.h's DType (the binding checks every pointer's tag).
+_TAGS = DTYPE_TAGS  # native/_tags.py
+_X_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _native_on() -> bool:
+    from native import ops  # ops imports this module; its switch is read at call time
+
+    return ops.native_available()
+
+
+class PackedLinearInt8:
+    """A weight [N, K] quantized per output channel and packed for `linear_int8`.
+
+    packed: int8 [ceil(N/16), ceil(K/4), 16, 4]; scale: fp32 [16 * ceil(N/16)] (0 past N);
+    comp: int32 [16 * ceil(N/16)]. `unpack()` returns the reference's Int8Weight."""
+
+    __slots__ = ("packed", "scale", "comp", "n", "k", "kernel_args")
+
+    def __init__(self, quantized: reference.Int8Weight):
+        q, scale = quantized
+        self.n, self.k = q.shape
+        num_blocks, k_groups = -(-self.n // _BLOCK_N), -(-self.k // _GROUP_K)
+        pad_n, pad_k = num_blocks * _BLOCK_N - self.n, k_groups * _GROUP_K - self.k
+        q = F.pad(q, (0, pad_k, 0, pad_n))
+        blocked = q.reshape(num_blocks, _BLOCK_N, k_groups, _GROUP_K)
+        self.packed = blocked.transpose(1, 2).contiguous()
+        self.scale = F.pad(scale.float(), (0, pad_n)).contiguous()
+        self.comp = (128 * q.sum(1, dtype=torch.int32)).to(torch.int32).contiguous()
+        # The weight's arguments of _C.linear_int8, read once here rather than on every call
+        # (the decode step calls this a few hundred times).
+        self.kernel_args = (
+            self.packed.data_ptr(), _TAGS[self.packed.dtype],
+            self.scale.data_ptr(), _TAGS[self.scale.dtype],
+            self.comp.data_ptr(), _TAGS[self.comp.dtype],
+            self.n, k_groups,
+        )  # fmt: skip
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.n, self.k))
+
+    @property
+    def k_groups(self) -> int:
+        return self.packed.shape[1]
+
+    def unpack(self) -> reference.Int8Weight:
+        num_blocks, k_groups = self.packed.shape[:2]
+        q = self.packed.transpose(1, 2).reshape(num_blocks * _BLOCK_N, k_groups * _GROUP_K)
+        return reference.Int8Weight(q[: self.n, : self.k].contiguous(), self.scale[: self.n])
+
+    def __repr__(self) -> str:
+        return f"PackedLinearInt8(shape={tuple(self.shape)})"
+
+
+def prepack_linear_int8(weight: torch.Tensor) -> PackedLinearInt8 | reference.Int8Weight:
+    """Quantizes a float weight [N, K] per output channel; packs it when the kernel is on."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(
+            f"prepack_linear_int8: expected a float [N, K] weight, got {weight.dtype} "
+            f"{tuple(weight.shape)}"
+        )
+    if weight.shape[1] > _MAX_K:
+        raise ValueError(f"prepack_linear_int8: K = {weight.shape[1]} exceeds {_MAX_K}")
+    quantized = reference.quantize_weight_int8(weight.detach())
+    if weight.device.type != "cpu" or not _native_on():
+        return quantized
+    return PackedLinearInt8(quantized)
+
+
+def linear_int8(x: torch.Tensor, weight: PackedLinearInt8 | reference.Int8Weight) -> torch.Tensor:
+    """W8A8 y ~= x @ W.T (the contract of `reference.linear_int8`). x: [..., K] bf16 or fp32,
+    unit stride in its last dim -> [..., N] of x's dtype."""
+    if x.dtype not in _X_DTYPES:
+        raise TypeError(f"linear_int8: x must be bfloat16 or float32, got {x.dtype}")
+    packed = isinstance(weight, PackedLinearInt8)
+    n, k = (weight.n, weight.k) if packed else weight.qweight.shape
+    shape = x.shape
+    if not shape or shape[-1] != k:
+        raise ValueError(f"linear_int8: x {tuple(shape)} does not have the weight's K = {k}")
+    x2 = x if len(shape) == 2 else x.reshape(shape[:-1].numel(), k)
+    if x2.stride(1) != 1 and k > 1:
+        raise ValueError("linear_int8: x must be contiguous in its last dimension")
+    m = x2.shape[0]
+    if m > 1 and x2.stride(0) < k:  # broadcast rows (stride 0): give them memory
+        x2 = x2.contiguous()
+    if not packed:
+        y = reference.linear_int8(x2, weight)
+    elif not (x.is_cpu and _native_on()):
+        y = reference.linear_int8(x2, weight.unpack())
+    else:
+        y = torch.empty(m, n, dtype=x.dtype)
+        if m and n:
+            tag = _TAGS[x.dtype]
+            ldx = x2.stride(0) if m > 1 else k
+            _C.linear_int8(x2.data_ptr(), tag, m, k, ldx, *weight.kernel_args, y.data_ptr(), tag, n)
+    return y if len(shape) == 2 else y.view(*shape[:-1], n)
