@@ -76,13 +76,17 @@ def time_baseline(variants: dict[str, Callable[[], object]], repeats: int) -> tu
     return best, timed[best]
 
 
-def measure_case(case: Case, roof: roofline.Roofline, repeats: int) -> dict:
+def measure_case(
+    case: Case, roof: roofline.Roofline | Callable[[], roofline.Roofline], repeats: int
+) -> dict:
     """One output row: the kernel's time and its ratios to the roofline and the baselines.
 
-    `roof` carries the DRAM rate probed beside this case."""
+    `roof` carries the DRAM rate probed beside this case; a callable is asked for it right
+    after the kernel was timed (the rate around the timing, not after the slow baselines)."""
     # Baselines get fewer samples (they can be slow), but three when asked for three or more.
     baseline_repeats = min(repeats, max(3, repeats // 3))
     kernel_s = time_call(case.run, repeats, KERNEL_BUDGET_S)
+    roof = roof() if callable(roof) else roof
     ref_s = time_call(case.reference, baseline_repeats, BASELINE_BUDGET_S)
     bound = roof.bound(case.num_bytes, case.flops, case.compute, case.level)
     efficiency = bound.seconds / kernel_s
@@ -110,6 +114,15 @@ def measure_case(case: Case, roof: roofline.Roofline, repeats: int) -> dict:
         if len(variants) > 1:
             row[f"{name}_variant"] = variant
     return row
+
+
+def _beside(roof: roofline.Roofline, probe_dram: Callable[[], float]):
+    """The roof a case is held to: the DRAM rate probed just before the case and just after
+    its kernel was timed, the higher of the two. A short probe can land in a dip of this host's
+    DRAM rate (or on a buffer the kernel got fewer huge pages for) and read below what the
+    kernel then streams; the better of two readings around the timing is the closer roof."""
+    before = probe_dram()
+    return lambda: roof.with_dram(max(before, probe_dram()))
 
 
 def _format_row(row: dict) -> str:
@@ -183,7 +196,7 @@ def main(
     rows, failed, above_roof = [], 0, 0
     for case in all_cases(QUICK if args.quick else FULL, lambda name: args.filter in name):
         try:
-            row = measure_case(case, roof.with_dram(probe_dram()), args.repeats)
+            row = measure_case(case, _beside(roof, probe_dram), args.repeats)
         except Exception as exc:  # one broken kernel must not hide the others' figures
             failed += 1
             print(f"{case.kernel} [{case.shape}] failed: {exc!r}", file=sys.stderr, flush=True)
