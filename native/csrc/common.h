@@ -103,4 +103,17 @@ inline void parallel_for(int64_t n, F&& f, int64_t grain = 1) {
   }
 }
 
+// Calls f(i) for each task i in [0, num_tasks), handed out dynamically one at a time (the
+// cores are shared with other work, so static slices would wait on the slowest); inline when
+// `parallel` is false, there is one task or one thread.
+template <typename F>
+inline void parallel_tasks(int64_t num_tasks, bool parallel, const F& f) {
+  if (!parallel || num_tasks <= 1 || num_threads() <= 1) {
+    for (int64_t i = 0; i < num_tasks; ++i) f(i);
+    return;
+  }
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < num_tasks; ++i) f(i);
+}
+
 }  // namespace duet

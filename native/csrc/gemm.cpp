@@ -304,19 +304,6 @@ struct LinearArgs {
   int64_t ldy;
 };
 
-// Tasks are handed out dynamically: the two cores are shared with other work, and a static split
-// would wait for whichever thread got descheduled. A task is a whole panel of weights, so the
-// shared counter costs little.
-template <typename F>
-void parallel_tasks(int64_t num_tasks, bool parallel, const F& f) {
-  if (!parallel || num_tasks <= 1 || num_threads() <= 1) {
-    for (int64_t i = 0; i < num_tasks; ++i) f(i);
-    return;
-  }
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t i = 0; i < num_tasks; ++i) f(i);
-}
-
 // Columns [32*block, 32*(block+num_blocks)) of all M <= 6 rows, full K, straight to y.
 void gemv_panel(Isa isa, const LinearArgs& p, int64_t block, int num_blocks) {
   alignas(64) float tile[kTileMaxRows * kTileMaxBlocks * kPackBlockN];

@@ -53,17 +53,6 @@ struct Fp8Args {
   const float* scale_row(int64_t b) const { return scale + fp8_scale_row(b) * ld_scale; }
 };
 
-// Dynamic hand-out of tasks (the cores are shared; see gemm.cpp's parallel_tasks).
-template <typename F>
-void parallel_tasks(int64_t num_tasks, bool parallel, const F& f) {
-  if (!parallel || num_tasks <= 1 || num_threads() <= 1) {
-    for (int64_t i = 0; i < num_tasks; ++i) f(i);
-    return;
-  }
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t i = 0; i < num_tasks; ++i) f(i);
-}
-
 // fp32 floats of per-thread scratch a panel_via_bf16 call of `rows` rows and `blocks` needs.
 int64_t panel_scratch_floats(int64_t rows, int blocks) {
   const int64_t ldt = blocks * kPackBlockN;

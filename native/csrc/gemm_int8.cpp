@@ -52,17 +52,6 @@ struct QuantizedRows {
   int64_t ld;
 };
 
-// Tasks handed out dynamically, as in gemm.cpp: the cores are shared with other work.
-template <typename F>
-void parallel_tasks(int64_t num_tasks, bool parallel, const F& f) {
-  if (!parallel || num_tasks <= 1 || num_threads() <= 1) {
-    for (int64_t i = 0; i < num_tasks; ++i) f(i);
-    return;
-  }
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t i = 0; i < num_tasks; ++i) f(i);
-}
-
 // Per-thread buffers that grow and never shrink (a decode step must not allocate).
 template <typename T>
 T* thread_buffer(std::vector<T>& buffer, int64_t size) {
