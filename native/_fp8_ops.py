@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from native import reference
+from native._gemm_ops import _kernel_input  # the bf16 kernel's input rules
 from native._tags import DTYPE_TAGS
 
 try:
@@ -117,15 +118,6 @@ def prepack_linear_fp8(weight_fp8: torch.Tensor, scale_inv: torch.Tensor) -> Pac
 def prepack_linear_fp8_from(weight: torch.Tensor) -> PackedLinearFp8:
     """Block-quantizes a bf16 / fp32 weight [N, K] (`reference.quantize_fp8_blocks`) and packs it."""
     return prepack_linear_fp8(*reference.quantize_fp8_blocks(weight.detach()))
-
-
-def _kernel_input(x: torch.Tensor, k: int) -> torch.Tensor:
-    """x [M, k] bf16 -> rows of even length with unit stride and 4-byte aligned row starts."""
-    if k % 2:
-        return F.pad(x, (0, 1))
-    if x.stride(-1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
-        return x.contiguous()
-    return x
 
 
 def _arg(t: torch.Tensor, tag: int) -> tuple[int, int, int]:
