@@ -142,6 +142,45 @@ def moe_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
         )
 
 
+def moe_int8_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
+    """ops.fused_moe_int8 (W8A8: per-token and per-row activation quantization fused in) on the
+    shapes and routings of moe_cases; compare with the bf16 moe_* rows of the same run."""
+    token_counts = [("moe_int8_decode", t) for t in d.moe_decode_tokens]
+    token_counts.append(("moe_int8_prefill", d.prefill_tokens))
+    token_counts = [(name, t) for name, t in token_counts if wanted(name)]
+    if not token_counts:
+        return
+    w13, w2 = (
+        _weight(d.num_experts, 2 * d.moe_inter, d.hidden),
+        _weight(d.num_experts, d.hidden, d.moe_inter),
+    )
+    ref_packed = reference.prepack_experts_int8(w13, w2)
+    packed = ops.prepack_experts_int8(list(w13.unbind(0)), list(w2.unbind(0)))
+    del w13, w2
+    # int8 weights + per output channel an fp32 scale and an int32 comp.
+    expert_bytes = 3 * d.moe_inter * d.hidden + 8 * (2 * d.moe_inter + d.hidden)
+    for name, tokens in token_counts:
+        x = _act(tokens, d.hidden)
+        routings = [_routing(d, tokens)]  # successive calls route to different experts
+        used_first = int(torch.unique(routings[0][1]).numel())
+        routings += [
+            _routing(d, tokens) for _ in range(copies_to_defeat(used_first * expert_bytes) - 1)
+        ]
+        used = sum(int(torch.unique(ids).numel()) for _, ids in routings) / len(routings)
+        union = int(torch.unique(torch.cat([ids.flatten() for _, ids in routings])).numel())
+        routing = cycling(routings)
+        yield Case(
+            kernel=name,
+            shape=f"T={tokens} E={d.num_experts} K={d.top_k} D={d.hidden} I={d.moe_inter}",
+            num_bytes=round(used * expert_bytes) + 2 * x.numel() * ELEM + tokens * d.top_k * 8,
+            flops=2 * tokens * d.top_k * 3 * d.moe_inter * d.hidden,
+            run=lambda x=x, r=routing: ops.fused_moe_int8(x, *packed, *r()),
+            reference=lambda x=x, r=routing: reference.fused_moe_int8(x, *ref_packed, *r()),
+            compute="int8",
+            level=memory_level(union * expert_bytes),
+        )
+
+
 def _routing(d: Dims, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(top-k weights, expert ids) of random router logits."""
     logits = torch.randn(tokens, d.num_experts)
@@ -355,7 +394,7 @@ def small_op_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
 
 
 FAMILIES = (
-    moe_cases, linear_cases, int8_linear_cases, fp8_linear_cases, mla_decode_cases,
+    moe_cases, moe_int8_cases, linear_cases, int8_linear_cases, fp8_linear_cases, mla_decode_cases,
     extend_attention_cases, small_op_cases,
 )  # fmt: skip
 

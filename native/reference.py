@@ -276,6 +276,54 @@ def fused_moe(
     return out.to(x.dtype)
 
 
+# ---- INT8 W8A8 MoE ---------------------------------------------------------------------------
+# fused_moe with linear_int8's scheme in both projections (native/csrc/moe_int8.cpp repeats each
+# step): x quantized per token once, gate/up int32 sums dequantized to fp32, h = silu(g) * u in
+# fp32, h quantized again per (token, expert) row for the down projection.
+
+
+def prepack_experts_int8(
+    w13: torch.Tensor | list[torch.Tensor], w2: torch.Tensor | list[torch.Tensor]
+) -> tuple[Int8Weight, Int8Weight]:
+    """Quantizes routed experts per output channel: w13 [E, 2I, D] -> Int8Weight(q [E, 2I, D],
+    scale [E, 2I]), w2 [E, D, I] -> Int8Weight(q [E, D, I], scale [E, D]) (lists are stacked)."""
+    stacked = prepack_experts(w13, w2)
+    out = []
+    for w in stacked:
+        q, scale = _quantize_rows_int8(w.reshape(-1, w.shape[-1]))
+        out.append(Int8Weight(q.view(w.shape), scale.view(w.shape[:-1])))
+    return out[0], out[1]
+
+
+def fused_moe_int8(
+    x: torch.Tensor,
+    w13: Int8Weight,
+    w2: Int8Weight,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_offset: int = 0,
+) -> torch.Tensor:
+    """Routed experts in W8A8 int8, the contract of `fused_moe` with weights from
+    `prepack_experts_int8`. Returns [T, D] in x.dtype."""
+    num_local = w13.qweight.shape[0]
+    inter = w13.qweight.shape[1] // 2
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    qx, x_scale = quantize_per_token_int8(x)
+    local_ids = topk_ids.long() - expert_offset
+    for e in range(num_local):
+        token_idx, slot = torch.nonzero(local_ids == e, as_tuple=True)
+        if token_idx.numel() == 0:
+            continue
+        sums = qx[token_idx].int() @ w13.qweight[e].int().T
+        gate_up = sums.float() * x_scale[token_idx, None] * w13.scale[e][None, :]
+        g, u = gate_up[:, :inter], gate_up[:, inter:]
+        h = g / (1.0 + torch.exp(-g)) * u
+        qh, h_scale = _quantize_rows_int8(h)
+        y = (qh.int() @ w2.qweight[e].int().T).float() * h_scale[:, None] * w2.scale[e][None, :]
+        out.index_add_(0, token_idx, y * topk_weights[token_idx, slot, None].float())
+    return out.to(x.dtype)
+
+
 # ---- attention -------------------------------------------------------------------------------
 
 

@@ -1,0 +1,154 @@
+"""INT8 W8A8 fused MoE: experts packed for the kernel of native/csrc/moe_int8.cpp and its wrapper.
+
+`native.ops` re-exports `prepack_experts_int8` and `fused_moe_int8`; they keep the contracts of
+their twins in `native/reference.py` (same quantization steps, same integers).
+
+Packed layout: each expert's gate [I, D], up [I, D] and down [D, I] projection is quantized per
+output channel and packed as `PackedLinearInt8` (native/_quant_ops.py, the layout of
+native/csrc/gemm_int8.h), then stacked: w13 packed [E, 2, ceil(I/16), ceil(D/4), 16, 4] with
+scale / comp [E, 2, 16 ceil(I/16)]; w2 packed [E, ceil(D/16), ceil(I/4), 16, 4] with scale / comp
+[E, 16 ceil(D/16)].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from native import _quant_ops, reference
+from native._gemm_ops import list_of
+from native._quant_ops import PackedLinearInt8
+from native._tags import tags
+
+try:
+    from native import _C
+except ImportError:  # not built: every call takes the reference path
+    _C = None
+
+
+class PackedExpertsInt8:
+    """One stacked projection of the E experts (w13: [gate | up] of `inter` rows each; w2), each
+    expert's part packed as `PackedLinearInt8`. `unpack()` returns the reference's Int8Weight."""
+
+    __slots__ = ("packed", "scale", "comp", "shape", "parts")
+
+    def __init__(self, num_experts: int, parts: int, n: int, k: int):
+        self.shape = torch.Size((num_experts, parts * n, k))
+        self.parts = parts
+        blocks, groups = -(-n // 16), -(-k // 4)
+        self.packed = torch.empty(num_experts, parts, blocks, groups, 16, 4, dtype=torch.int8)
+        self.scale = torch.empty(num_experts, parts, blocks * 16, dtype=torch.float32)
+        self.comp = torch.empty(num_experts, parts, blocks * 16, dtype=torch.int32)
+
+    def store(self, e: int, weight: torch.Tensor) -> None:
+        """Quantizes and packs expert e's float weight [parts * n, k]."""
+        for part, rows in enumerate(weight.detach().chunk(self.parts, 0)):
+            packed = PackedLinearInt8(reference.quantize_weight_int8(rows))
+            self.packed[e, part] = packed.packed
+            self.scale[e, part] = packed.scale
+            self.comp[e, part] = packed.comp
+
+    def unpack(self) -> reference.Int8Weight:
+        num_experts, rows, k = self.shape
+        n = rows // self.parts
+        blocks, groups = self.packed.shape[2:4]
+        q = self.packed.transpose(3, 4).reshape(num_experts, self.parts, blocks * 16, groups * 4)
+        q = q[:, :, :n, :k].reshape(num_experts, rows, k).contiguous()
+        scale = self.scale[:, :, :n].reshape(num_experts, rows).contiguous()
+        return reference.Int8Weight(q, scale)
+
+    def __repr__(self) -> str:
+        return f"PackedExpertsInt8(shape={tuple(self.shape)})"
+
+
+def _native_on() -> bool:
+    return _quant_ops._native_on()
+
+
+def prepack_experts_int8(w13: torch.Tensor | list, w2: torch.Tensor | list):
+    """Quantizes routed experts (w13 [E, 2I, D], w2 [E, D, I], or lists of the E experts'
+    tensors, consumed one at a time so the experts are never held twice) for `fused_moe_int8`.
+    Returns (PackedExpertsInt8, PackedExpertsInt8), or the reference's Int8Weight pair when the
+    kernel is off or the weights are not on the CPU."""
+    parts13, parts2 = list_of(w13), list_of(w2)
+    shapes13, shapes2 = {tuple(w.shape) for w in parts13}, {tuple(w.shape) for w in parts2}
+    if not (len(parts13) == len(parts2) > 0 and len(shapes13) == len(shapes2) == 1):
+        raise ValueError("prepack_experts_int8: the experts' tensors must be E of one shape each")
+    ((two_inter, hidden), (hidden2, inter)) = (*shapes13, *shapes2)
+    if two_inter != 2 * inter or hidden2 != hidden:
+        raise ValueError(
+            f"prepack_experts_int8: w13 {(len(parts13), two_inter, hidden)} and w2 "
+            f"{(len(parts2), hidden2, inter)} disagree"
+        )
+    if not all(w.is_floating_point() for w in (*parts13, *parts2)):
+        raise ValueError("prepack_experts_int8: expected float expert weights")
+    if max(hidden, inter) > _quant_ops._MAX_K:
+        raise ValueError(f"prepack_experts_int8: K = {max(hidden, inter)} exceeds the int8 limit")
+    on_cpu = all(w.device.type == "cpu" for w in (*parts13, *parts2))
+    if not (on_cpu and _native_on()):
+        return reference.prepack_experts_int8(parts13, parts2)
+    num_experts = len(parts13)
+    p13 = PackedExpertsInt8(num_experts, 2, inter, hidden)
+    p2 = PackedExpertsInt8(num_experts, 1, hidden, inter)
+    for e in range(num_experts):
+        p13.store(e, parts13[e])
+        p2.store(e, parts2[e])
+        if isinstance(w13, list):
+            w13[e] = None  # released: the caller's list no longer holds expert e
+        if isinstance(w2, list):
+            w2[e] = None
+    return p13, p2
+
+
+def fused_moe_int8(
+    x: torch.Tensor,
+    w13: PackedExpertsInt8 | reference.Int8Weight,
+    w2: PackedExpertsInt8 | reference.Int8Weight,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_offset: int = 0,
+) -> torch.Tensor:
+    """Routed experts in W8A8 int8; the contract of `reference.fused_moe_int8` ([T, D] -> [T, D])."""
+    packed = isinstance(w13, PackedExpertsInt8)
+    if packed != isinstance(w2, PackedExpertsInt8):
+        raise ValueError("fused_moe_int8: w13 and w2 must both come from prepack_experts_int8")
+    num_experts, two_inter, hidden = w13.shape if packed else w13.qweight.shape
+    inter = two_inter // 2
+    w2_shape = tuple(w2.shape if packed else w2.qweight.shape)
+    if w2_shape != (num_experts, hidden, inter):
+        raise ValueError(
+            f"fused_moe_int8: w2 {w2_shape} does not match w13 {(num_experts, two_inter, hidden)}"
+        )
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"fused_moe_int8: x {tuple(x.shape)} does not match hidden size {hidden}")
+    if (
+        topk_ids.dim() != 2
+        or topk_ids.shape != topk_weights.shape
+        or topk_ids.shape[0] != x.shape[0]
+    ):
+        raise ValueError(
+            f"fused_moe_int8: topk_ids {tuple(topk_ids.shape)} / topk_weights "
+            f"{tuple(topk_weights.shape)} do not match {x.shape[0]} tokens"
+        )
+    if not packed:
+        return reference.fused_moe_int8(x, w13, w2, topk_weights, topk_ids, expert_offset)
+    if not (_native_on() and x.dtype == torch.bfloat16 and x.device.type == "cpu"):
+        return reference.fused_moe_int8(
+            x, w13.unpack(), w2.unpack(), topk_weights, topk_ids, expert_offset
+        )
+    num_tokens, top_k = topk_ids.shape
+    out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16)
+    if num_tokens == 0:
+        return out
+    x2 = x if x.stride(1) == 1 else x.contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    ids = topk_ids.to(torch.int32).contiguous()
+    ldx = x2.stride(0) if num_tokens > 1 else hidden
+    _C.fused_moe_int8(
+        x2.data_ptr(), num_tokens, ldx,
+        w13.packed.data_ptr(), w13.scale.data_ptr(), w13.comp.data_ptr(),
+        w2.packed.data_ptr(), w2.scale.data_ptr(), w2.comp.data_ptr(),
+        num_experts, inter, hidden, weights.data_ptr(), ids.data_ptr(), top_k,
+        int(expert_offset), out.data_ptr(), hidden,
+        tags(x2, w13.packed, w13.scale, w13.comp, w2.packed, w2.scale, w2.comp, weights, ids, out),
+    )  # fmt: skip
+    return out
