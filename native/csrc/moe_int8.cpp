@@ -16,6 +16,7 @@
 #include <pybind11/stl.h>
 
 #include <cmath>
+#include <memory>
 #include <stdexcept>
 #include <vector>
 
@@ -53,10 +54,16 @@ struct MoeInt8Args {
   int64_t ldo;
 };
 
-// The quantized rows of one activation matrix (x per token, or h per sorted row).
+// The quantized rows of one activation matrix (x per token, or h per sorted row). Left
+// uninitialized (every byte is written before it is read): zeroing a prefill's h costs as much
+// as a stage.
 struct QuantRows {
-  std::vector<uint8_t> q;  // row r at q.data() + r * ld
-  std::vector<float> scale;
+  QuantRows(int64_t rows, int64_t k)
+      : q(new uint8_t[std::max<int64_t>(rows * 4 * int8_k_groups(k), 1)]),
+        scale(new float[std::max<int64_t>(rows, 1)]),
+        ld(4 * int8_k_groups(k)) {}
+  std::unique_ptr<uint8_t[]> q;  // row r at q.get() + r * ld
+  std::unique_ptr<float[]> scale;
   int64_t ld;
 };
 
@@ -85,7 +92,7 @@ void gate_up_task(Isa isa, const MoeInt8Args& p, const Routing& route, const Qua
     const int64_t r0 = first + tile_begin(t, count);
     const int rows = static_cast<int>(tile_begin(t + 1, count) - tile_begin(t, count));
     const uint8_t* a_rows[kInt8TileMaxRows];
-    for (int r = 0; r < rows; ++r) a_rows[r] = qx.q.data() + route.tokens[r0 + r] * qx.ld;
+    for (int r = 0; r < rows; ++r) a_rows[r] = qx.q.get() + route.tokens[r0 + r] * qx.ld;
     tile_int8(isa, rows, 2 * num_blocks, a_rows, b_blocks, k_groups, tile, ldt, false);
     for (int r = 0; r < rows; ++r) {
       const float x_scale = qx.scale[route.tokens[r0 + r]];
@@ -124,7 +131,7 @@ void down_task(Isa isa, const MoeInt8Args& p, const Routing& route, const QuantR
       const int64_t r0 = first + tile_begin(t, count);
       const int rows = static_cast<int>(tile_begin(t + 1, count) - tile_begin(t, count));
       const uint8_t* a_rows[kInt8TileMaxRows];
-      for (int r = 0; r < rows; ++r) a_rows[r] = qh.q.data() + (r0 + r) * qh.ld;
+      for (int r = 0; r < rows; ++r) a_rows[r] = qh.q.get() + (r0 + r) * qh.ld;
       tile_int8(isa, rows, num_blocks, a_rows, b_blocks, k_groups, tile, ldt, false);
       for (int r = 0; r < rows; ++r) {
         dequant_row_int8(isa, tile + r * ldt, p.w2.comp + col, p.w2.scale + col,
@@ -150,11 +157,8 @@ void fused_moe_int8(const MoeInt8Args& p) {
   const int64_t num_rows = route.offsets.back();
   const int64_t inter_blocks = int8_num_blocks(p.inter);
   const int64_t ldh = inter_blocks * kInt8BlockN;
-  QuantRows qx{std::vector<uint8_t>(p.num_tokens * 4 * int8_k_groups(p.hidden)),
-               std::vector<float>(p.num_tokens), 4 * int8_k_groups(p.hidden)};
-  QuantRows qh{std::vector<uint8_t>(num_rows * 4 * int8_k_groups(p.inter)),
-               std::vector<float>(num_rows), 4 * int8_k_groups(p.inter)};
-  std::vector<float> h(static_cast<size_t>(std::max<int64_t>(num_rows * ldh, 1)));
+  QuantRows qx(p.num_tokens, p.hidden), qh(num_rows, p.inter);
+  std::unique_ptr<float[]> h(new float[std::max<int64_t>(num_rows * ldh, 1)]);
 
   std::vector<int64_t> tasks;  // (e, first block of I) as e * inter_blocks + nb0
   int64_t num_hit = 0;
@@ -174,18 +178,18 @@ void fused_moe_int8(const MoeInt8Args& p) {
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < p.num_tokens; ++t) {
       quantize_rows_int8(isa, p.x + t * p.ldx, DType::kBFloat16, p.ldx, 1, p.hidden,
-                         int8_k_groups(p.hidden), qx.q.data() + t * qx.ld, qx.scale.data() + t);
+                         int8_k_groups(p.hidden), qx.q.get() + t * qx.ld, qx.scale.get() + t);
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_tasks; ++i) {
       const int64_t e = tasks[i] / inter_blocks, nb0 = tasks[i] % inter_blocks;
       const int num_blocks = static_cast<int>(std::min<int64_t>(kGateUpBlocks, inter_blocks - nb0));
-      gate_up_task(isa, p, route, qx, e, nb0, num_blocks, h.data(), ldh);
+      gate_up_task(isa, p, route, qx, e, nb0, num_blocks, h.get(), ldh);
     }
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < num_rows; ++r) {
-      quantize_rows_int8(isa, h.data() + r * ldh, DType::kFloat32, ldh, 1, p.inter,
-                         int8_k_groups(p.inter), qh.q.data() + r * qh.ld, qh.scale.data() + r);
+      quantize_rows_int8(isa, h.get() + r * ldh, DType::kFloat32, ldh, 1, p.inter,
+                         int8_k_groups(p.inter), qh.q.get() + r * qh.ld, qh.scale.get() + r);
     }
     float* acc = thread_scratch_f32(p.num_tokens * kDownBlocks * kInt8BlockN);
 #pragma omp for schedule(dynamic, 1)
