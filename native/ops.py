@@ -12,7 +12,15 @@ import os
 
 import torch
 
-from native import _attention_ops, _fp8_ops, _gemm_ops, _quant_ops, _small_ops, reference
+from native import (
+    _attention_ops,
+    _fp8_ops,
+    _gemm_ops,
+    _moe_fp8_ops,
+    _quant_ops,
+    _small_ops,
+    reference,
+)
 
 try:
     from native import _C
@@ -55,6 +63,9 @@ bmm = _gemm_ops.bmm
 grouped_topk = _small_ops.grouped_topk
 prepack_experts = _gemm_ops.prepack_experts
 fused_moe = _gemm_ops.fused_moe
+prepack_experts_fp8 = _moe_fp8_ops.prepack_experts_fp8
+prepack_experts_fp8_from = _moe_fp8_ops.prepack_experts_fp8_from
+fused_moe_fp8 = _moe_fp8_ops.fused_moe_fp8
 extend_attention = _attention_ops.extend_attention
 mla_decode = _attention_ops.mla_decode
 store_kv_rows = reference.store_kv_rows

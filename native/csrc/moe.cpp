@@ -22,6 +22,7 @@
 #include "common.h"
 #include "cpu_features.h"
 #include "gemm_kernels.h"
+#include "moe_routing.h"
 
 namespace py = pybind11;
 
@@ -45,35 +46,6 @@ struct MoeArgs {
   bf16_t* out;  // [T, hidden], row stride ldo
   int64_t ldo;
 };
-
-// Rows of the sorted problem: row i belongs to token tokens[i] with weight weights[i]; the rows of
-// local expert e are [offsets[e], offsets[e+1]).
-struct Routing {
-  std::vector<int64_t> offsets;
-  std::vector<int32_t> tokens;
-  std::vector<float> weights;
-};
-
-Routing sort_by_expert(const MoeArgs& p) {
-  Routing route;
-  route.offsets.assign(p.num_experts + 1, 0);
-  const int64_t pairs = p.num_tokens * p.top_k;
-  for (int64_t i = 0; i < pairs; ++i) {
-    const int64_t e = static_cast<int64_t>(p.topk_ids[i]) - p.expert_offset;
-    if (e >= 0 && e < p.num_experts) ++route.offsets[e + 1];
-  }
-  for (int64_t e = 0; e < p.num_experts; ++e) route.offsets[e + 1] += route.offsets[e];
-  std::vector<int64_t> fill(route.offsets.begin(), route.offsets.end() - 1);
-  route.tokens.resize(route.offsets.back());
-  route.weights.resize(route.offsets.back());
-  for (int64_t i = 0; i < pairs; ++i) {
-    const int64_t e = static_cast<int64_t>(p.topk_ids[i]) - p.expert_offset;
-    if (e < 0 || e >= p.num_experts) continue;
-    route.tokens[fill[e]] = static_cast<int32_t>(i / p.top_k);
-    route.weights[fill[e]++] = p.topk_weights[i];
-  }
-  return route;
-}
 
 // c [rows, 32 * num_blocks] (row stride ldc) = rows x num_blocks (<= 4) packed blocks, cut into
 // the widest register tiles `rows` allows. Decode rows (<= 3) read 4 blocks at once: 4 weight
@@ -155,7 +127,8 @@ void down_task(Isa isa, const MoeArgs& p, const Routing& route, int64_t panel, c
 void fused_moe_bf16(const MoeArgs& p) {
   if (p.num_tokens == 0 || p.hidden == 0) return;
   const Isa isa = active_isa();
-  const Routing route = sort_by_expert(p);
+  const Routing route = sort_by_expert(p.topk_ids, p.topk_weights, p.num_tokens, p.top_k,
+                                       p.num_experts, p.expert_offset);
   const int64_t num_rows = route.offsets.back();
   const int64_t inter_blocks = pack_num_blocks(p.inter);
   const int64_t ldh = inter_blocks * kPackBlockN;

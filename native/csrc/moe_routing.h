@@ -1,0 +1,43 @@
+// The routing sort of the fused MoE kernels (moe.cpp, moe_fp8.cpp).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace duet {
+
+// Rows of the sorted problem: row i belongs to token tokens[i] with weight weights[i]; the rows of
+// local expert e are [offsets[e], offsets[e+1]).
+struct Routing {
+  std::vector<int64_t> offsets;
+  std::vector<int32_t> tokens;
+  std::vector<float> weights;
+};
+
+// A counting sort of the (token, k) pairs of topk_ids / topk_weights [T, K] by local expert
+// id - expert_offset in [0, num_experts) (token order inside an expert, so results are
+// deterministic); pairs routed elsewhere are dropped.
+inline Routing sort_by_expert(const int32_t* topk_ids, const float* topk_weights,
+                              int64_t num_tokens, int64_t top_k, int64_t num_experts,
+                              int64_t expert_offset) {
+  Routing route;
+  route.offsets.assign(num_experts + 1, 0);
+  const int64_t pairs = num_tokens * top_k;
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t e = static_cast<int64_t>(topk_ids[i]) - expert_offset;
+    if (e >= 0 && e < num_experts) ++route.offsets[e + 1];
+  }
+  for (int64_t e = 0; e < num_experts; ++e) route.offsets[e + 1] += route.offsets[e];
+  std::vector<int64_t> fill(route.offsets.begin(), route.offsets.end() - 1);
+  route.tokens.resize(route.offsets.back());
+  route.weights.resize(route.offsets.back());
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t e = static_cast<int64_t>(topk_ids[i]) - expert_offset;
+    if (e < 0 || e >= num_experts) continue;
+    route.tokens[fill[e]] = static_cast<int32_t>(i / top_k);
+    route.weights[fill[e]++] = topk_weights[i];
+  }
+  return route;
+}
+
+}  // namespace duet
