@@ -163,6 +163,9 @@ def test_fallback_without_native_is_the_twin():
         assert torch.equal(ops.fused_moe_fp8(x, *packed, weights, ids), twin)
     finally:
         ops.set_native_enabled(True)
+    # fp32 activations (the whole-model tests) take the twin too.
+    twin32 = reference.fused_moe_fp8(x.float(), *(p.unpack() for p in packed), weights, ids)
+    assert torch.equal(ops.fused_moe_fp8(x.float(), *packed, weights, ids), twin32)
 
 
 def test_bad_inputs_raise():
