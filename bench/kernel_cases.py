@@ -181,6 +181,52 @@ def moe_int8_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
         )
 
 
+def moe_fp8_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
+    """The routed experts with FP8 e4m3 weights (1 byte each, 128x128 block scales), held to the
+    bf16 roof (converted to bf16 for vdpbf16ps) and compared with the bf16 fused MoE on the
+    dequantized experts (the same values at 2 bytes each)."""
+    token_counts = [("moe_fp8_decode", t) for t in d.moe_decode_tokens]
+    token_counts.append(("moe_fp8_prefill", d.prefill_tokens))
+    token_counts = [(name, t) for name, t in token_counts if wanted(name)]
+    if not token_counts:
+        return
+    packed = ops.prepack_experts_fp8_from(
+        [_weight(2 * d.moe_inter, d.hidden) for _ in range(d.num_experts)],
+        [_weight(d.hidden, d.moe_inter) for _ in range(d.num_experts)],
+    )
+    ref_packed = tuple(p.unpack() for p in packed)
+    dequantized = [  # bf16 holds the dequantized values to within one rounding
+        [w.to(BF16) for w in reference.dequantize_expert_fp8(*ref_packed, e)]
+        for e in range(d.num_experts)
+    ]
+    bf16_packed = ops.prepack_experts([w[0] for w in dequantized], [w[1] for w in dequantized])
+    del dequantized  # packed: the unpacked copies go
+    scale_bytes = 4 * (2 * -(-d.moe_inter // 128) * -(-d.hidden // 128) * 2)
+    expert_bytes = 3 * d.moe_inter * d.hidden + scale_bytes
+    for name, tokens in token_counts:
+        x = _act(tokens, d.hidden)
+        routings = [_routing(d, tokens)]  # the cache defeat of MoE, as in moe_cases
+        used_first = int(torch.unique(routings[0][1]).numel())
+        routings += [
+            _routing(d, tokens) for _ in range(copies_to_defeat(used_first * expert_bytes) - 1)
+        ]
+        used = sum(int(torch.unique(ids).numel()) for _, ids in routings) / len(routings)
+        union = int(torch.unique(torch.cat([ids.flatten() for _, ids in routings])).numel())
+        routing = cycling(routings)
+        yield Case(
+            kernel=name,
+            shape=f"T={tokens} E={d.num_experts} K={d.top_k} D={d.hidden} I={d.moe_inter}",
+            num_bytes=round(used * expert_bytes) + 2 * x.numel() * ELEM + tokens * d.top_k * 8,
+            flops=2 * tokens * d.top_k * 3 * d.moe_inter * d.hidden,
+            run=lambda x=x, r=routing: ops.fused_moe_fp8(x, *packed, *r()),
+            reference=lambda x=x, r=routing: reference.fused_moe_fp8(x, *ref_packed, *r()),
+            others={
+                "bf16": {"fused_moe": lambda x=x, r=routing: ops.fused_moe(x, *bf16_packed, *r())}
+            },
+            level=memory_level(union * expert_bytes),
+        )
+
+
 def _routing(d: Dims, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(top-k weights, expert ids) of random router logits."""
     logits = torch.randn(tokens, d.num_experts)
@@ -394,7 +440,7 @@ def small_op_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
 
 
 FAMILIES = (
-    moe_cases, moe_int8_cases, linear_cases, int8_linear_cases, fp8_linear_cases, mla_decode_cases,
+    moe_cases, moe_int8_cases, moe_fp8_cases, linear_cases, int8_linear_cases, fp8_linear_cases, mla_decode_cases,
     extend_attention_cases, small_op_cases,
 )  # fmt: skip
 

@@ -16,6 +16,7 @@ from native import (
     _attention_ops,
     _fp8_ops,
     _gemm_ops,
+    _moe_fp8_ops,
     _moe_int8_ops,
     _quant_ops,
     _small_ops,
@@ -65,6 +66,9 @@ prepack_experts = _gemm_ops.prepack_experts
 fused_moe = _gemm_ops.fused_moe
 prepack_experts_int8 = _moe_int8_ops.prepack_experts_int8
 fused_moe_int8 = _moe_int8_ops.fused_moe_int8
+prepack_experts_fp8 = _moe_fp8_ops.prepack_experts_fp8
+prepack_experts_fp8_from = _moe_fp8_ops.prepack_experts_fp8_from
+fused_moe_fp8 = _moe_fp8_ops.fused_moe_fp8
 extend_attention = _attention_ops.extend_attention
 mla_decode = _attention_ops.mla_decode
 store_kv_rows = reference.store_kv_rows

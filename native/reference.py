@@ -324,6 +324,75 @@ def fused_moe_int8(
     return out.to(x.dtype)
 
 
+# ---- FP8 MoE -----------------------------------------------------------------------------------
+# FP8 experts (DeepSeek block FP8): w13 = (w_fp8 [E, 2I, D], scale_inv [E, 2 ceil(I/128), ceil(D/128)])
+# with gate's scale rows first, then up's (gate_proj and up_proj weight_scale_inv concatenated:
+# each of the two [I, D] halves has its own 128 x 128 blocks); w2 = (w_fp8 [E, D, I],
+# scale_inv [E, ceil(D/128), ceil(I/128)]).
+
+
+def dequantize_expert_fp8(w13, w2, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (w13 [2I, D], w2 [D, I]) of expert e: the exact values the fp8 MoE multiplies by."""
+    (q13, s13), (q2, s2) = w13, w2
+    inter, rows = q13.shape[1] // 2, s13.shape[1] // 2
+    gate = dequantize_fp8_blocks(q13[e, :inter], s13[e, :rows])
+    up = dequantize_fp8_blocks(q13[e, inter:], s13[e, rows:])
+    return torch.cat([gate, up]), dequantize_fp8_blocks(q2[e], s2[e])
+
+
+def prepack_experts_fp8(w13, w2, scale13, scale2):
+    """Prepares FP8 experts for `fused_moe_fp8`: ((w13_fp8, scale13), (w2_fp8, scale2)) stacked,
+    each argument a tensor or a list of the E experts' tensors (layout above)."""
+    stack = lambda w: torch.stack(w) if isinstance(w, list) else w  # noqa: E731
+    return (stack(w13), stack(scale13).float()), (stack(w2), stack(scale2).float())
+
+
+def quantize_expert_fp8(w: torch.Tensor, halves: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantizes one expert's w13 [2I, D] (halves=2: gate and up apart) or w2 [D, I]
+    (halves=1) -> (w_fp8, scale_inv) in the layout above."""
+    parts = [quantize_fp8_blocks(half) for half in w.chunk(halves)]
+    return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
+
+
+def quantize_experts_fp8(w13, w2):
+    """Block-quantizes bf16 / fp32 experts (tensors or lists) -> the arguments of
+    `prepack_experts_fp8` (w13_fp8, w2_fp8, scale13, scale2), as lists."""
+    q13, s13 = zip(*(quantize_expert_fp8(w, 2) for w in w13), strict=True)
+    q2, s2 = zip(*(quantize_expert_fp8(w, 1) for w in w2), strict=True)
+    return list(q13), list(q2), list(s13), list(s2)
+
+
+def prepack_experts_fp8_from(w13, w2):
+    """`prepack_experts_fp8` of bf16 / fp32 experts block-quantized by `quantize_experts_fp8`."""
+    return prepack_experts_fp8(*quantize_experts_fp8(w13, w2))
+
+
+def fused_moe_fp8(
+    x: torch.Tensor,
+    w13,
+    w2,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_offset: int = 0,
+) -> torch.Tensor:
+    """`fused_moe` with FP8 experts (as returned by prepack_experts_fp8). x: [T, D] -> [T, D].
+
+    The kernel's math: the exact dequantized weights in fp32, gate / up / down sums in fp32,
+    silu(gate) * up rounded to x.dtype (the bf16 intermediate of the fused MoE kernels); the
+    kernel differs only by fp32 summation order (per 128-wide k block, then scaled)."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    local_ids = topk_ids.long() - expert_offset
+    for e in range(w13[0].shape[0]):
+        token_idx, slot = torch.nonzero(local_ids == e, as_tuple=True)
+        if token_idx.numel() == 0:
+            continue
+        d13, d2 = dequantize_expert_fp8(w13, w2, e)
+        h = silu_and_mul(F.linear(x[token_idx].float(), d13.to(x.device))).to(x.dtype).float()
+        y = F.linear(h, d2.to(x.device))
+        out.index_add_(0, token_idx, y * topk_weights[token_idx, slot, None].float())
+    return out.to(x.dtype)
+
+
 # ---- attention -------------------------------------------------------------------------------
 
 

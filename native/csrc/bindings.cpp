@@ -18,6 +18,7 @@ void register_gemm_fp8(py::module_& m);  // gemm_fp8.cpp (linear_fp8)
 void register_gemm_int8(py::module_& m);  // gemm_int8.cpp (linear_int8)
 void register_moe(py::module_& m);   // moe.cpp (fused_moe_bf16)
 void register_moe_int8(py::module_& m);  // moe_int8.cpp (fused_moe_int8)
+void register_moe_fp8(py::module_& m);  // moe_fp8.cpp (fused_moe_fp8)
 void register_bmm(py::module_& m);   // bmm.cpp (bmm_bf16)
 void register_extend_attention(py::module_& m);  // extend_attention.cpp
 void register_mla_decode(py::module_& m);        // mla_decode.cpp
@@ -37,6 +38,7 @@ PYBIND11_MODULE(_C, m) {
   duet::register_gemm_int8(m);
   duet::register_moe(m);
   duet::register_moe_int8(m);
+  duet::register_moe_fp8(m);
   duet::register_bmm(m);
   duet::register_extend_attention(m);
   duet::register_mla_decode(m);

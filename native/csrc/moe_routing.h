@@ -1,4 +1,4 @@
-// Stage 1 of the fused MoE kernels (moe.cpp in bf16, moe_int8.cpp in int8): a counting sort
+// Stage 1 of the fused MoE kernels (moe.cpp in bf16, moe_int8.cpp in int8, moe_fp8.cpp in fp8): a counting sort
 // that groups the (token, k) pairs by local expert, token order inside an expert, so results are
 // deterministic. Tiles then address the activations through row pointers: no gathered copy of x
 // and no padding to a block size.

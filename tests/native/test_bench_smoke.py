@@ -12,8 +12,9 @@ from bench import kernels, roof_probes, roofline
 ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3, "amx": 4}
 
 FAMILIES = (
-    "moe_decode", "moe_prefill", "moe_int8_decode", "moe_int8_prefill", "gemv", "gemm", "mla_decode", "extend_attention", "rmsnorm",
-    "rope", "topk",
+    "moe_decode", "moe_prefill", "moe_int8_decode", "moe_int8_prefill", "moe_fp8_decode",
+    "moe_fp8_prefill", "gemv", "gemm", "mla_decode", "extend_attention", "rmsnorm", "rope",
+    "topk",
 )  # fmt: skip
 ROW_KEYS = {
     "kernel", "shape", "time_ms", "bytes", "flops", "roofline", "bound", "bound_ms", "compute",
