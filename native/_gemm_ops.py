@@ -168,6 +168,24 @@ def prepack_experts(w13: torch.Tensor | list, w2: torch.Tensor | list):
     )
 
 
+def check_moe_inputs(
+    op: str, x: torch.Tensor, hidden: int, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> None:
+    """ValueError naming `op` unless x is [T, hidden] and the routing [T, top_k] twice: the
+    checks every fused-MoE wrapper (bf16, int8, fp8) makes before its kernel reads them."""
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"{op}: x {tuple(x.shape)} does not match hidden size {hidden}")
+    if (
+        topk_ids.dim() != 2
+        or topk_ids.shape != topk_weights.shape
+        or topk_ids.shape[0] != x.shape[0]
+    ):
+        raise ValueError(
+            f"{op}: topk_ids {tuple(topk_ids.shape)} / topk_weights "
+            f"{tuple(topk_weights.shape)} do not match {x.shape[0]} tokens"
+        )
+
+
 def list_of(weights: torch.Tensor | list) -> list:
     return weights if isinstance(weights, list) else list(weights.unbind(0))
 
@@ -210,17 +228,7 @@ def fused_moe(
     inter = w13.n
     if not isinstance(w2, PackedLinear) or tuple(w2.shape) != (num_experts, hidden, inter):
         raise ValueError(f"fused_moe: w2 {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}")
-    if x.dim() != 2 or x.shape[1] != hidden:
-        raise ValueError(f"fused_moe: x {tuple(x.shape)} does not match hidden size {hidden}")
-    if (
-        topk_ids.dim() != 2
-        or topk_ids.shape != topk_weights.shape
-        or topk_ids.shape[0] != x.shape[0]
-    ):
-        raise ValueError(
-            f"fused_moe: topk_ids {tuple(topk_ids.shape)} / topk_weights "
-            f"{tuple(topk_weights.shape)} do not match {x.shape[0]} tokens"
-        )
+    check_moe_inputs("fused_moe", x, hidden, topk_weights, topk_ids)
     num_tokens = x.shape[0]
     top_k = topk_ids.shape[1]
     out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16)

@@ -22,7 +22,7 @@ import torch
 
 from native import reference
 from native._fp8_ops import _NAN_MAGNITUDE, _pack, _unpack
-from native._gemm_ops import _kernel_input
+from native._gemm_ops import _kernel_input, check_moe_inputs
 from native._tags import DTYPE_TAGS
 
 try:
@@ -172,17 +172,7 @@ def fused_moe_fp8(
         raise ValueError(
             f"fused_moe_fp8: w2 {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}"
         )
-    if x.dim() != 2 or x.shape[1] != hidden:
-        raise ValueError(f"fused_moe_fp8: x {tuple(x.shape)} does not match hidden size {hidden}")
-    if (
-        topk_ids.dim() != 2
-        or topk_ids.shape != topk_weights.shape
-        or topk_ids.shape[0] != x.shape[0]
-    ):
-        raise ValueError(
-            f"fused_moe_fp8: topk_ids {tuple(topk_ids.shape)} / topk_weights "
-            f"{tuple(topk_weights.shape)} do not match {x.shape[0]} tokens"
-        )
+    check_moe_inputs("fused_moe_fp8", x, hidden, topk_weights, topk_ids)
     if not (_native_on() and x.dtype == torch.bfloat16 and x.device.type == "cpu"):
         return reference.fused_moe_fp8(
             x, w13.unpack(), w2.unpack(), topk_weights, topk_ids, expert_offset

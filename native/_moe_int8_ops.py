@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from native import _quant_ops, reference
-from native._gemm_ops import list_of
+from native._gemm_ops import check_moe_inputs, list_of
 from native._quant_ops import PackedLinearInt8
 from native._tags import tags
 
@@ -118,17 +118,7 @@ def fused_moe_int8(
         raise ValueError(
             f"fused_moe_int8: w2 {w2_shape} does not match w13 {(num_experts, two_inter, hidden)}"
         )
-    if x.dim() != 2 or x.shape[1] != hidden:
-        raise ValueError(f"fused_moe_int8: x {tuple(x.shape)} does not match hidden size {hidden}")
-    if (
-        topk_ids.dim() != 2
-        or topk_ids.shape != topk_weights.shape
-        or topk_ids.shape[0] != x.shape[0]
-    ):
-        raise ValueError(
-            f"fused_moe_int8: topk_ids {tuple(topk_ids.shape)} / topk_weights "
-            f"{tuple(topk_weights.shape)} do not match {x.shape[0]} tokens"
-        )
+    check_moe_inputs("fused_moe_int8", x, hidden, topk_weights, topk_ids)
     if not packed:
         return reference.fused_moe_int8(x, w13, w2, topk_weights, topk_ids, expert_offset)
     if not (_native_on() and x.dtype == torch.bfloat16 and x.device.type == "cpu"):

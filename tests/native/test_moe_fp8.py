@@ -16,18 +16,12 @@ Tolerances:
 
 import pytest
 import torch
+from test_moe import _experts, _routing  # the bf16 suite's generators
 
 from native import _moe_fp8_ops, ops, reference
 
 FP8 = torch.float8_e4m3fn
 TWIN_TOL = {"rtol": 1e-2, "atol": 1e-2}
-
-
-def _experts(num_experts: int, inter: int, hidden: int, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
-    w2 = torch.randn(num_experts, hidden, inter, generator=gen) * (2.0 / inter) ** 0.5
-    return w13.to(torch.bfloat16), w2.to(torch.bfloat16)
 
 
 def _fp8_experts(num_experts: int, inter: int, hidden: int, seed: int = 0):
@@ -45,13 +39,6 @@ def _fp8_experts(num_experts: int, inter: int, hidden: int, seed: int = 0):
     w13, s13 = weight(2 * inter, hidden, 2 * blocks(inter))
     w2, s2 = weight(hidden, inter, blocks(hidden))
     return w13, w2, s13, s2
-
-
-def _routing(num_tokens: int, top_k: int, low: int, high: int, seed: int = 1):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(low, high, (num_tokens, top_k), generator=gen, dtype=torch.int32)
-    weights = torch.rand(num_tokens, top_k, generator=gen)
-    return weights, ids
 
 
 def _x(num_tokens: int, hidden: int, seed: int = 2) -> torch.Tensor:

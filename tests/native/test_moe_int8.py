@@ -9,6 +9,7 @@ all of them must be bit-equal (MIN_EQUAL)."""
 
 import pytest
 import torch
+from test_moe import _experts, _routing  # the bf16 suite's generators
 
 from native import _moe_int8_ops, ops, reference
 from native._tags import tags
@@ -18,20 +19,6 @@ MIN_EQUAL = 0.98
 # Twin vs the bf16 MoE: two per-row int8 roundings of x and h (~0.4% each of the row's absmax)
 # plus the weights' per-channel rounding: a few percent of the output's norm.
 INT8_REL_ERROR = 0.05
-
-
-def _experts(num_experts: int, inter: int, hidden: int, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
-    w2 = torch.randn(num_experts, hidden, inter, generator=gen) * (2.0 / inter) ** 0.5
-    return w13.to(torch.bfloat16), w2.to(torch.bfloat16)
-
-
-def _routing(num_tokens: int, top_k: int, low: int, high: int, seed: int = 1):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(low, high, (num_tokens, top_k), generator=gen, dtype=torch.int32)
-    weights = torch.rand(num_tokens, top_k, generator=gen)
-    return weights, ids
 
 
 def _check(x, w13, w2, weights, ids, expert_offset=0):
