@@ -28,6 +28,12 @@ def _routing(num_tokens: int, top_k: int, low: int, high: int, seed: int = 1):
     return weights, ids
 
 
+def _tokens(num_tokens: int, hidden: int, seed: int = 2) -> torch.Tensor:
+    """Activations from their own seed: the same inputs whichever tests ran before."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(num_tokens, hidden, generator=gen).to(torch.bfloat16)
+
+
 def _check(x, w13, w2, weights, ids, expert_offset=0):
     p13, p2 = ops.prepack_experts(w13, w2)
     assert isinstance(p13, _gemm_ops.PackedLinear)
@@ -50,7 +56,7 @@ def _check(x, w13, w2, weights, ids, expert_offset=0):
 )
 def test_fused_moe_matches_reference(isa, num_tokens, hidden, inter, num_experts, top_k):
     w13, w2 = _experts(num_experts, inter, hidden)
-    x = torch.randn(num_tokens, hidden).to(torch.bfloat16)
+    x = _tokens(num_tokens, hidden)
     weights, ids = _routing(num_tokens, top_k, 0, num_experts)
     _check(x, w13, w2, weights, ids)
 
@@ -59,7 +65,7 @@ def test_fused_moe_matches_reference(isa, num_tokens, hidden, inter, num_experts
 def test_expert_parallel_slice(isa, expert_offset):
     # 12 global experts, this rank holds 4 of them: other ids contribute nothing.
     w13, w2 = _experts(4, 40, 64)
-    x = torch.randn(23, 64).to(torch.bfloat16)
+    x = _tokens(23, 64)
     weights, ids = _routing(23, 3, 0, 12)
     _check(x, w13, w2, weights, ids, expert_offset)
 
@@ -68,7 +74,7 @@ def test_prefill_sized_batch(isa):
     if isa == "portable":
         pytest.skip("same code as the small cases; too slow for the scalar path")
     w13, w2 = _experts(8, 160, 256)
-    x = torch.randn(300, 256).to(torch.bfloat16)
+    x = _tokens(300, 256)
     # Skewed routing: experts 0-2 take most rows, expert 7 none.
     weights, ids = _routing(300, 2, 0, 3)
     ids[:40, 1] = 5
@@ -77,7 +83,7 @@ def test_prefill_sized_batch(isa):
 
 def test_duplicate_expert_and_unrouted_tokens(isa):
     w13, w2 = _experts(3, 32, 64)
-    x = torch.randn(4, 64).to(torch.bfloat16)
+    x = _tokens(4, 64)
     weights = torch.tensor([[0.5, 0.25], [1.0, 0.0], [0.3, 0.7], [0.2, 0.2]])
     ids = torch.tensor([[1, 1], [9, 9], [0, 2], [-1, 2]], dtype=torch.int32)
     out = _check(x, w13, w2, weights, ids)
@@ -89,14 +95,14 @@ def test_empty_and_all_remote(isa):
     empty = torch.empty(0, 64, dtype=torch.bfloat16)
     weights, ids = _routing(0, 2, 0, 2)
     assert _check(empty, w13, w2, weights, ids).shape == (0, 64)
-    x = torch.randn(5, 64).to(torch.bfloat16)
+    x = _tokens(5, 64)
     weights, ids = _routing(5, 2, 10, 20)
     assert torch.count_nonzero(_check(x, w13, w2, weights, ids)) == 0
 
 
 def test_fallbacks_match_reference(isa):
     w13, w2 = _experts(3, 32, 48)
-    x = torch.randn(6, 48).to(torch.bfloat16)
+    x = _tokens(6, 48)
     weights, ids = _routing(6, 2, 0, 3)
     p13, p2 = ops.prepack_experts(w13, w2)
     assert torch.equal(p13.unpack(), w13) and torch.equal(p2.unpack(), w2)
