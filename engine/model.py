@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 
 from engine.batch import ForwardBatch
+from engine.checkpoint_reader import CheckpointReader
 from engine.config import ModelConfig
 from engine.kv_pool import KVPool
+from engine.quant import Quantizer, as_tensor, quantizer
 from engine.rope import rope_cos_sin
 from engine.weight_names import checkpoint_shapes
 from native import ops
@@ -27,15 +29,14 @@ Weights = dict[str, torch.Tensor]
 class MLP:
     """SiLU-gated MLP (dense layers and shared experts): down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, weights: Weights, prefix: str):
-        w13 = torch.cat(
-            (weights.pop(f"{prefix}.gate_proj.weight"), weights.pop(f"{prefix}.up_proj.weight"))
-        )
-        self.w13 = ops.prepack_linear(w13)  # [2I, D]
-        self.w2 = ops.prepack_linear(weights.pop(f"{prefix}.down_proj.weight"))  # [D, I]
+    def __init__(self, weights: Weights, prefix: str, quant: Quantizer):
+        gate, up = (weights.pop(f"{prefix}.{p}_proj.weight") for p in ("gate", "up"))
+        self.w13 = quant.linear(gate, up)  # [2I, D]: gate and up in one GEMM
+        del gate, up
+        self.w2 = quant.linear(weights.pop(f"{prefix}.down_proj.weight"))  # [D, I]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(ops.silu_and_mul(ops.linear(x, self.w13)), self.w2)
+        return self.w2(ops.silu_and_mul(self.w13(x)))
 
 
 RoutedExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -44,33 +45,33 @@ RoutedExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tenso
 class MoE:
     """Routed experts chosen by the grouped top-k gate, plus always-on shared experts."""
 
-    def __init__(self, cfg: ModelConfig, weights: Weights, prefix: str, expert_range: range):
+    def __init__(
+        self, cfg: ModelConfig, weights: Weights, prefix: str, expert_range: range, quant: Quantizer
+    ):
         self.cfg = cfg
         self.gate = weights[f"{prefix}.gate.weight"].float()  # [E, D], routing runs in fp32
         bias = f"{prefix}.gate.e_score_correction_bias"
         self.correction_bias = weights[bias].float() if bias in weights else None
         self.expert_offset = expert_range.start
-        # Per-expert lists, packed (or stacked) in place of the loaded tensors, one expert at a
-        # time: the experts (most of the model) are never held twice while loading.
+        # Per-expert loaders: each expert is read (from a CheckpointReader) only as it is packed,
+        # so loading holds one expert in flight, never a layer's experts (most of the model).
+        expert = f"{prefix}.experts.{{}}.{{}}_proj.weight".format
         w13 = [
-            torch.cat(
-                (
-                    weights.pop(f"{prefix}.experts.{e}.gate_proj.weight"),
-                    weights.pop(f"{prefix}.experts.{e}.up_proj.weight"),
-                )
-            )
+            lambda e=e: (weights.pop(expert(e, "gate")), weights.pop(expert(e, "up")))
             for e in expert_range
         ]  # E_local x [2I, D]
-        w2 = [weights.pop(f"{prefix}.experts.{e}.down_proj.weight") for e in expert_range]
-        self.w13, self.w2 = ops.prepack_experts(w13, w2)
-        self.shared = MLP(weights, f"{prefix}.shared_experts") if cfg.n_shared_experts else None
+        w2 = [lambda e=e: weights.pop(expert(e, "down")) for e in expert_range]
+        self.experts = quant.experts(w13, w2)
+        self.shared = (
+            MLP(weights, f"{prefix}.shared_experts", quant) if cfg.n_shared_experts else None
+        )
         # Expert parallelism replaces this with a dispatch/combine around the local experts.
         self.routed_experts: RoutedExperts = self.local_experts
 
     def local_experts(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
-        return ops.fused_moe(x, self.w13, self.w2, weights, ids, self.expert_offset)
+        return self.experts(x, weights, ids, self.expert_offset)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D] -> (weights [T, K] fp32, expert ids [T, K] int32)."""
@@ -99,25 +100,34 @@ class MoE:
 class MLA:
     """Multi-head latent attention with a paged cache of [c_kv | k_pe] rows."""
 
-    def __init__(self, cfg: ModelConfig, weights: Weights, prefix: str, cos_sin: torch.Tensor):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Weights,
+        prefix: str,
+        cos_sin: torch.Tensor,
+        quant: Quantizer,
+    ):
         self.cfg = cfg
         self.cos_sin = cos_sin
         self.num_heads = cfg.num_attention_heads
         w = lambda name: weights.pop(f"{prefix}.{name}")  # noqa: E731
         if cfg.q_lora_rank is None:
-            self.q_proj = ops.prepack_linear(w("q_proj.weight"))
+            self.q_proj = quant.linear(w("q_proj.weight"))
         else:
-            self.q_a_proj = ops.prepack_linear(w("q_a_proj.weight"))
+            self.q_a_proj = quant.linear(w("q_a_proj.weight"))
             self.q_a_norm = w("q_a_layernorm.weight")
-            self.q_b_proj = ops.prepack_linear(w("q_b_proj.weight"))
-        self.kv_a_proj = ops.prepack_linear(w("kv_a_proj_with_mqa.weight"))  # [L + R, D]
+            self.q_b_proj = quant.linear(w("q_b_proj.weight"))
+        self.kv_a_proj = quant.linear(w("kv_a_proj_with_mqa.weight"))  # [L + R, D]
         self.kv_a_norm = w("kv_a_layernorm.weight")
-        kv_b = w("kv_b_proj.weight")  # [H * (Dn + Dv), L]
-        self.kv_b_proj = ops.prepack_linear(kv_b)
+        # kv_b stays in the model dtype whatever the scheme: it decompresses the latent cache
+        # (extend) and is absorbed into q and the output (decode), attention's own precision.
+        kv_b = as_tensor(w("kv_b_proj.weight"), quant.dtype)  # [H * (Dn + Dv), L]
+        self.kv_b_proj = quant.dense(kv_b)
         kv_b = kv_b.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         self.w_uk = kv_b[:, : cfg.qk_nope_head_dim].contiguous()  # [H, Dn, L]
         self.w_uv_t = kv_b[:, cfg.qk_nope_head_dim :].transpose(1, 2).contiguous()  # [H, L, Dv]
-        self.o_proj = ops.prepack_linear(w("o_proj.weight"))  # [D, H * Dv]
+        self.o_proj = quant.linear(w("o_proj.weight"))  # [D, H * Dv]
 
     def __call__(
         self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
@@ -125,13 +135,13 @@ class MLA:
         """x: [T, D] -> [T, D]; kv_cache: this layer's [num_pages, page_size, L + R]."""
         cfg, num_tokens, h = self.cfg, x.shape[0], self.num_heads
         if cfg.q_lora_rank is None:
-            q = ops.linear(x, self.q_proj)
+            q = self.q_proj(x)
         else:
-            q_a = ops.rms_norm(ops.linear(x, self.q_a_proj), self.q_a_norm, cfg.rms_norm_eps)
-            q = ops.linear(q_a, self.q_b_proj)
+            q_a = ops.rms_norm(self.q_a_proj(x), self.q_a_norm, cfg.rms_norm_eps)
+            q = self.q_b_proj(q_a)
         q = q.view(num_tokens, h, cfg.qk_head_dim)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        kv_a = ops.linear(x, self.kv_a_proj)  # [T, L + R]
+        kv_a = self.kv_a_proj(x)  # [T, L + R]
         c_kv = ops.rms_norm(kv_a[:, : cfg.kv_lora_rank], self.kv_a_norm, cfg.rms_norm_eps)
         q_pe, k_pe = ops.apply_rope(
             q_pe.contiguous(),
@@ -144,7 +154,7 @@ class MLA:
             out = self._decode(q_nope, q_pe, rows, batch, kv_cache)
         else:
             out = self._extend(q_nope, q_pe, rows, batch, kv_cache)
-        return ops.linear(out.reshape(num_tokens, h * cfg.v_head_dim), self.o_proj)
+        return self.o_proj(out.reshape(num_tokens, h * cfg.v_head_dim))
 
     def _decode(self, q_nope, q_pe, rows, batch, kv_cache) -> torch.Tensor:
         cfg = self.cfg
@@ -164,7 +174,7 @@ class MLA:
     def _decompress(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent rows [N, L + R] -> per-head K [N, H, Dn + R] and V [N, H, Dv]."""
         cfg, n = self.cfg, rows.shape[0]
-        kv = ops.linear(rows[:, : cfg.kv_lora_rank], self.kv_b_proj)
+        kv = self.kv_b_proj(rows[:, : cfg.kv_lora_rank])
         kv = kv.view(n, self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         k_pe = rows[:, None, cfg.kv_lora_rank :].expand(n, self.num_heads, cfg.qk_rope_head_dim)
@@ -182,16 +192,24 @@ class MLA:
 
 
 class DecoderLayer:
-    def __init__(self, cfg, weights: Weights, idx: int, cos_sin: torch.Tensor, expert_range: range):
+    def __init__(
+        self,
+        cfg,
+        weights: Weights,
+        idx: int,
+        cos_sin: torch.Tensor,
+        expert_range: range,
+        quant: Quantizer,
+    ):
         prefix = f"model.layers.{idx}"
         self.eps = cfg.rms_norm_eps
         self.input_norm = weights[f"{prefix}.input_layernorm.weight"]
         self.post_attention_norm = weights[f"{prefix}.post_attention_layernorm.weight"]
-        self.attn = MLA(cfg, weights, f"{prefix}.self_attn", cos_sin)
+        self.attn = MLA(cfg, weights, f"{prefix}.self_attn", cos_sin, quant)
         if cfg.is_moe_layer(idx):
-            self.mlp: MLP | MoE = MoE(cfg, weights, f"{prefix}.mlp", expert_range)
+            self.mlp: MLP | MoE = MoE(cfg, weights, f"{prefix}.mlp", expert_range, quant)
         else:
-            self.mlp = MLP(weights, f"{prefix}.mlp")
+            self.mlp = MLP(weights, f"{prefix}.mlp", quant)
 
     def __call__(self, h, residual, batch, kv_cache):
         """Pre-norm block; the residual add is fused into the next norm."""
@@ -208,11 +226,22 @@ class DeepseekModel:
     """The whole network. `forward` returns fp32 logits of each sequence's last new token.
 
     The constructor consumes `weights` (pops each tensor as its layer packs it), so the raw and
-    the packed copy of a matrix are never both held for the whole model: peak memory at load
-    stays near one model's size."""
+    the packed copy of a matrix are never both held for the whole model; from a
+    CheckpointReader (`from_pretrained`) each tensor is read only as it is packed, so loading
+    holds the model as held plus one tensor in flight. `quant` ("none", "int8", "fp8"; None =
+    "none") is the scheme of the projections and experts (`engine.quant`)."""
 
-    def __init__(self, cfg: ModelConfig, weights: Weights, dtype: torch.dtype, expert_range=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Weights,
+        dtype: torch.dtype,
+        expert_range=None,
+        quant: str | None = None,
+    ):
         self.cfg = cfg
+        q = quantizer(quant, dtype)
+        self.quant = q.name
         # Where it was loaded from (`from_pretrained`): structured output loads the tokenizer
         # there. None for a model built from weights in memory.
         self.model_dir: Path | None = None
@@ -220,13 +249,16 @@ class DeepseekModel:
         self.expert_range = expert_range or range(cfg.n_routed_experts)
         self.cos_sin = rope_cos_sin(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
         self.embed_tokens = weights["model.embed_tokens.weight"]
+        # The head (the largest matrix) first: its raw and packed copies are held together
+        # while little else is loaded, not on top of the whole model.
+        head = self.embed_tokens if cfg.tie_word_embeddings else weights.pop("lm_head.weight")
+        self.lm_head = q.dense(head)
+        del head
         self.layers = [
-            DecoderLayer(cfg, weights, i, self.cos_sin, self.expert_range)
+            DecoderLayer(cfg, weights, i, self.cos_sin, self.expert_range, q)
             for i in range(cfg.num_hidden_layers)
         ]
         self.norm = weights["model.norm.weight"]
-        head = self.embed_tokens if cfg.tie_word_embeddings else weights.pop("lm_head.weight")
-        self.lm_head = ops.prepack_linear(head)
 
     @classmethod
     def from_pretrained(
@@ -235,17 +267,21 @@ class DeepseekModel:
         dtype: torch.dtype = torch.bfloat16,
         expert_range: range | None = None,
         progress: bool = True,
+        quant: str | None = None,
     ) -> DeepseekModel:
-        """Loads config.json and the safetensors; `expert_range` limits the routed experts held
-        (an expert-parallel rank loads only its shard)."""
-        from engine.weights import load_checkpoint
-
+        """Loads config.json and the safetensors, each tensor read as the model packs it;
+        `expert_range` limits the routed experts held (an expert-parallel rank loads only its
+        shard); `quant` is the weights' scheme (`engine.quant`: "none", "int8", "fp8")."""
         cfg = ModelConfig.from_model_dir(model_dir)
         keep = None if expert_range is None else (lambda e: e in expert_range)
         shapes = checkpoint_shapes(cfg, keep)
         block = cfg.quant.weight_block_size if cfg.quant else None
-        weights = load_checkpoint(model_dir, shapes, dtype, progress=progress, fp8_block=block)
-        model = cls(cfg, weights, dtype, expert_range)
+        keep_fp8 = quantizer(quant, dtype).keeps_fp8
+        with CheckpointReader(model_dir, shapes, dtype, block, keep_fp8, progress) as weights:
+            model = cls(cfg, weights, dtype, expert_range, quant)
+            unread = weights.unread()
+        if unread:  # checkpoint_shapes and the model disagree: a bug, not the user's input
+            raise RuntimeError(f"the model did not read {len(unread)} tensors: {unread[:3]}")
         model.model_dir = Path(model_dir)
         return model
 
@@ -267,4 +303,4 @@ class DeepseekModel:
         if batch.extra_logit_index is not None:
             last = torch.cat([last, batch.extra_logit_index])
         x, _ = ops.fused_add_rms_norm(h[last], residual[last], self.norm, self.cfg.rms_norm_eps)
-        return ops.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()

@@ -67,18 +67,26 @@ class PackedLinear:
         self.packed = _pack(weight.reshape(view_shape))
 
     @classmethod
-    def from_parts(cls, parts: list[torch.Tensor | None], view_shape: tuple[int, ...]):
-        """The PackedLinear of the stack of `parts` (E tensors of one shape; `view_shape` is the
-        stack's), packed one part at a time into one buffer. Each entry of `parts` is released
-        (set to None) once packed, so packing never holds a second copy of all of them: a
-        model's experts are loaded once and packed in place of themselves."""
+    def from_parts(cls, parts: list, view_shape: tuple[int, ...]):
+        """The PackedLinear of the stack of `parts` (E bf16 tensors of one shape, or loaders of
+        them: see `take_expert`; `view_shape` is the stack's), packed one part at a time into
+        one buffer. Each entry of `parts` is released (set to None) once packed, so packing
+        never holds a second copy of all of them: a model's experts are loaded once and packed
+        in place of themselves."""
         obj = cls.__new__(cls)
-        obj.shape = torch.Size((len(parts), *parts[0].shape))
+        part_shape = tuple(peek_expert(parts).shape)
+        obj.shape = torch.Size((len(parts), *part_shape))
         obj.n, obj.k = view_shape[-2], view_shape[-1]
         obj.packed = None
         for i in range(len(parts)):
-            one = _pack(parts[i].reshape(view_shape[1:]))
-            parts[i] = None
+            part = take_expert(parts, i)
+            if tuple(part.shape) != part_shape or not _packable(part):
+                raise ValueError(
+                    f"prepack_experts: expert {i} is {part.dtype} {list(part.shape)}, expert 0 "
+                    f"bf16 {list(part_shape)}: the experts' tensors must be E of one shape each"
+                )
+            one = _pack(part.reshape(view_shape[1:]))
+            del part
             if obj.packed is None:
                 obj.packed = torch.empty((len(parts), *one.shape), dtype=one.dtype)
             obj.packed[i] = one
@@ -147,8 +155,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear) -> torch.Tensor
 
 def prepack_experts(w13: torch.Tensor | list, w2: torch.Tensor | list):
     """Packs bf16 CPU expert weights w13 [E, 2I, D], w2 [E, D, I] for `fused_moe`; each may also
-    be a list of the E experts' tensors ([2I, D] / [D, I]), which is consumed (each entry
-    released once packed: the experts are never held twice).
+    be a list of the E experts' tensors ([2I, D] / [D, I]) or of loaders of them (`take_expert`),
+    which is consumed (each entry released once packed: the experts are never held twice).
 
     Returns (PackedLinear, PackedLinear), or the tensors (stacked) when the kernel does not
     cover them (other dtype or device, native disabled)."""
@@ -190,19 +198,52 @@ def list_of(weights: torch.Tensor | list) -> list:
     return weights if isinstance(weights, list) else list(weights.unbind(0))
 
 
+def take_expert(parts: list, i: int):
+    """Entry i of a list of the experts' tensors, released from the list (packing never holds
+    two copies of the experts). An entry may be a zero-argument callable that loads the tensor:
+    a lazily read checkpoint (`engine.lazy_weights`) then reads each expert only as it is
+    packed, so loading holds one expert in flight, not a layer's experts."""
+    entry, parts[i] = parts[i], None
+    return entry() if callable(entry) else entry
+
+
+def peek_expert(parts: list, i: int = 0):
+    """Entry i, loaded in place if it is a loader (its shape and dtype size the packing)."""
+    if not parts:
+        raise ValueError("prepack_experts: no experts to pack (E = 0)")
+    if callable(parts[i]):
+        parts[i] = parts[i]()
+    return parts[i]
+
+
+def checked_experts(op: str, parts: list):
+    """Takes every entry of `parts` in turn (`take_expert`), each checked to be a float tensor
+    of expert 0's shape: a ValueError naming `op` otherwise."""
+    shape = peek_expert(parts).shape
+    for i in range(len(parts)):
+        w = take_expert(parts, i)
+        if not w.is_floating_point() or w.shape != shape:
+            raise ValueError(
+                f"{op}: expert {i} is {w.dtype} {list(w.shape)}; the experts' tensors must be E "
+                f"float tensors of one shape ({list(shape)})"
+            )
+        yield w
+
+
 def _prepack_expert_lists(w13: list, w2: list):
-    shapes13, shapes2 = {tuple(w.shape) for w in w13}, {tuple(w.shape) for w in w2}
-    if not (len(w13) == len(w2) > 0 and len(shapes13) == len(shapes2) == 1):
-        raise ValueError("prepack_experts: the experts' tensors must be E of one shape each")
-    ((two_inter, hidden),), ((hidden2, inter),) = shapes13, shapes2
+    if len(w13) != len(w2):
+        raise ValueError(f"prepack_experts: {len(w13)} w13 but {len(w2)} w2 experts")
+    first13, first2 = peek_expert(w13), peek_expert(w2)
+    (two_inter, hidden), (hidden2, inter) = first13.shape, first2.shape
     if two_inter != 2 * inter or hidden2 != hidden:
         raise ValueError(
             f"prepack_experts: w13 {(len(w13), two_inter, hidden)} and w2 "
             f"{(len(w2), hidden2, inter)} disagree"
         )
-    if not all(_packable(w) for w in (*w13, *w2)):
-        return reference.prepack_experts(w13, w2)
     num_experts = len(w13)
+    if not (_packable(first13) and _packable(first2)):
+        every = lambda parts: list(checked_experts("prepack_experts", parts))  # noqa: E731
+        return reference.prepack_experts(every(w13), every(w2))
     return (
         PackedLinear.from_parts(w13, (num_experts, 2, inter, hidden)),
         PackedLinear.from_parts(w2, (num_experts, hidden, inter)),

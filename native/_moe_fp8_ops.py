@@ -22,7 +22,7 @@ import torch
 
 from native import reference
 from native._fp8_ops import _NAN_MAGNITUDE, _pack, _unpack
-from native._gemm_ops import _kernel_input, check_moe_inputs
+from native._gemm_ops import _kernel_input, check_moe_inputs, peek_expert, take_expert
 from native._tags import DTYPE_TAGS
 
 try:
@@ -104,21 +104,25 @@ def _pack_experts(name: str, num: int, expert, shape, halves: int) -> PackedExpe
     return PackedExpertsFp8(packed, scale_inv, torch.Size((num, *shape)), halves)
 
 
-def _as_list(w) -> list:
-    return w if isinstance(w, list) else list(w.unbind(0))
+def _as_list(w) -> list | None:
+    return None if w is None else w if isinstance(w, list) else list(w.unbind(0))
 
 
 def _taker(weights: list, scales: list | None, halves: int):
-    """expert(e) for _pack_experts over lists: (weights[e], scales[e]) or, without scales,
-    weights[e] block-quantized (gate and up halves apart: reference.quantize_expert_fp8); the
-    entries are released as they are taken."""
+    """expert(e) for _pack_experts over lists: (weights[e], scales[e]); without scales, what
+    the loader weights[e] returns when it is an FP8 (weight, scale_inv) pair, else weights[e]
+    block-quantized (gate and up halves apart: reference.quantize_expert_fp8). The entries are
+    released as they are taken (`take_expert`)."""
 
     def take(e: int):
-        w, weights[e] = weights[e], None
+        w = take_expert(weights, e)
+        if isinstance(w, tuple):
+            return w
         if scales is None:
+            if w.dtype == FP8:
+                raise ValueError("prepack_experts_fp8: FP8 expert weights need their scales")
             return reference.quantize_expert_fp8(w.detach(), halves)
-        s, scales[e] = scales[e], None
-        return w, s
+        return w, take_expert(scales, e)
 
     return take
 
@@ -127,18 +131,23 @@ def _pack_pair(w13: list, w2: list, scale13: list | None, scale2: list | None):
     num = len(w13)
     if not (num > 0 and len(w2) == num and (scale13 is None or len(scale13) == len(scale2) == num)):
         raise ValueError("prepack_experts_fp8: w13, w2 and their scales need E > 0 entries each")
-    two_inter, hidden = w13[0].shape if w13[0].dim() == 2 else (-1, -1)
+    first = peek_expert(w13)
+    first = first[0] if isinstance(first, tuple) else first
+    two_inter, hidden = first.shape if first.dim() == 2 else (-1, -1)
     if two_inter <= 0 or two_inter % 2 or hidden <= 0:
-        raise ValueError(f"prepack_experts_fp8: w13 expert {list(w13[0].shape)} is not [2I, D]")
+        raise ValueError(f"prepack_experts_fp8: w13 expert {list(first.shape)} is not [2I, D]")
     take13, take2 = _taker(w13, scale13, 2), _taker(w2, scale2, 1)
     packed13 = _pack_experts("w13", num, take13, (two_inter, hidden), 2)
     packed2 = _pack_experts("w2", num, take2, (hidden, two_inter // 2), 1)
     return packed13, packed2
 
 
-def prepack_experts_fp8(w13, w2, scale13, scale2) -> tuple[PackedExpertsFp8, PackedExpertsFp8]:
+def prepack_experts_fp8(
+    w13, w2, scale13=None, scale2=None
+) -> tuple[PackedExpertsFp8, PackedExpertsFp8]:
     """Packs FP8 experts (layout in the module docstring) for `fused_moe_fp8`; list arguments
-    are consumed.
+    are consumed. Without scales, w13 and w2 are lists of loaders (`take_expert`) that each
+    return an expert's (w_fp8, scale_inv) pair.
 
     Raises ValueError for another dtype, shapes that disagree, mis-shaped or non-finite scales,
     or NaN weights."""
@@ -146,10 +155,11 @@ def prepack_experts_fp8(w13, w2, scale13, scale2) -> tuple[PackedExpertsFp8, Pac
 
 
 def prepack_experts_fp8_from(w13, w2) -> tuple[PackedExpertsFp8, PackedExpertsFp8]:
-    """Block-quantizes bf16 / fp32 experts [E, 2I, D] / [E, D, I] (tensors or lists, consumed one
-    expert at a time; absmax per 128x128 block / 448, gate and up apart) and packs them."""
+    """Block-quantizes bf16 / fp32 experts [E, 2I, D] / [E, D, I] (tensors, lists, or lists of
+    loaders, consumed one expert at a time; absmax per 128x128 block / 448, gate and up apart)
+    and packs them."""
     w13, w2 = _as_list(w13), _as_list(w2)
-    for w in (*w13[:1], *w2[:1]):
+    for w in (peek_expert(w13), peek_expert(w2)):
         if not w.is_floating_point() or w.dtype == FP8:
             raise ValueError(f"prepack_experts_fp8_from: needs bf16 / fp32 experts, got {w.dtype}")
     return _pack_pair(w13, w2, None, None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from native import _quant_ops, reference
-from native._gemm_ops import check_moe_inputs, list_of
+from native._gemm_ops import check_moe_inputs, checked_experts, list_of, peek_expert
 from native._quant_ops import PackedLinearInt8
 from native._tags import tags
 
@@ -66,36 +66,32 @@ def _native_on() -> bool:
 
 def prepack_experts_int8(w13: torch.Tensor | list, w2: torch.Tensor | list):
     """Quantizes routed experts (w13 [E, 2I, D], w2 [E, D, I], or lists of the E experts'
-    tensors, consumed one at a time so the experts are never held twice) for `fused_moe_int8`.
+    tensors or of loaders of them (`native._gemm_ops.take_expert`), consumed one at a time so
+    the experts are never held twice) for `fused_moe_int8`.
     Returns (PackedExpertsInt8, PackedExpertsInt8), or the reference's Int8Weight pair when the
     kernel is off or the weights are not on the CPU."""
     parts13, parts2 = list_of(w13), list_of(w2)
-    shapes13, shapes2 = {tuple(w.shape) for w in parts13}, {tuple(w.shape) for w in parts2}
-    if not (len(parts13) == len(parts2) > 0 and len(shapes13) == len(shapes2) == 1):
-        raise ValueError("prepack_experts_int8: the experts' tensors must be E of one shape each")
-    ((two_inter, hidden), (hidden2, inter)) = (*shapes13, *shapes2)
+    if len(parts13) != len(parts2):
+        raise ValueError(f"prepack_experts_int8: {len(parts13)} w13 but {len(parts2)} w2 experts")
+    first13, first2 = peek_expert(parts13), peek_expert(parts2)
+    ((two_inter, hidden), (hidden2, inter)) = first13.shape, first2.shape
     if two_inter != 2 * inter or hidden2 != hidden:
         raise ValueError(
             f"prepack_experts_int8: w13 {(len(parts13), two_inter, hidden)} and w2 "
             f"{(len(parts2), hidden2, inter)} disagree"
         )
-    if not all(w.is_floating_point() for w in (*parts13, *parts2)):
-        raise ValueError("prepack_experts_int8: expected float expert weights")
     if max(hidden, inter) > _quant_ops._MAX_K:
         raise ValueError(f"prepack_experts_int8: K = {max(hidden, inter)} exceeds the int8 limit")
-    on_cpu = all(w.device.type == "cpu" for w in (*parts13, *parts2))
-    if not (on_cpu and _native_on()):
-        return reference.prepack_experts_int8(parts13, parts2)
     num_experts = len(parts13)
+    experts13 = checked_experts("prepack_experts_int8", parts13)
+    experts2 = checked_experts("prepack_experts_int8", parts2)
+    if not (first13.device.type == first2.device.type == "cpu" and _native_on()):
+        return reference.prepack_experts_int8(list(experts13), list(experts2))
     p13 = PackedExpertsInt8(num_experts, 2, inter, hidden)
     p2 = PackedExpertsInt8(num_experts, 1, hidden, inter)
-    for e in range(num_experts):
-        p13.store(e, parts13[e])
-        p2.store(e, parts2[e])
-        if isinstance(w13, list):
-            w13[e] = None  # released: the caller's list no longer holds expert e
-        if isinstance(w2, list):
-            w2[e] = None
+    for e, (one13, one2) in enumerate(zip(experts13, experts2, strict=True)):
+        p13.store(e, one13)
+        p2.store(e, one2)
     return p13, p2
 
 

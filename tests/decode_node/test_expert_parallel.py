@@ -59,11 +59,13 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, split: list, ou
         ep = ExpertParallel(model, rank, world)
         tokens = greedy(model, [PROMPTS[i] for i in split[rank]], ep)
         moe = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
-        shapes = [list(m.w13.shape) + list(m.w2.shape) for m in moe]
+        shapes = [list(m.experts.w13.shape) + list(m.experts.w2.shape) for m in moe]
         result = {"tokens": tokens, "shard": [shard.start, shard.stop], "shapes": shapes}
         json.dump(result, open(f"{out_dir}/rank{rank}.json", "w"))
         if rank == 0:  # keep the weights for the shard check in the parent
-            torch.save({i: (m.w13, m.w2) for i, m in enumerate(moe)}, f"{out_dir}/rank0.pt")
+            torch.save(
+                {i: (m.experts.w13, m.experts.w2) for i, m in enumerate(moe)}, f"{out_dir}/rank0.pt"
+            )
     finally:
         dist.destroy_process_group()
 
@@ -118,8 +120,8 @@ def test_each_rank_holds_only_its_shard(tiny_dir, full_fp32, tmp_path):
             assert shape[0] == shape[3] == num_experts // 2  # w13 [E/2, 2I, D], w2 [E/2, D, I]
     rank0 = torch.load(tmp_path / "rank0.pt")
     for i, moe in enumerate(full_moe):  # rank 0's tensors are exactly the first half
-        torch.testing.assert_close(rank0[i][0], moe.w13[: num_experts // 2], rtol=0, atol=0)
-        torch.testing.assert_close(rank0[i][1], moe.w2[: num_experts // 2], rtol=0, atol=0)
+        torch.testing.assert_close(rank0[i][0], moe.experts.w13[: num_experts // 2], rtol=0, atol=0)
+        torch.testing.assert_close(rank0[i][1], moe.experts.w2[: num_experts // 2], rtol=0, atol=0)
 
 
 def test_uneven_shards_and_refusal():

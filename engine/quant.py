@@ -1,0 +1,228 @@
+"""Weight quantization of a model: which scheme its projections and experts run in.
+
+`quant` is a per-node choice ("none", "int8", "fp8"; `None` is "none"), so a bf16 prefill node can
+feed an int8 decode node: the KV cache and its wire format stay in the model dtype whatever the
+scheme, and attention (the latent KV, `kv_b_proj` and the absorbed W_UK / W_UV), the embedding, the
+LM head and the router gate stay in the model dtype too, as in the seeds' CPU deployments.
+
+- "none": the dtype's kernels (`ops.linear`, `ops.fused_moe`).
+- "int8": W8A8. Weights int8 symmetric per output channel, activations quantized per token inside
+  the kernel (`ops.linear_int8`, `ops.fused_moe_int8`). An FP8 checkpoint is dequantized to fp32
+  and re-quantized per channel.
+- "fp8": weight-only e4m3 with 128x128 block scales, converted to bf16 in registers
+  (`ops.linear_fp8`, `ops.fused_moe_fp8`). An FP8 checkpoint's weights are kept as stored (its
+  blocks must be 128x128, and a fused gate|up projection needs the gate's rows in whole blocks);
+  a bf16 checkpoint is block-quantized at load.
+
+A `Quantizer` turns the weights the loader hands over (`torch.Tensor`, or `Fp8Weight` from an FP8
+checkpoint) into callables: `Linear` (x -> x W^T) and `Experts` (the routed experts). The
+weights come one at a time and each is released once packed (engine.checkpoint_reader).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from engine.checkpoint_reader import Fp8Weight
+from engine.errors import ConfigError
+from native import ops
+
+QUANT_SCHEMES = ("none", "int8", "fp8")
+FP8_KERNEL_BLOCK = (128, 128)  # the fp8 kernels' scale blocks (native/reference.py FP8_BLOCK)
+
+Source = torch.Tensor | Fp8Weight  # one matrix as the loader hands it over
+Loader = Callable[[], Source]  # a matrix read when called (one expert at a time)
+
+
+class QuantizationError(ConfigError):
+    """The checkpoint cannot run in the requested scheme (the message names the key)."""
+
+
+def parse_quant(value: object, where: str = "quant") -> str:
+    """The scheme's name ("none" for None); a ConfigError naming `where` for anything else."""
+    if value is None:
+        return "none"
+    if not isinstance(value, str) or value not in QUANT_SCHEMES:
+        raise ConfigError(f"{where} must be one of {', '.join(QUANT_SCHEMES)}, got {value!r}")
+    return value
+
+
+class Linear:
+    """y = x W^T with W packed for one scheme; `weight` is what the op takes."""
+
+    __slots__ = ("weight", "_op")
+
+    def __init__(self, weight, op: Callable[[torch.Tensor, object], torch.Tensor]):
+        self.weight, self._op = weight, op
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x, self.weight)
+
+
+class Experts:
+    """The routed experts of one MoE layer: (x [T, D], weights [T, K], ids [T, K], offset) ->
+    [T, D]; `w13` / `w2` are what the fused-MoE op takes."""
+
+    __slots__ = ("w13", "w2", "_op")
+
+    def __init__(self, packed: tuple, op):
+        (self.w13, self.w2), self._op = packed, op
+
+    def __call__(self, x, topk_weights, topk_ids, expert_offset: int = 0) -> torch.Tensor:
+        return self._op(x, self.w13, self.w2, topk_weights, topk_ids, expert_offset)
+
+
+def as_tensor(source: Source, dtype: torch.dtype) -> torch.Tensor:
+    """A matrix in `dtype` whatever the loader handed over."""
+    return source.dequantize(dtype) if isinstance(source, Fp8Weight) else source.to(dtype)
+
+
+class Quantizer:
+    """Scheme "none": the model dtype's kernels. Subclasses override `_pack_linear`, `_experts`
+    and their ops; `keeps_fp8` asks the loader for FP8 weights as stored."""
+
+    name = "none"
+    keeps_fp8 = False
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def linear(self, *parts: Source) -> Linear:
+        """The projection of `parts` stacked by rows (gate and up: one GEMM)."""
+        return Linear(self._pack_linear(list(parts)), self._linear_op)
+
+    def dense(self, source: Source) -> Linear:
+        """A projection kept in the model dtype whatever the scheme (the LM head)."""
+        return Linear(ops.prepack_linear(as_tensor(source, self.dtype)), ops.linear)
+
+    def experts(self, w13: list[Loader], w2: list[Loader]) -> Experts:
+        """Routed experts from per-expert loaders: w13 returns (gate, up), w2 the down matrix."""
+        return Experts(self._pack_experts(w13, w2), self._moe_op)
+
+    # the scheme ------------------------------------------------------------------------------
+    _linear_op = staticmethod(ops.linear)
+    _moe_op = staticmethod(ops.fused_moe)
+
+    def _pack_linear(self, parts: list[Source]):
+        return ops.prepack_linear(self._stacked(parts, self.dtype))
+
+    def _pack_experts(self, w13: list[Loader], w2: list[Loader]):
+        return ops.prepack_experts(
+            [self._expert13(load, self.dtype) for load in w13],
+            [self._expert2(load, self.dtype) for load in w2],
+        )
+
+    @staticmethod
+    def _stacked(parts: list[Source], dtype: torch.dtype) -> torch.Tensor:
+        tensors = [as_tensor(p, dtype) for p in parts]
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+    @classmethod
+    def _expert13(cls, load: Loader, dtype: torch.dtype) -> Loader:
+        return lambda: cls._stacked(list(load()), dtype)
+
+    @staticmethod
+    def _expert2(load: Loader, dtype: torch.dtype) -> Loader:
+        return lambda: as_tensor(load(), dtype)
+
+
+class Int8Quantizer(Quantizer):
+    """W8A8: per-channel int8 weights (quantized from fp32, so an FP8 checkpoint loses no more
+    than its own rounding), per-token int8 activations."""
+
+    name = "int8"
+    keeps_fp8 = True
+    _linear_op = staticmethod(ops.linear_int8)
+    _moe_op = staticmethod(ops.fused_moe_int8)
+
+    def _pack_linear(self, parts: list[Source]):
+        return ops.prepack_linear_int8(self._stacked(parts, torch.float32))
+
+    def _pack_experts(self, w13, w2):
+        return ops.prepack_experts_int8(
+            [self._expert13(load, torch.float32) for load in w13],
+            [self._expert2(load, torch.float32) for load in w2],
+        )
+
+
+class Fp8Quantizer(Quantizer):
+    """Weight-only FP8 e4m3, 128x128 block scales; an FP8 checkpoint's weights kept as stored."""
+
+    name = "fp8"
+    keeps_fp8 = True
+    _linear_op = staticmethod(ops.linear_fp8)
+    _moe_op = staticmethod(ops.fused_moe_fp8)
+
+    def _pack_linear(self, parts: list[Source]):
+        if all(isinstance(p, Fp8Weight) for p in parts):
+            return ops.prepack_linear_fp8(*_stacked_fp8(parts))
+        return ops.prepack_linear_fp8_from(self._stacked(parts, torch.float32))
+
+    def _pack_experts(self, w13, w2):
+        def expert13(load: Loader) -> Loader:
+            def read():
+                gate, up = load()
+                if isinstance(gate, Fp8Weight) and isinstance(up, Fp8Weight):
+                    _check_kernel_block(gate)  # each half keeps its own blocks: any I works
+                    return torch.cat((gate.weight, up.weight)), torch.cat(
+                        (gate.scale_inv, up.scale_inv)
+                    )
+                return self._stacked([gate, up], torch.float32)
+
+            return read
+
+        def expert2(load: Loader) -> Loader:
+            def read():
+                down = load()
+                if isinstance(down, Fp8Weight):
+                    _check_kernel_block(down)
+                    return down.weight, down.scale_inv
+                return down.float()
+
+            return read
+
+        return ops.prepack_experts_fp8([expert13(f) for f in w13], [expert2(f) for f in w2])
+
+
+def _check_kernel_block(w: Fp8Weight) -> None:
+    if tuple(w.block) != FP8_KERNEL_BLOCK:
+        raise QuantizationError(
+            f'quant = "fp8": the checkpoint\'s FP8 blocks are {list(w.block)} (tensor '
+            f"'{w.name}'); the fp8 kernels take 128x128 blocks as stored. Use quant = "
+            f'"int8" or "none" (both dequantize it)'
+        )
+
+
+def _stacked_fp8(parts: list[Fp8Weight]) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 matrices stacked by rows with their scales: every part but the last must end on a
+    block boundary, or a block would mix two matrices' scales."""
+    for p in parts:
+        _check_kernel_block(p)
+    for p in parts[:-1]:
+        rows = p.weight.shape[0]
+        if rows % FP8_KERNEL_BLOCK[0]:
+            raise QuantizationError(
+                f"quant = \"fp8\": tensor '{p.name}' has {rows} rows, not a multiple of the "
+                f"{FP8_KERNEL_BLOCK[0]}-row FP8 blocks, so it cannot share one block-scaled "
+                f'matrix with the next projection as stored. Use quant = "int8" or "none"'
+            )
+    if len(parts) == 1:
+        return parts[0].weight, parts[0].scale_inv
+    return torch.cat([p.weight for p in parts]), torch.cat([p.scale_inv for p in parts])
+
+
+_SCHEMES = {"none": Quantizer, "int8": Int8Quantizer, "fp8": Fp8Quantizer}
+
+
+def quantizer(quant: str | None, dtype: torch.dtype) -> Quantizer:
+    """The Quantizer of `quant` (None = "none") for a model in `dtype`; int8 and fp8 need bf16
+    (their kernels take bf16 activations)."""
+    name = parse_quant(quant)
+    if name != "none" and dtype != torch.bfloat16:
+        raise QuantizationError(
+            f'quant = "{name}" needs dtype bfloat16 (its kernels take bf16 activations), '
+            f"got {str(dtype).removeprefix('torch.')}"
+        )
+    return _SCHEMES[name](dtype)
