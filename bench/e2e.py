@@ -94,9 +94,9 @@ def run_worker(args, quant: str, prefix: Path) -> dict:
     cmd += ["--model", args.model, "--seed", str(args.seed)]
     for name in ("prompt_len", "batch", "decode_steps", "repeats", "chunk_size", "page_size"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    cmd += ["--kl-tokens", str(args.kl_tokens)] + (
-        ["--threads", str(args.threads)] * bool(args.threads)
-    )
+    cmd += ["--kl-tokens", str(args.kl_tokens)]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
     try:
         proc = subprocess.run(
             cmd, env=env, capture_output=True, text=True, timeout=args.worker_timeout
