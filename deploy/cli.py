@@ -203,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_passthrough(sub, "bench-serve", "serving benchmark (OpenAI API)", "bench.serve:main")
     _add_passthrough(
+        sub,
+        "bench-e2e",
+        "offline TTFT, TPOT, memory and accuracy per quantization",
+        "bench.e2e:main",
+    )
+    _add_passthrough(
         sub, "bench-masks", "structured output: the mask cost per decode step",
         "bench.structured_masks:main",
     )  # fmt: skip

@@ -1,0 +1,184 @@
+"""bench-e2e on the tiny model: the batched prefill / decode it times against the offline
+generator (the oracle), its teacher-forced log-probs against per-prefix prefills, the weight
+bytes against a count from the checkpoint's header, the KL math against a hand computation, and
+the command's rows (structure and internal consistency, no timing assertions)."""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from bench.e2e import check_args, kl_and_agreement, parse_args
+from bench.e2e_worker import decode_step, held_tensor_bytes, prefill_batch, teacher_forced_logprobs
+from deploy.cli import main as duet_main
+from engine.generate import OfflineGenerator
+from engine.sampling import SamplingParams
+from engine.weights import keeps_fp32
+
+
+def test_kl_and_agreement_match_a_hand_computation():
+    # Two positions over two tokens: the argmax differs at the first, agrees at the second.
+    p = torch.tensor([[0.6, 0.4], [0.9, 0.1]], dtype=torch.float64)
+    q = torch.tensor([[0.3, 0.7], [0.8, 0.2]], dtype=torch.float64)
+    kl_0 = 0.6 * math.log(0.6 / 0.3) + 0.4 * math.log(0.4 / 0.7)  # 0.19204
+    kl_1 = 0.9 * math.log(0.9 / 0.8) + 0.1 * math.log(0.1 / 0.2)  # 0.03669
+    kl, agreement = kl_and_agreement(p.log(), q.log())
+    assert kl == pytest.approx((kl_0 + kl_1) / 2, rel=1e-12)
+    assert agreement == 0.5
+    assert kl_and_agreement(p.log(), p.log()) == (0.0, 1.0)
+
+
+class _Slotted:
+    __slots__ = ("packed", "scale")
+
+    def __init__(self, packed, scale):
+        self.packed, self.scale = packed, scale
+
+
+class _Plain:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def test_held_tensor_bytes_counts_each_storage_once():
+    big = torch.zeros(100, dtype=torch.bfloat16)  # 200 bytes
+    scale = torch.zeros(10, dtype=torch.float32)  # 40 bytes
+    other = torch.zeros(3, dtype=torch.int8)  # 3 bytes
+    root = _Plain(
+        a=_Slotted(big, scale),
+        views=[big[10:20], big.view(10, 10)],  # views of `big`: no new storage
+        nested={"x": (other, scale)},
+        cos_sin=torch.zeros(1000),  # skipped by name
+        again=None,
+    )
+    root.again = root  # a cycle
+    assert held_tensor_bytes(root) == 200 + 40 + 3
+
+
+def _packed_bytes(n: int, k: int) -> int:
+    """bf16 bytes of a prepacked [n, k] weight: rows padded to 32, K to even (_gemm_ops)."""
+    return -(-n // 32) * 32 * -(-k // 2) * 2 * 2
+
+
+def test_weights_bytes_equal_a_count_from_the_checkpoint(model, tiny_dir):
+    """What the bf16 model holds, from the checkpoint's shapes alone: packed projections (and
+    lm_head), norms and embeddings in bf16, router tensors in fp32, and kv_b once more as the
+    absorbed W_UK / W_UV of the decode path."""
+    expected = 0
+    with safe_open(str(tiny_dir / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            shape = f.get_slice(name).get_shape()
+            if keeps_fp32(name):
+                expected += math.prod(shape) * 4
+            elif name.endswith(("_proj.weight", "_proj_with_mqa.weight", "lm_head.weight")):
+                expected += _packed_bytes(*shape)
+            else:
+                expected += math.prod(shape) * 2
+            if name.endswith("kv_b_proj.weight"):
+                expected += math.prod(shape) * 2
+    assert held_tensor_bytes(model) == expected
+    # The checkpoint is fp32: the bf16 model holds about half of it.
+    size = (tiny_dir / "model.safetensors").stat().st_size
+    assert 0.45 < expected / size < 0.65
+
+
+def _prompts(vocab, batch, length, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=gen).tolist()
+
+
+def test_batched_prefill_and_decode_match_the_offline_generator(model, one_thread):
+    """The TTFT / TPOT paths against OfflineGenerator: one prompt's last logits are identical
+    (same chunks), a batch of two gives each prompt's logits and greedy tokens."""
+    chunk = 8
+    offline = OfflineGenerator(model, page_size=4, chunk_size=chunk)
+    prompts = _prompts(model.cfg.vocab_size, 2, 20)
+    pool = model.new_kv_pool(num_pages=64, page_size=4)
+    alone = []
+    for prompt in prompts:
+        table = offline.pool.new_table()
+        alone.append(offline.prefill(table, prompt))
+        offline.pool.release(table)
+
+    table = pool.new_table()
+    pool.reserve(table, 20)
+    assert torch.equal(prefill_batch(model, pool, [table], prompts[:1], chunk)[0], alone[0])
+    pool.release(table)
+
+    steps = 3
+    tables = [pool.new_table() for _ in prompts]
+    for t in tables:
+        pool.reserve(t, 20 + steps)
+    logits = prefill_batch(model, pool, tables, prompts, chunk)
+    for row, ref in zip(logits, alone, strict=True):
+        torch.testing.assert_close(row, ref, atol=2e-2, rtol=2e-2)
+    tokens = [logits.argmax(-1).tolist()]
+    for step in range(steps):
+        tokens.append(decode_step(model, pool, tables, tokens[-1], 20 + step).argmax(-1).tolist())
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=steps + 1, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        assert [t[i] for t in tokens] == offline.generate(prompt, greedy).token_ids
+
+
+def test_teacher_forced_logprobs_match_prefills_of_each_prefix(model, one_thread):
+    ids = _prompts(model.cfg.vocab_size, 1, 16, seed=4)[0]
+    pool = model.new_kv_pool(num_pages=8, page_size=4)
+    logprobs = teacher_forced_logprobs(model, pool, ids, chunk_size=6)
+    assert logprobs.shape == (16, model.cfg.vocab_size)
+    offline = OfflineGenerator(model, page_size=4, chunk_size=6)
+    for pos in (0, 4, 5, 6, 11, 15):  # chunk starts, ends and inside
+        table = offline.pool.new_table()
+        ref = torch.log_softmax(offline.prefill(table, ids[: pos + 1]), dim=-1)
+        offline.pool.release(table)
+        torch.testing.assert_close(logprobs[pos], ref, atol=2e-2, rtol=2e-2)
+
+
+SMALL = ["--prompt-len", "20", "--batch", "2", "--decode-steps", "3", "--repeats", "1"]
+SMALL += ["--kl-tokens", "16", "--chunk-size", "8", "--threads", "1"]
+
+
+def test_bench_e2e_rows_are_consistent(tiny_dir, model, capsys):
+    rc = duet_main(
+        ["bench-e2e", "--model", str(tiny_dir), "--quant", "none,none", "--json"] + SMALL
+    )
+    assert rc == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["quant"] for r in rows] == ["none", "none"]
+    for r in rows:
+        assert "error" not in r
+        assert r["load_s"] > 0 and r["ttft_s"] > 0 and r["tpot_s"] > 0
+        assert r["weights_bytes"] == held_tensor_bytes(model)  # a fresh load holds the same
+        assert r["resident_bytes"] == r["rss_anon_bytes"] + r["rss_file_bytes"]
+        assert 0 < r["base_rss_bytes"] and r["resident_bytes"] <= r["peak_bytes"]
+        assert r["weights_ratio"] == 1.0
+    ref, twin = rows
+    assert "kl" not in ref  # the reference itself
+    assert twin["kl"] == pytest.approx(0.0, abs=1e-9) and twin["top1_agreement"] == 1.0
+    assert ref["prefill_speedup"] == ref["tpot_ratio"] == 1.0
+
+
+def test_bench_e2e_table_and_a_failing_worker(tiny_dir, tmp_path, capsys):
+    """A row whose worker fails (here: a model dir without weights) is one error line; the
+    command still prints the table and exits 1."""
+    broken = tmp_path / "no-weights"
+    broken.mkdir()
+    shutil.copy(tiny_dir / "config.json", broken / "config.json")
+    argv = ["bench-e2e", "--model", str(broken), "--quant", "none", *SMALL, "--kl-tokens", "0"]
+    assert duet_main(argv) == 1
+    out = capsys.readouterr().out
+    assert "quant" in out.splitlines()[1] and "TTFT ms" in out
+    assert out.splitlines()[-1].startswith("none: error: ")
+
+
+def test_bad_arguments_are_refused(tiny_dir, capsys):
+    cases = {"--quant": ["int4"], "--prompt-len": ["600"], "--batch": ["0"]}
+    for flag, value in cases.items():
+        p, args = parse_args(["--model", str(tiny_dir), "--prompt-len", "100", flag, *value])
+        with pytest.raises(SystemExit):
+            check_args(p, args)
+        assert flag in capsys.readouterr().err.splitlines()[-1]
+    p, args = parse_args(["--model", str(tiny_dir), "--prompt-len", "100", "--quant", "int8"])
+    assert check_args(p, args) == ["none", "int8"]  # the reference is added
