@@ -88,19 +88,10 @@ def held_tensor_bytes(root, skip: frozenset[str] = NOT_WEIGHTS) -> int:
 
 
 def load_model(model_dir: str, quant: str) -> DeepseekModel:
-    """bf16 for "none" (today's call, no `quant` argument); else `quant=` (issue 9's API)."""
-    if quant == "none":
-        return DeepseekModel.from_pretrained(model_dir, dtype=torch.bfloat16, progress=False)
-    try:
-        return DeepseekModel.from_pretrained(
-            model_dir, dtype=torch.bfloat16, quant=quant, progress=False
-        )
-    except TypeError as exc:
-        if "quant" not in str(exc):
-            raise
-        raise RuntimeError(
-            f"DeepseekModel.from_pretrained takes no quant= in this checkout ({exc})"
-        ) from None
+    """The model in bf16 with its weights in `quant` ("none", "int8", "fp8")."""
+    return DeepseekModel.from_pretrained(
+        model_dir, dtype=torch.bfloat16, quant=quant, progress=False
+    )
 
 
 def prefill_batch(

@@ -122,6 +122,7 @@ class DecodeNode:
             "fingerprint": self.fingerprint,
             "dtype": self.fingerprint["dtype"],
             "version": package_version(),
+            "quant": self.model.quant,  # the weights' scheme (issue 9): "none" | "int8" | "fp8"
             # On-demand decode KV: the router estimates reservations by the same rule.
             "kv_reservation": self.scheduler.reservation,
             "kv_headroom_tokens": self.scheduler.headroom_tokens,

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 
 from engine.errors import DuetError
+from engine.quant_schemes import QUANT_SCHEMES
 
 DTYPES = ("float32", "bfloat16")
 
@@ -76,6 +77,15 @@ def _add_generate(sub) -> None:
         'choice:["a","b"], grammar:LARK; SPEC "@FILE" reads it from FILE',
     )
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument(
+        "--quant", choices=QUANT_SCHEMES, default="none", help="weight quantization (engine.quant)"
+    )
+    p.add_argument(
+        "--prefill-quant", choices=QUANT_SCHEMES, help="the prefill's own, as a PD prefill node's"
+    )
+    p.add_argument(
+        "--decode-quant", choices=QUANT_SCHEMES, help="the decode steps' own (a decode node's)"
+    )
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
@@ -119,8 +129,16 @@ def _run_generate(args) -> int:
         structured=args.structured,
     )
     dtype = getattr(torch, args.dtype)
-    model = DeepseekModel.from_pretrained(model_dir, dtype=dtype, progress=not args.json)
-    generator = OfflineGenerator(model, page_size=args.page_size, chunk_size=args.chunk_size)
+    prefill_quant = args.prefill_quant or args.quant
+    decode_quant = args.decode_quant or args.quant
+    load = lambda quant: DeepseekModel.from_pretrained(  # noqa: E731
+        model_dir, dtype=dtype, progress=not args.json, quant=quant
+    )
+    model = load(prefill_quant)
+    decode_model = None if decode_quant == prefill_quant else load(decode_quant)
+    generator = OfflineGenerator(
+        model, page_size=args.page_size, chunk_size=args.chunk_size, decode_model=decode_model
+    )
     result = generator.generate(prompt_ids, params)
     text = tokenizer.decode(result.token_ids)
     if args.json:

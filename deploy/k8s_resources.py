@@ -5,8 +5,9 @@
 
 - weights: every tensor of the checkpoint (`engine.weight_names.checkpoint_shapes`, from the
   model's config.json) at the cluster dtype, the router gate and bias in float32 as loaded
-  (`engine.weights.keeps_fp32`); FP8 checkpoints are dequantized at load, so they count at the
-  cluster dtype too. A decode node of `ranks` R runs R processes, each with the full attention,
+  (`engine.weights.keeps_fp32`), except the matrices the node's `quant` scheme quantizes
+  (`engine.quant_schemes.quantized_bytes`: a byte per weight plus scales). An FP8 checkpoint on
+  a quant = "none" node is dequantized at load, so it counts at the cluster dtype. A decode node of `ranks` R runs R processes, each with the full attention,
   dense and shared-expert weights and its own shard of the routed experts
   (`decode_node.expert_parallel.expert_shard`).
 - KV pool: `num_layers * num_pages * page_size * kv_row_width * dtype bytes` per process (each
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from decode_node.expert_parallel import expert_shard
 from engine.cluster_config import DecodeNodeConfig, PrefillNodeConfig
 from engine.config import ModelConfig
+from engine.quant_schemes import is_quantized, quantized_bytes
 from engine.weight_names import checkpoint_shapes
 from engine.weights import keeps_fp32
 
@@ -55,14 +57,20 @@ class PodResources:
 ROUTER_RESOURCES = PodResources(cpu=ROUTER_CPU, memory_bytes=ROUTER_MEMORY_BYTES)
 
 
-def weight_bytes(model: ModelConfig, dtype: str, experts: range | None = None) -> int:
-    """Bytes of the weights one process holds; `experts` limits the routed experts (a rank)."""
+def weight_bytes(
+    model: ModelConfig, dtype: str, experts: range | None = None, quant: str = "none"
+) -> int:
+    """Bytes of the weights one process holds; `experts` limits the routed experts (a rank);
+    `quant` the node's weight scheme (its quantized matrices take about a byte per weight)."""
     keep = None if experts is None else (lambda e: e in experts)
     size = DTYPE_BYTES[dtype]
-    return sum(
-        math.prod(shape) * (4 if keeps_fp32(name) else size)
-        for name, shape in checkpoint_shapes(model, keep).items()
-    )
+
+    def held(name: str, shape: tuple[int, ...]) -> int:
+        if quant != "none" and is_quantized(name):
+            return quantized_bytes(quant, shape)
+        return math.prod(shape) * (4 if keeps_fp32(name) else size)
+
+    return sum(held(name, shape) for name, shape in checkpoint_shapes(model, keep).items())
 
 
 def kv_pool_bytes(model: ModelConfig, dtype: str, num_pages: int, page_size: int) -> int:
@@ -77,11 +85,12 @@ def node_resources(
     """What the pod of `node` asks for (ConfigError if a decode node has more ranks than the
     model has routed experts, as the node itself would refuse)."""
     ranks = getattr(node, "ranks", 1)
+    quant = node.quant
     if ranks == 1:
-        weights = weight_bytes(model, dtype)
+        weights = weight_bytes(model, dtype, quant=quant)
     else:
         shards = (expert_shard(model.n_routed_experts, r, ranks) for r in range(ranks))
-        weights = sum(weight_bytes(model, dtype, shard) for shard in shards)
+        weights = sum(weight_bytes(model, dtype, shard, quant) for shard in shards)
     kv = ranks * kv_pool_bytes(model, dtype, node.num_pages, node.page_size)
     memory = math.ceil((weights + kv) * MARGIN) + ranks * RUNTIME_BYTES
     return PodResources(node.threads * ranks, memory, weights, kv)

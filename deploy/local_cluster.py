@@ -33,6 +33,7 @@ from typing import Any
 from deploy.supervisor import Supervisor
 from engine.cluster_config import ClusterConfig
 from engine.errors import ConfigError
+from engine.quant_schemes import QUANT_SCHEMES
 from engine.security import KEY_FILE_NAME, with_ephemeral_keys
 
 try:
@@ -55,6 +56,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default bfloat16")
     p.add_argument("--threads", type=int, default=1, help="threads per node (shorthand)")
     p.add_argument("--decode-ranks", type=int, help="processes per decode node (EP/DP layout)")
+    p.add_argument(
+        "--prefill-quant", choices=QUANT_SCHEMES, help="every prefill node's weight quantization"
+    )
+    p.add_argument(
+        "--decode-quant", choices=QUANT_SCHEMES, help="every decode node's weight quantization"
+    )
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait")
     return p.parse_args(argv)
 
@@ -125,6 +132,10 @@ def resolve_config(args: argparse.Namespace) -> dict:
     if args.decode_ranks is not None:  # each rank runs `threads` kernel threads
         for node in raw.get("decode", []):
             node["ranks"] = args.decode_ranks
+    for role, quant in (("prefill", args.prefill_quant), ("decode", args.decode_quant)):
+        if quant is not None:  # overrides the config's per-node `quant`
+            for node in raw.get(role, []):
+                node["quant"] = quant
     if args.dtype:
         raw["dtype"] = args.dtype
     if args.model:

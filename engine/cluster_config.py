@@ -10,9 +10,12 @@
     [security]  curve_key_file (ZeroMQ CURVE on every inter-node socket), insecure,
                 api_key_file / api_keys (HTTP Bearer keys), metrics_need_key
     [[prefill]] name, host, bind_host, control_port, threads, page_size, chunk_size, replicas,
-                device, prefix_cache
+                device, prefix_cache, quant
     [[decode]]  name, host, bind_host, control_port, kv_port, threads, page_size, num_pages,
-                max_batch, ranks, replicas, device, kv_reservation, kv_headroom_tokens
+                max_batch, ranks, replicas, device, kv_reservation, kv_headroom_tokens, quant
+
+`quant` ("none", "int8", "fp8"; engine.quant) is each node's own weight scheme: the KV it
+produces or consumes is the same whatever the scheme, so any prefill node feeds any decode node.
 
 Addresses: `host` is where the other roles (and, for the router, HTTP clients) reach a role; it
 is the address in every endpoint the role names, e.g. a decode node's `kv_endpoint`. `bind_host`
@@ -34,6 +37,7 @@ from typing import Any
 
 from engine.errors import ConfigError
 from engine.kv_reservation import MODES as KV_RESERVATION_MODES
+from engine.quant_schemes import parse_quant
 
 try:
     import tomllib
@@ -132,6 +136,7 @@ class PrefillNodeConfig(_Addresses):
     # prompt starting with a cached prefix computes only the rest. false: every prompt cold
     # (and the router pairs this node by load alone).
     prefix_cache: bool = True
+    quant: str = "none"  # weight quantization (issue 9): "none" | "int8" | "fp8"
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,7 @@ class DecodeNodeConfig(_Addresses):
     # request when the pool runs out; "worst_case" reserves prompt + max_tokens up front.
     kv_reservation: str = "on_demand"
     kv_headroom_tokens: int = 32
+    quant: str = "none"  # weight quantization (issue 9): "none" | "int8" | "fp8"
 
     @property
     def kv_endpoint(self) -> str:
@@ -322,6 +328,12 @@ def _validate(cfg: ClusterConfig) -> None:
             raise ConfigError(f"node {node.name}: threads, page_size and num_pages must be >= 1")
         if node.device not in ("cpu", "cuda") and not node.device.startswith("cuda:"):
             raise ConfigError(f"node {node.name}: unsupported device {node.device!r}")
+        parse_quant(node.quant, f"node {node.name}: quant")
+        if node.quant != "none" and cfg.dtype != "bfloat16":
+            raise ConfigError(
+                f'node {node.name}: quant = "{node.quant}" needs dtype = "bfloat16" (its '
+                f"kernels take bf16 activations), got {cfg.dtype!r}"
+            )
     for node in cfg.decode:
         if node.ranks < 1 or node.max_batch < 1:
             raise ConfigError(f"node {node.name}: ranks and max_batch must be >= 1")

@@ -38,12 +38,27 @@ def validate_prompt(prompt_ids: list[int], vocab_size: int, max_positions: int) 
 
 
 class OfflineGenerator:
-    """Runs one request at a time on a private KV pool sized for the model's whole context."""
+    """Runs one request at a time on a private KV pool sized for the model's whole context.
 
-    def __init__(self, model: DeepseekModel, page_size: int = 16, chunk_size: int = 256):
+    `decode_model` (default: `model`) runs the decode steps, as a decode node whose weights are
+    in another quantization than the prefill node's would: the same checkpoint and dtype, so
+    the KV `model` writes is what it reads."""
+
+    def __init__(
+        self,
+        model: DeepseekModel,
+        page_size: int = 16,
+        chunk_size: int = 256,
+        decode_model: DeepseekModel | None = None,
+    ):
         if chunk_size <= 0 or page_size <= 0:
             raise InvalidRequestError("chunk size and page size must be positive")
+        if decode_model is not None and (
+            decode_model.cfg != model.cfg or decode_model.dtype != model.dtype
+        ):
+            raise InvalidRequestError("the decode model must be the prefill model's checkpoint")
         self.model = model
+        self.decode_model = decode_model or model
         self.chunk_size = chunk_size
         max_pos = model.cfg.max_position_embeddings
         self.pool = model.new_kv_pool(num_pages=-(-max_pos // page_size), page_size=page_size)
@@ -63,7 +78,7 @@ class OfflineGenerator:
         """Feeds `token` at `position` (the cache holds positions < position); returns logits."""
         self.pool.reserve(table, position + 1)
         batch = ForwardBatch.build(self.pool, [table], [[token]], [position], is_decode=True)
-        return self.model.forward(batch, self.pool)[0]
+        return self.decode_model.forward(batch, self.pool)[0]
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         """The first token as the prefill node samples it (the prompt is all its past), the

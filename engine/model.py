@@ -30,10 +30,8 @@ class MLP:
     """SiLU-gated MLP (dense layers and shared experts): down(silu(gate(x)) * up(x))."""
 
     def __init__(self, weights: Weights, prefix: str, quant: Quantizer):
-        gate, up = (weights.pop(f"{prefix}.{p}_proj.weight") for p in ("gate", "up"))
-        self.w13 = quant.linear(gate, up)  # [2I, D]: gate and up in one GEMM
-        del gate, up
-        self.w2 = quant.linear(weights.pop(f"{prefix}.down_proj.weight"))  # [D, I]
+        gate, up, down = (weights.pop(f"{prefix}.{p}_proj.weight") for p in ("gate", "up", "down"))
+        self.w13, self.w2 = quant.gated_mlp(gate, up, down)  # [2I, D] (one GEMM), [D, I]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(ops.silu_and_mul(self.w13(x)))

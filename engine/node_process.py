@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from engine.cluster_config import ClusterConfig
-from engine.errors import ConfigError
+from engine.errors import ConfigError, DuetError
 from engine.messaging import PullSocket, PushSocket
 from engine.protocol import NodeFailed, NodeReady
 from engine.security import CurveSecurity, cluster_security
@@ -41,7 +41,8 @@ def _parse(role: str, argv: list[str] | None) -> argparse.Namespace:
 
 
 def load_model(cluster: ClusterConfig, node_cfg: Any, model_dir: str | None, expert_range=None):
-    """The node's model on its device and threads (the tiny model when none is named);
+    """The node's model on its device and threads, its weights in the node's `quant` scheme
+    (the tiny model when none is named);
     `expert_range` limits the routed experts held (an expert-parallel rank's shard)."""
     from engine.model import DeepseekModel
     from engine.tiny_model import ensure_tiny_model
@@ -53,9 +54,16 @@ def load_model(cluster: ClusterConfig, node_cfg: Any, model_dir: str | None, exp
         )
     ops.set_num_threads(node_cfg.threads)
     model_dir = model_dir or cluster.model or str(ensure_tiny_model())
-    return DeepseekModel.from_pretrained(
-        model_dir, getattr(torch, cluster.dtype), expert_range=expert_range, progress=False
-    )
+    try:
+        return DeepseekModel.from_pretrained(
+            model_dir,
+            getattr(torch, cluster.dtype),
+            expert_range=expert_range,
+            progress=False,
+            quant=node_cfg.quant,
+        )
+    except DuetError as exc:  # one line that names the node (the router shows it as is)
+        raise type(exc)(f"node {node_cfg.name}: {exc}") from None
 
 
 def run_node_process(

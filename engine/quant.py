@@ -27,9 +27,10 @@ import torch
 
 from engine.checkpoint_reader import Fp8Weight
 from engine.errors import ConfigError
+from engine.quant_schemes import QUANT_SCHEMES, parse_quant
 from native import ops
 
-QUANT_SCHEMES = ("none", "int8", "fp8")
+__all__ = ["QUANT_SCHEMES", "Experts", "Linear", "QuantizationError", "Quantizer", "quantizer"]
 FP8_KERNEL_BLOCK = (128, 128)  # the fp8 kernels' scale blocks (native/reference.py FP8_BLOCK)
 
 Source = torch.Tensor | Fp8Weight  # one matrix as the loader hands it over
@@ -38,15 +39,6 @@ Loader = Callable[[], Source]  # a matrix read when called (one expert at a time
 
 class QuantizationError(ConfigError):
     """The checkpoint cannot run in the requested scheme (the message names the key)."""
-
-
-def parse_quant(value: object, where: str = "quant") -> str:
-    """The scheme's name ("none" for None); a ConfigError naming `where` for anything else."""
-    if value is None:
-        return "none"
-    if not isinstance(value, str) or value not in QUANT_SCHEMES:
-        raise ConfigError(f"{where} must be one of {', '.join(QUANT_SCHEMES)}, got {value!r}")
-    return value
 
 
 class Linear:
@@ -92,6 +84,10 @@ class Quantizer:
     def linear(self, *parts: Source) -> Linear:
         """The projection of `parts` stacked by rows (gate and up: one GEMM)."""
         return Linear(self._pack_linear(list(parts)), self._linear_op)
+
+    def gated_mlp(self, gate: Source, up: Source, down: Source) -> tuple[Linear, Linear]:
+        """(w13, w2) of down(silu(gate(x)) * up(x)): gate and up stacked into one GEMM."""
+        return self.linear(gate, up), self.linear(down)
 
     def dense(self, source: Source) -> Linear:
         """A projection kept in the model dtype whatever the scheme (the LM head)."""
@@ -160,6 +156,20 @@ class Fp8Quantizer(Quantizer):
             return ops.prepack_linear_fp8(*_stacked_fp8(parts))
         return ops.prepack_linear_fp8_from(self._stacked(parts, torch.float32))
 
+    def gated_mlp(self, gate: Source, up: Source, down: Source) -> tuple[Linear, Linear]:
+        """From an FP8 checkpoint whose intermediate size I is not a multiple of 128 (a small
+        model's), gate and up are zero-padded to whole 128-row blocks and down to as many
+        columns: their block scales do not change (ceil(I/128) blocks either way), the padded
+        units compute silu(0) * 0 = 0 and down's zero columns add nothing, so the result is
+        exact and the stored bytes are kept."""
+        fp8 = all(isinstance(w, Fp8Weight) for w in (gate, up, down))
+        rows = gate.weight.shape[0] if fp8 else 0
+        pad = -rows % FP8_KERNEL_BLOCK[0]
+        if fp8 and pad:
+            gate, up = (_pad_fp8(w, rows=pad) for w in (gate, up))
+            down = _pad_fp8(down, cols=pad)
+        return super().gated_mlp(gate, up, down)
+
     def _pack_experts(self, w13, w2):
         def expert13(load: Loader) -> Loader:
             def read():
@@ -193,6 +203,13 @@ def _check_kernel_block(w: Fp8Weight) -> None:
             f"'{w.name}'); the fp8 kernels take 128x128 blocks as stored. Use quant = "
             f'"int8" or "none" (both dequantize it)'
         )
+
+
+def _pad_fp8(w: Fp8Weight, rows: int = 0, cols: int = 0) -> Fp8Weight:
+    """w with `rows` zero rows / `cols` zero columns appended inside its last block (the scales
+    keep their shape: the caller pads within one block)."""
+    raw = torch.nn.functional.pad(w.weight.view(torch.uint8), (0, cols, 0, rows))  # fp8 0 = 0x00
+    return w._replace(weight=raw.view(torch.float8_e4m3fn))
 
 
 def _stacked_fp8(parts: list[Fp8Weight]) -> tuple[torch.Tensor, torch.Tensor]:

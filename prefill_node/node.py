@@ -106,6 +106,7 @@ class PrefillNode:
             "num_pages": self.pool.num_pages,
             "page_size": self.pool.page_size,
             "version": package_version(),
+            "quant": self.model.quant,  # the weights' scheme (issue 9): "none" | "int8" | "fp8"
         }
 
     def begin_drain(self) -> None:

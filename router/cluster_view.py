@@ -8,8 +8,9 @@ not. Each joins three sources:
   - the router's own state: status, error, `last_heartbeat_s` (seconds since the node was last
     heard from: a heartbeat or its NodeReady), `active` (the router's unfinished requests on it).
 
-`quantization`: the config has no quantization setting yet. Weights run in the cluster dtype
-(FP8 checkpoints are dequantized at load), so it names that dtype: "bf16" or "fp32" weights.
+`quantization`: what the node's weights run in: its `quant` scheme ("int8", "fp8"; from its
+NodeReady, else the config), or with quant "none" the dtype ("bf16", "fp32"; FP8 checkpoints
+are then dequantized at load).
 `version` is the router's package version at the top, each node's own (from its NodeReady) per
 node; None for a node not heard from since the router started.
 """
@@ -66,7 +67,7 @@ def node_view(
         "device": node.device,
         "threads": node.threads,
         "dtype": dtype,
-        "quantization": _SHORT_DTYPE.get(dtype, dtype),
+        "quantization": _weights_form(str(info.get("quant", node.quant)), dtype),
         "page_size": state.page_size if is_decode else node.page_size,
         "ranks": int(info.get("ranks", node.ranks)) if is_decode else 1,
         "kv_pages": _kv_pages(state) if is_decode else None,
@@ -80,6 +81,10 @@ def node_view(
         "draining": bool(hb.draining) if hb else state.status == "draining",
         "version": info.get("version"),
     }
+
+
+def _weights_form(quant: str, dtype: str) -> str:
+    return quant if quant != "none" else _SHORT_DTYPE.get(dtype, dtype)
 
 
 def _kv_pages(state: NodeState) -> dict[str, int | None]:

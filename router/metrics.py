@@ -26,6 +26,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.cluster_config import SlaConfig
+from engine.quant_schemes import QUANT_SCHEMES
 from router.nodes import NodeRegistry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -203,9 +204,16 @@ class NodeCollector:
             "duet_node_preemptions", "Requests a decode node preempted (heartbeat)", labels=labels
         )
         prefix = PrefixCacheFamilies(labels)  # prefix cache (issue 10)
+        # Weight quantization (issue 9): 1 with the scheme a ready node reported in NodeReady.
+        quant = GaugeMetricFamily(
+            "duet_node_quant_info", "The node's weight quantization (1; label quant)",
+            labels=[*labels, "quant"],
+        )  # fmt: skip
         for n in self.nodes.nodes.values():
             lv = [n.name, n.role]
             up.add_metric(lv, 1.0 if n.is_ready else 0.0)
+            if n.info.get("quant") in QUANT_SCHEMES:  # a known name only: labels stay bounded
+                quant.add_metric([*lv, n.info["quant"]], 1.0)
             hb = n.heartbeat
             if hb is None:
                 continue
@@ -243,6 +251,7 @@ class NodeCollector:
         yield from (dropped, malformed, router_malformed, cancelled, draining, stage_ms)
         yield from (share, sla)
         yield preempted
+        yield quant
         yield from prefix.families()
 
 
