@@ -12,6 +12,7 @@
 #include "common.h"
 #include "cpu_features.h"
 #include "gemm_kernels.h"
+#include "vec.h"
 
 namespace py = pybind11;
 
@@ -39,17 +40,13 @@ void pack_pair_portable(const bf16_t* row0, const bf16_t* row1, int64_t cols, bf
 
 DUET_TARGET_AVX512 void pack_pair_avx512(const bf16_t* row0, const bf16_t* row1, int64_t cols,
                                          bf16_t* dst) {
-  const __mmask32 m = cols >= 32 ? ~__mmask32{0} : ((__mmask32{1} << cols) - 1);
+  const __mmask32 m = vec::mask32(cols);
   const __m512i v0 = _mm512_maskz_loadu_epi16(m, row0);
   const __m512i v1 = row1 != nullptr ? _mm512_maskz_loadu_epi16(m, row1) : _mm512_setzero_si512();
-  // Element 2j+t of the output takes element j of v0 (t = 0) or of v1 (t = 1, index 32 + j).
-  alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5,
-                                                37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42,
-                                                11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i low = _mm512_load_si512(kLow);
-  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
-  _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(v0, low, v1));
-  _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(v0, high, v1));
+  __m512i lo, hi;
+  vec::interleave_pairs(v0, v1, &lo, &hi);
+  _mm512_storeu_si512(dst, lo);
+  _mm512_storeu_si512(dst + 32, hi);
 }
 
 // One (batch, panel) task: pack K chunks of the panel, run all 6-row tiles, store bf16.

@@ -1,12 +1,12 @@
-// Shared helpers of the CPU kernels: dtype tags, bf16 conversion, ISA target attributes,
-// and the one place threads are used (OpenMP; the count is set through runtime.cpp).
+// Shared helpers of the CPU kernels: dtype tags, ISA target attributes, and the one place threads
+// are used (OpenMP; the count is set through runtime.cpp). Element and vector helpers (bf16
+// conversion, lane masks, exp) are in vec.h.
 #pragma once
 
 #include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <initializer_list>
 #include <stdexcept>
 #include <string>
@@ -58,22 +58,6 @@ inline void check_dtypes(const char* op, const std::vector<int>& tags,
     }
     ++i;
   }
-}
-
-inline float bf16_to_float(bf16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-// Round to nearest even, as torch does; NaN stays NaN.
-inline bf16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<bf16_t>(bits >> 16);
 }
 
 // Per-function ISA targets: one binary carries every path and runtime dispatch picks one.

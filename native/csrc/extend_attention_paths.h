@@ -53,12 +53,12 @@ struct PortablePath {
 
   static void pack_k(float* dst, const Dims& d, const T* k, int64_t stride, int64_t n_len) {
     for (int64_t j = 0; j < n_len; ++j) {
-      for (int64_t i = 0; i < d.dqk; ++i) dst[j * d.dqk + i] = to_float(k[j * stride + i]);
+      for (int64_t i = 0; i < d.dqk; ++i) dst[j * d.dqk + i] = vec::to_f32(k[j * stride + i]);
     }
   }
   static void pack_v(float* dst, const Dims& d, const T* v, int64_t stride, int64_t n_len) {
     for (int64_t j = 0; j < n_len; ++j) {
-      for (int64_t i = 0; i < d.dv; ++i) dst[j * d.dv + i] = to_float(v[j * stride + i]);
+      for (int64_t i = 0; i < d.dv; ++i) dst[j * d.dv + i] = vec::to_f32(v[j * stride + i]);
     }
   }
 
@@ -74,7 +74,7 @@ struct PortablePath {
 
   static void load_q(Work& w, const Dims& d, const T* q, int64_t stride, int64_t m_len) {
     for (int64_t r = 0; r < m_len; ++r) {
-      for (int64_t i = 0; i < d.dqk; ++i) w.q[r * d.dqk + i] = to_float(q[r * stride + i]);
+      for (int64_t i = 0; i < d.dqk; ++i) w.q[r * d.dqk + i] = vec::to_f32(q[r * stride + i]);
     }
   }
 
@@ -115,7 +115,7 @@ struct PortablePath {
     for (int64_t r = 0; r < m_len; ++r) {
       const float inv = 1.0f / w.l[r];
       for (int64_t i = 0; i < d.dv; ++i)
-        out[r * stride + i] = from_float<T>(w.o[r * d.dv + i] * inv);
+        out[r * stride + i] = vec::from_f32<T>(w.o[r * d.dv + i] * inv);
     }
   }
 };
@@ -127,7 +127,7 @@ struct StoreF32 {
 };
 struct StoreBf16 {
   DUET_TARGET_AVX512_BF16 void operator()(bf16_t* p, __m512 v) const {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), vec::f32x16_to_bf16_insn(v));
   }
 };
 
@@ -149,7 +149,7 @@ DUET_TARGET_AVX512 inline __attribute__((always_inline)) void softmax_rows(
     }
     __m512 vmax = _mm512_set1_ps(kNegInf);
     for (int64_t j = 0; j < nv; j += 16) {
-      vmax = _mm512_mask_max_ps(vmax, mask16(nv - j), vmax, _mm512_loadu_ps(sr + j));
+      vmax = _mm512_mask_max_ps(vmax, vec::mask16(nv - j), vmax, _mm512_loadu_ps(sr + j));
     }
     const float m_new = std::max(m[r], _mm512_reduce_max_ps(vmax) * scale);
     const __m512 vscale = _mm512_set1_ps(scale);
@@ -159,7 +159,7 @@ DUET_TARGET_AVX512 inline __attribute__((always_inline)) void softmax_rows(
       __m512 e = _mm512_setzero_ps();
       if (j < nv) {
         const __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(sr + j), vscale, vneg_m);
-        e = _mm512_maskz_mov_ps(mask16(nv - j), exp_neg<ExpDegree>(x));
+        e = _mm512_maskz_mov_ps(vec::mask16(nv - j), vec::exp16_nonpos<ExpDegree>(x));
         vsum = _mm512_add_ps(vsum, e);
       }
       store_p(pr + j, e);
@@ -189,8 +189,8 @@ DUET_TARGET_AVX512 void store_rows(const float* o, int64_t ld, const float* l, i
   for (int64_t r = 0; r < m_len; ++r) {
     const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
     for (int64_t i = 0; i < dv; i += 16) {
-      store_f32(out + r * stride + i, _mm512_mul_ps(_mm512_loadu_ps(o + r * ld + i), inv),
-                mask16(dv - i));
+      vec::store16(out + r * stride + i, _mm512_mul_ps(_mm512_loadu_ps(o + r * ld + i), inv),
+                   vec::mask16(dv - i));
     }
   }
 }
@@ -282,7 +282,7 @@ struct F32Path {
 
   struct LoadRow {
     DUET_TARGET_AVX512 __m512i operator()(const T* row, int64_t w0, int64_t count) const {
-      return _mm512_castps_si512(load_f32(row + w0, mask16(count)));
+      return _mm512_castps_si512(vec::load16(row + w0, vec::mask16(count)));
     }
   };
 
@@ -297,7 +297,8 @@ struct F32Path {
     const int64_t dv_pad = round_up(d.dv, 16);
     for (int64_t j = 0; j < n_len; ++j) {
       for (int64_t i = 0; i < dv_pad; i += 16) {
-        _mm512_storeu_ps(dst + j * dv_pad + i, load_f32(v + j * stride + i, mask16(d.dv - i)));
+        const __m512 x = vec::load16(v + j * stride + i, vec::mask16(d.dv - i));
+        _mm512_storeu_ps(dst + j * dv_pad + i, x);
       }
     }
   }
@@ -320,9 +321,9 @@ struct F32Path {
     const int64_t m_pad = round_up(m_len, kRows);
     for (int64_t r = 0; r < m_pad; ++r) {
       for (int64_t i = 0; i < d.dqk; i += 16) {
-        const __m512 x =
-            r < m_len ? load_f32(q + r * stride + i, mask16(d.dqk - i)) : _mm512_setzero_ps();
-        _mm512_mask_storeu_ps(w.q + r * d.dqk + i, mask16(d.dqk - i), x);
+        const __mmask16 mk = vec::mask16(d.dqk - i);
+        const __m512 x = r < m_len ? vec::load16(q + r * stride + i, mk) : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(w.q + r * d.dqk + i, mk, x);
       }
     }
   }
@@ -370,7 +371,7 @@ struct Bf16Path {
   struct LoadPairs {
     int64_t dqk;
     DUET_TARGET_AVX512 __m512i operator()(const bf16_t* row, int64_t w0, int64_t) const {
-      return _mm512_maskz_loadu_epi16(mask32(dqk - 2 * w0), row + 2 * w0);
+      return _mm512_maskz_loadu_epi16(vec::mask32(dqk - 2 * w0), row + 2 * w0);
     }
   };
 
@@ -388,12 +389,12 @@ struct Bf16Path {
       const bf16_t* b = v + (j + 1) * stride;
       uint32_t* row = dst + (j / 2) * dv_pad;
       for (int64_t i = 0; i < dv_pad; i += 32) {
-        const __mmask32 mk = mask32(d.dv - i);
+        const __mmask32 mk = vec::mask32(d.dv - i);
         const __m512i ra = _mm512_maskz_loadu_epi16(mk, a + i);
         const __m512i rb =
             j + 1 < n_len ? _mm512_maskz_loadu_epi16(mk, b + i) : _mm512_setzero_si512();
         __m512i lo, hi;
-        interleave_pairs(ra, rb, &lo, &hi);
+        vec::interleave_pairs(ra, rb, &lo, &hi);
         _mm512_storeu_si512(row + i, lo);
         if (i + 16 < dv_pad) _mm512_storeu_si512(row + i + 16, hi);
       }
@@ -422,9 +423,9 @@ struct Bf16Path {
       bf16_t* dst = reinterpret_cast<bf16_t*>(w.q + r * w.dqp);
       for (int64_t i = 0; i < width; i += 32) {
         const __m512i x = r < m_len
-                              ? _mm512_maskz_loadu_epi16(mask32(d.dqk - i), q + r * stride + i)
+                              ? _mm512_maskz_loadu_epi16(vec::mask32(d.dqk - i), q + r * stride + i)
                               : _mm512_setzero_si512();
-        _mm512_mask_storeu_epi16(dst + i, mask32(width - i), x);
+        _mm512_mask_storeu_epi16(dst + i, vec::mask32(width - i), x);
       }
     }
   }

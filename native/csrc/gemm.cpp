@@ -17,12 +17,9 @@
 #include "common.h"
 #include "cpu_features.h"
 #include "gemm_kernels.h"
+#include "vec.h"
 
 namespace py = pybind11;
-
-// GCC 12 reports the undefined-vector idiom inside avx512fintrin.h's shift/convert intrinsics as
-// "maybe uninitialized" once inlined here: a known false positive.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 namespace duet {
 namespace {
@@ -41,11 +38,11 @@ void tile_portable(int rows, int num_blocks, const bf16_t* const* a_rows,
     for (int i = 0; i < num_blocks; ++i) {
       float* acc_blk = acc + i * kPackBlockN;
       for (int64_t kp = 0; kp < k_pairs; ++kp) {
-        const float a0 = bf16_to_float(a_rows[r][2 * kp]);
-        const float a1 = bf16_to_float(a_rows[r][2 * kp + 1]);
+        const float a0 = vec::bf16_to_f32(a_rows[r][2 * kp]);
+        const float a1 = vec::bf16_to_f32(a_rows[r][2 * kp + 1]);
         const bf16_t* b = b_blocks[i] + kp * 2 * kPackBlockN;
         for (int j = 0; j < kPackBlockN; ++j) {
-          acc_blk[j] += a0 * bf16_to_float(b[2 * j]) + a1 * bf16_to_float(b[2 * j + 1]);
+          acc_blk[j] += a0 * vec::bf16_to_f32(b[2 * j]) + a1 * vec::bf16_to_f32(b[2 * j + 1]);
         }
       }
     }
@@ -64,12 +61,6 @@ DUET_TARGET_AVX512_BF16 void tile_avx512_bf16(const bf16_t* const* a_rows,
                                               float* c, int64_t ldc, bool accumulate) {
   constexpr int kVecs = 2 * BLOCKS;
   __m512 acc[ROWS][kVecs];
-  const int32_t* a[ROWS];
-  const bf16_t* b[BLOCKS];
-#pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r) a[r] = reinterpret_cast<const int32_t*>(a_rows[r]);
-#pragma GCC unroll 4
-  for (int i = 0; i < BLOCKS; ++i) b[i] = b_blocks[i];
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) {
 #pragma GCC unroll 8
@@ -77,19 +68,7 @@ DUET_TARGET_AVX512_BF16 void tile_avx512_bf16(const bf16_t* const* a_rows,
       acc[r][v] = accumulate ? _mm512_loadu_ps(c + r * ldc + 16 * v) : _mm512_setzero_ps();
     }
   }
-  for (int64_t kp = 0; kp < k_pairs; ++kp) {
-    __m512bh w[kVecs];
-#pragma GCC unroll 8
-    for (int v = 0; v < kVecs; ++v) {
-      w[v] = (__m512bh)_mm512_loadu_si512(b[v / 2] + kp * 2 * kPackBlockN + 32 * (v % 2));
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(a[r][kp]);
-#pragma GCC unroll 8
-      for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], w[v], x);
-    }
-  }
+  tile_bf16_accumulate<ROWS, BLOCKS>(acc, a_rows, b_blocks, k_pairs);
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) {
 #pragma GCC unroll 8
@@ -173,42 +152,10 @@ TileFn tile_fn(Isa isa, int rows, int blocks) {
 
 // ---- epilogues -------------------------------------------------------------------------------
 
-inline __mmask16 lane_mask(int64_t remaining) {
-  return remaining >= 16 ? static_cast<__mmask16>(0xffff)
-                         : static_cast<__mmask16>((1u << remaining) - 1u);
-}
-
-// fp32 -> bf16 bits, round to nearest even, NaN kept quiet (matches float_to_bf16).
-DUET_TARGET_AVX512 inline __m256i to_bf16_avx512(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-
-// e^x for |x| up to ~88 (beyond: 0 or inf, never NaN): 2^n * p(r), r = x - n ln2, |r| <= ln2/2.
-DUET_TARGET_AVX512 inline __m512 exp_avx512(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(100.f)), _mm512_set1_ps(-100.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 DUET_TARGET_AVX512 void store_row_avx512(const float* src, bf16_t* dst, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = lane_mask(n - i);
-    _mm256_mask_storeu_epi16(dst + i, m, to_bf16_avx512(_mm512_maskz_loadu_ps(m, src + i)));
+    const __mmask16 m = vec::mask16(n - i);
+    vec::store16(dst + i, vec::load16(src + i, m), m);
   }
 }
 
@@ -216,22 +163,19 @@ DUET_TARGET_AVX512 void silu_mul_avx512(const float* gate, const float* up, bf16
                                         int64_t n) {
   const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = lane_mask(n - i);
-    const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
-    const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    const __m512 h = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)),
-                                   _mm512_maskz_loadu_ps(m, up + i));
-    _mm256_mask_storeu_epi16(dst + i, m, to_bf16_avx512(h));
+    const __mmask16 m = vec::mask16(n - i);
+    const __m512 g = vec::load16(gate + i, m);
+    const __m512 e = vec::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 h = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), vec::load16(up + i, m));
+    vec::store16(dst + i, h, m);
   }
 }
 
 DUET_TARGET_AVX512 void axpy_avx512(float alpha, const float* src, float* dst, int64_t n) {
   const __m512 va = _mm512_set1_ps(alpha);
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = lane_mask(n - i);
-    const __m512 y = _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, src + i),
-                                     _mm512_maskz_loadu_ps(m, dst + i));
-    _mm512_mask_storeu_ps(dst + i, m, y);
+    const __mmask16 m = vec::mask16(n - i);
+    vec::store16(dst + i, _mm512_fmadd_ps(va, vec::load16(src + i, m), vec::load16(dst + i, m)), m);
   }
 }
 
@@ -252,13 +196,13 @@ void tile_gemm(Isa isa, int rows, int num_blocks, const bf16_t* const* a_rows,
 
 void store_row_bf16(Isa isa, const float* src, bf16_t* dst, int64_t n) {
   if (isa >= Isa::kAvx512) return store_row_avx512(src, dst, n);
-  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+  for (int64_t i = 0; i < n; ++i) dst[i] = vec::f32_to_bf16(src[i]);
 }
 
 void silu_mul_row_bf16(Isa isa, const float* gate, const float* up, bf16_t* dst, int64_t n) {
   if (isa >= Isa::kAvx512) return silu_mul_avx512(gate, up, dst, n);
   for (int64_t i = 0; i < n; ++i) {
-    dst[i] = float_to_bf16(gate[i] / (1.f + std::exp(-gate[i])) * up[i]);
+    dst[i] = vec::f32_to_bf16(gate[i] / (1.f + std::exp(-gate[i])) * up[i]);
   }
 }
 

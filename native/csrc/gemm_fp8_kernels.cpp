@@ -216,27 +216,12 @@ DUET_TARGET_AVX512_BF16 void tile_scaled(const bf16_t* const* a_rows,
                                          int64_t pairs, float* c, int64_t ldc) {
   constexpr int kVecs = 2 * BLOCKS;
   __m512 acc[ROWS][kVecs];
-  const int32_t* a[ROWS];
-#pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r) a[r] = reinterpret_cast<const int32_t*>(a_rows[r]);
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) {
 #pragma GCC unroll 8
     for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
   }
-  for (int64_t kp = 0; kp < pairs; ++kp) {
-    __m512bh w[kVecs];
-#pragma GCC unroll 8
-    for (int v = 0; v < kVecs; ++v) {
-      w[v] = (__m512bh)_mm512_loadu_si512(b_blocks[v / 2] + kp * 2 * kPackBlockN + 32 * (v % 2));
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(a[r][kp]);
-#pragma GCC unroll 8
-      for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], w[v], x);
-    }
-  }
+  tile_bf16_accumulate<ROWS, BLOCKS>(acc, a_rows, b_blocks, pairs);
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) {
 #pragma GCC unroll 8

@@ -9,11 +9,7 @@
 #include <cstring>
 
 #include "gemm_int8.h"
-
-// GCC 12 reports the undefined-vector idiom inside avx512fintrin.h's convert and reduce
-// intrinsics as "(maybe) uninitialized" once inlined here: a known false positive (as in gemm.cpp).
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
+#include "vec.h"
 
 namespace duet {
 namespace {
@@ -22,11 +18,6 @@ inline int32_t load_i32(const uint8_t* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof(v));
   return v;
-}
-
-inline __mmask16 lanes16(int64_t remaining) {
-  return remaining >= 16 ? static_cast<__mmask16>(0xffff)
-                         : static_cast<__mmask16>((1u << remaining) - 1u);
 }
 
 // ---- activation quantization -----------------------------------------------------------------
@@ -45,12 +36,7 @@ inline uint8_t quantize_one(float v, float inv) {
   return static_cast<uint8_t>(static_cast<int>(std::min(127.f, std::max(-127.f, r))) + 128);
 }
 
-template <typename T>
-float to_f32(T v);
-template <>
-float to_f32<float>(float v) { return v; }
-template <>
-float to_f32<bf16_t>(bf16_t v) { return bf16_to_float(v); }
+using vec::to_f32;
 
 template <typename T>
 void quantize_row_portable(const T* x, int64_t k, int64_t padded, uint8_t* q, float* scale) {
@@ -62,20 +48,12 @@ void quantize_row_portable(const T* x, int64_t k, int64_t padded, uint8_t* q, fl
   for (int64_t i = k; i < padded; ++i) q[i] = 128;
 }
 
-DUET_TARGET_AVX512 inline __m512 load16_avx512(const float* x, __mmask16 m) {
-  return _mm512_maskz_loadu_ps(m, x);
-}
-DUET_TARGET_AVX512 inline __m512 load16_avx512(const bf16_t* x, __mmask16 m) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
 template <typename T>
 DUET_TARGET_AVX512 void quantize_row_avx512(const T* x, int64_t k, int64_t padded, uint8_t* q,
                                             float* scale) {
   __m512 vmax = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; i += 16) {
-    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16_avx512(x + i, lanes16(k - i))));
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(vec::load16(x + i, vec::mask16(k - i))));
   }
   float inv;
   row_scales(_mm512_reduce_max_ps(vmax), &inv, scale);
@@ -83,9 +61,9 @@ DUET_TARGET_AVX512 void quantize_row_avx512(const T* x, int64_t k, int64_t padde
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
   const __m512i zero_point = _mm512_set1_epi32(128);
   for (int64_t i = 0; i < k; i += 16) {
-    const __mmask16 m = lanes16(k - i);
+    const __mmask16 m = vec::mask16(k - i);
     // cvtps_epi32 rounds by MXCSR: half to even by default, as nearbyint and torch.round.
-    __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16_avx512(x + i, m), vinv));
+    __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(vec::load16(x + i, m), vinv));
     v = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(v, lo), hi), zero_point);
     _mm_mask_storeu_epi8(q + i, m, _mm512_cvtepi32_epi8(v));
   }
@@ -326,12 +304,12 @@ DUET_TARGET_AVX512 void dequant_row_avx512(const int32_t* acc, const int32_t* co
                                            int64_t n) {
   const __m512 va = _mm512_set1_ps(a_scale);
   for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 m = lanes16(n - j);
+    const __mmask16 m = vec::mask16(n - j);
     const __m512i sums = _mm512_sub_epi32(_mm512_maskz_loadu_epi32(m, acc + j),
                                           _mm512_maskz_loadu_epi32(m, comp + j));
-    const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), va),
-                                   _mm512_maskz_loadu_ps(m, w_scale + j));
-    _mm512_mask_storeu_ps(out + j, m, y);
+    const __m512 y =
+        _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), va), vec::load16(w_scale + j, m));
+    vec::store16(out + j, y, m);
   }
 }
 

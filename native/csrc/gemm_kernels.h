@@ -3,6 +3,8 @@
 // without copying), fp32 results into a small tile that each caller finishes with its own epilogue.
 #pragma once
 
+#include <immintrin.h>
+
 #include <cstdint>
 
 #include "common.h"
@@ -46,6 +48,37 @@ inline int64_t tile_begin(int64_t i, int64_t rows) { return i * rows / tile_coun
 void tile_gemm(Isa isa, int rows, int num_blocks, const bf16_t* const* a_rows,
                const bf16_t* const* b_blocks, int64_t k_pairs, float* c, int64_t ldc,
                bool accumulate);
+
+// The k loop of the vdpbf16ps register tile, shared by gemm.cpp's tile and the fp8 kernels' scaled
+// tile (which differ only in how acc starts and is stored): per k-pair, the 2 * BLOCKS weight
+// vectors are loaded once and each row's broadcast activation pair multiplies all of them:
+//   acc[r][v] lane j += sum_{kp < k_pairs, t < 2} a_rows[r][2kp + t] * b_blocks[v / 2][kp][j'][t]
+// with j' = 16 (v % 2) + j. Inlined into the caller (compile-time bounds): acc stays in registers.
+template <int ROWS, int BLOCKS>
+DUET_TARGET_AVX512_BF16 inline __attribute__((always_inline)) void tile_bf16_accumulate(
+    __m512 (&acc)[ROWS][2 * BLOCKS], const bf16_t* const* a_rows, const bf16_t* const* b_blocks,
+    int64_t k_pairs) {
+  constexpr int kVecs = 2 * BLOCKS;
+  const int32_t* a[ROWS];
+  const bf16_t* b[BLOCKS];
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) a[r] = reinterpret_cast<const int32_t*>(a_rows[r]);
+#pragma GCC unroll 4
+  for (int i = 0; i < BLOCKS; ++i) b[i] = b_blocks[i];
+  for (int64_t kp = 0; kp < k_pairs; ++kp) {
+    __m512bh w[kVecs];
+#pragma GCC unroll 8
+    for (int v = 0; v < kVecs; ++v) {
+      w[v] = (__m512bh)_mm512_loadu_si512(b[v / 2] + kp * 2 * kPackBlockN + 32 * (v % 2));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(a[r][kp]);
+#pragma GCC unroll 8
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], w[v], x);
+    }
+  }
+}
 
 // Epilogue helpers (vectorized per isa):
 // dst[i] = bf16(src[i]) for i < n.

@@ -61,7 +61,9 @@ struct PortablePath {
 
   static void begin(Work& w, const Dims& d, const T* q, int64_t head_stride) {
     for (int64_t h = 0; h < d.heads; ++h) {
-      for (int64_t i = 0; i < d.width; ++i) w.q[h * d.width + i] = to_float(q[h * head_stride + i]);
+      for (int64_t i = 0; i < d.width; ++i) {
+        w.q[h * d.width + i] = vec::to_f32(q[h * head_stride + i]);
+      }
     }
     std::fill(w.m, w.m + d.heads, kNegInf);
     std::fill(w.l, w.l + d.heads, 0.0f);
@@ -75,7 +77,7 @@ struct PortablePath {
       float row_max = kNegInf;
       for (int64_t j = 0; j < n_len; ++j) {
         float acc = 0.0f;
-        for (int64_t i = 0; i < d.width; ++i) acc += w.q[h * d.width + i] * to_float(rows[j][i]);
+        for (int64_t i = 0; i < d.width; ++i) acc += w.q[h * d.width + i] * vec::to_f32(rows[j][i]);
         s[j] = acc * scale;
         row_max = std::max(row_max, s[j]);
       }
@@ -87,7 +89,7 @@ struct PortablePath {
       for (int64_t j = 0; j < n_len; ++j) {
         const float p = std::exp(s[j] - m_new);
         sum += p;
-        for (int64_t i = 0; i < d.rank; ++i) o[i] += p * to_float(rows[j][i]);
+        for (int64_t i = 0; i < d.rank; ++i) o[i] += p * vec::to_f32(rows[j][i]);
       }
       w.m[h] = m_new;
       w.l[h] = w.l[h] * alpha + sum;
@@ -100,7 +102,7 @@ struct PortablePath {
     for (int64_t h = 0; h < d.heads; ++h) {
       const float inv = 1.0f / w.l[h];
       for (int64_t i = 0; i < d.rank; ++i) {
-        out[h * d.rank + i] = from_float<U>(w.o[h * d.rank + i] * inv);
+        out[h * d.rank + i] = vec::from_f32<U>(w.o[h * d.rank + i] * inv);
       }
       if (lse) lse[h] = w.m[h] + std::log(w.l[h]);
     }
@@ -128,13 +130,13 @@ DUET_TARGET_AVX512 inline __attribute__((always_inline)) void softmax_heads(
     // alpha = exp(m_old - m_new); m_old = -inf on the first chunk gives 0.
     const __m512 a =
         _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_old, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ),
-                            exp_neg<6>(_mm512_add_ps(m_old, neg_m)));
+                            vec::exp16_nonpos<6>(_mm512_add_ps(m_old, neg_m)));
     __m512 vsum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n_len; j += 2) {
-      const __m512 p0 = exp_neg<ExpDegree>(
+      const __m512 p0 = vec::exp16_nonpos<ExpDegree>(
           _mm512_fmadd_ps(_mm512_loadu_ps(s + j * heads_pad + h), vscale, neg_m));
       const __m512 p1 = j + 1 < n_len
-                            ? exp_neg<ExpDegree>(_mm512_fmadd_ps(
+                            ? vec::exp16_nonpos<ExpDegree>(_mm512_fmadd_ps(
                                   _mm512_loadu_ps(s + (j + 1) * heads_pad + h), vscale, neg_m))
                             : _mm512_setzero_ps();
       vsum = _mm512_add_ps(vsum, _mm512_add_ps(p0, p1));
@@ -164,12 +166,12 @@ DUET_TARGET_AVX512 void finish_rows(const float* o, int64_t ld, const float* m, 
       for (int64_t i = 0; i < d.rank; i += 32) {
         const __m512 x = _mm512_loadu_ps(oh + i), y = _mm512_loadu_ps(oh + i + 16);
         const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
-        store_f32(dst + i, _mm512_mul_ps(_mm512_permutex2var_ps(x, lo, y), inv), 0xffff);
-        store_f32(dst + i + 16, _mm512_mul_ps(_mm512_permutex2var_ps(x, hi, y), inv), 0xffff);
+        vec::store16(dst + i, _mm512_mul_ps(_mm512_permutex2var_ps(x, lo, y), inv), 0xffff);
+        vec::store16(dst + i + 16, _mm512_mul_ps(_mm512_permutex2var_ps(x, hi, y), inv), 0xffff);
       }
     } else {
       for (int64_t i = 0; i < d.rank; i += 16) {
-        store_f32(dst + i, _mm512_mul_ps(_mm512_loadu_ps(oh + i), inv), mask16(d.rank - i));
+        vec::store16(dst + i, _mm512_mul_ps(_mm512_loadu_ps(oh + i), inv), vec::mask16(d.rank - i));
       }
     }
     if (lse) lse[h] = m[h] + std::log(l[h]);
@@ -231,7 +233,7 @@ struct F32Path {
     std::fill(w.q, w.q + d.width * d.heads_pad, 0.0f);
     for (int64_t h = 0; h < d.heads; ++h) {
       for (int64_t i = 0; i < d.width; ++i) {
-        w.q[i * d.heads_pad + h] = to_float(q[h * head_stride + i]);
+        w.q[i * d.heads_pad + h] = vec::to_f32(q[h * head_stride + i]);
       }
     }
     std::fill(w.m, w.m + d.heads_pad, kNegInf);
@@ -258,8 +260,9 @@ struct F32Path {
     for (int64_t j = 0; j < round_up(n_len, kMaxRowTile); ++j) {
       float* dst = w.k + j * w.width_pad;
       for (int64_t i = 0; i < w.width_pad; i += 16) {
-        _mm512_storeu_ps(
-            dst + i, j < n_len ? load_f32(rows[j] + i, mask16(d.width - i)) : _mm512_setzero_ps());
+        const __m512 x =
+            j < n_len ? vec::load16(rows[j] + i, vec::mask16(d.width - i)) : _mm512_setzero_ps();
+        _mm512_storeu_ps(dst + i, x);
       }
     }
   }
@@ -325,9 +328,10 @@ struct Bf16Path {
     for (int64_t h0 = 0; h0 < d.heads_pad; h0 += 16) {
       for (int64_t i0 = 0; i0 < wp; i0 += 16) {
         for (int64_t r = 0; r < 16; ++r) {
-          t[r] = h0 + r < d.heads ? _mm512_maskz_loadu_epi16(mask32(d.width - 2 * i0),
-                                                             q + (h0 + r) * head_stride + 2 * i0)
-                                  : _mm512_setzero_si512();
+          const __mmask32 mk = vec::mask32(d.width - 2 * i0);
+          t[r] = h0 + r < d.heads
+                     ? _mm512_maskz_loadu_epi16(mk, q + (h0 + r) * head_stride + 2 * i0)
+                     : _mm512_setzero_si512();
         }
         transpose16x16(t);
         for (int64_t c = 0; c < 16; ++c) {
@@ -349,7 +353,7 @@ struct Bf16Path {
       *lo = _mm512_unpacklo_epi16(a, b);
       *hi = _mm512_unpackhi_epi16(a, b);
     } else {
-      interleave_pairs(a, b, lo, hi);
+      vec::interleave_pairs(a, b, lo, hi);
     }
   }
 
@@ -366,14 +370,14 @@ struct Bf16Path {
       bf16_t* k1 = k0 + 2 * row_words;
       uint32_t* v = w.v + (j / 2) * rank_pad;
       for (int64_t i = 0; i < row_elems; i += 32) {
-        const __mmask32 mk = mask32(width - i);
+        const __mmask32 mk = vec::mask32(width - i);
         const __m512i a = has0 ? _mm512_maskz_loadu_epi16(mk, rows[j] + i) : _mm512_setzero_si512();
         const __m512i b =
             has1 ? _mm512_maskz_loadu_epi16(mk, rows[j + 1] + i) : _mm512_setzero_si512();
         _mm512_storeu_si512(k0 + i, a);
         _mm512_storeu_si512(k1 + i, b);
         if (i < rank_pad) {
-          const __mmask32 mv = mask32(rank - i);
+          const __mmask32 mv = vec::mask32(rank - i);
           __m512i lo, hi;
           pair_values(d, _mm512_maskz_mov_epi16(mv, a), _mm512_maskz_mov_epi16(mv, b), &lo, &hi);
           _mm512_storeu_si512(v + i, lo);
@@ -402,7 +406,7 @@ struct Bf16Path {
         }
       }
       for (; i < rank_pad; i += 32) {  // the column tail, or a last row without a partner
-        const __mmask32 mk = mask32(rank - i);
+        const __mmask32 mk = vec::mask32(rank - i);
         const __m512i rb =
             b != nullptr ? _mm512_maskz_loadu_epi16(mk, b + i) : _mm512_setzero_si512();
         pair_values(d, _mm512_maskz_loadu_epi16(mk, a + i), rb, &lo, &hi);
@@ -494,7 +498,7 @@ void merge_head_scalar(const Dims& d, int64_t num_splits, const float* partial, 
   for (int64_t i = 0; i < d.rank; ++i) {
     float acc = 0.0f;
     for (int64_t s = 0; s < num_splits; ++s) acc += weights[s] * partial[s * d.heads * d.rank + i];
-    out[i] = from_float<T>(acc);
+    out[i] = vec::from_f32<T>(acc);
   }
 }
 
@@ -503,13 +507,13 @@ DUET_TARGET_AVX512 void merge_head_avx512(const Dims& d, int64_t num_splits, con
                                           const float* lse, float* weights, T* out) {
   split_weights(num_splits, lse, d.heads, weights);
   for (int64_t i = 0; i < d.rank; i += 16) {
-    const __mmask16 mk = mask16(d.rank - i);
+    const __mmask16 mk = vec::mask16(d.rank - i);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t s = 0; s < num_splits; ++s) {
       acc = _mm512_fmadd_ps(_mm512_set1_ps(weights[s]),
                             _mm512_maskz_loadu_ps(mk, partial + s * d.heads * d.rank + i), acc);
     }
-    store_f32(out + i, acc, mk);
+    vec::store16(out + i, acc, mk);
   }
 }
 

@@ -16,9 +16,9 @@ namespace py = pybind11;
 namespace duet {
 namespace {
 
-using small::from_f32;
-using small::round_to;
-using small::to_f32;
+using vec::from_f32;
+using vec::round_to;
+using vec::to_f32;
 
 // Rows handed to one thread at least (~64K elements: a fork/join costs a few microseconds, and one
 // core nearly saturates memory bandwidth here), so decode batches run inline.
@@ -62,26 +62,24 @@ void silu_mul_row_portable(const T* gate, const T* up, T* out, int64_t n) {
 template <class Cvt, typename T, bool kFused>
 DUET_TARGET_SMALL inline __m512 rms_load(const T* x, const T* res, T* sum, int64_t i,
                                          __mmask16 m) {
-  using namespace small;
   if constexpr (!kFused) {
-    return load16(x + i, m);
+    return vec::load16(x + i, m);
   } else {
-    return store_round16<Cvt>(sum + i, _mm512_add_ps(load16(x + i, m), load16(res + i, m)), m);
+    const __m512 s = _mm512_add_ps(vec::load16(x + i, m), vec::load16(res + i, m));
+    return small::store_round16<Cvt>(sum + i, s, m);
   }
 }
 
 template <class Cvt, typename T>
 DUET_TARGET_SMALL inline void rms_store(const T* src, const T* w, T* out, __m512 r, __mmask16 m) {
-  using namespace small;
-  const __m512 y = round16<Cvt, T>(_mm512_mul_ps(load16(src, m), r));
-  store16<Cvt>(out, _mm512_mul_ps(load16(w, m), y), m);
+  const __m512 y = small::round16<Cvt, T>(_mm512_mul_ps(vec::load16(src, m), r));
+  small::store16<Cvt>(out, _mm512_mul_ps(vec::load16(w, m), y), m);
 }
 
 template <class Cvt, typename T, bool kFused>
 DUET_TARGET_SMALL void rms_row_avx512(const T* x, const T* res, const T* w, T* out, T* sum,
                                       int64_t d, float eps) {
-  using namespace small;
-  const __mmask16 all = lane_mask(16);
+  const __mmask16 all = vec::mask16(16);
   // Two accumulators: the adds are latency-bound otherwise.
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   int64_t i = 0;
@@ -92,30 +90,29 @@ DUET_TARGET_SMALL void rms_row_avx512(const T* x, const T* res, const T* w, T* o
     acc1 = _mm512_fmadd_ps(s1, s1, acc1);
   }
   for (; i < d; i += 16) {
-    const __m512 s = rms_load<Cvt, T, kFused>(x, res, sum, i, lane_mask(d - i));
+    const __m512 s = rms_load<Cvt, T, kFused>(x, res, sum, i, vec::mask16(d - i));
     acc0 = _mm512_fmadd_ps(s, s, acc0);
   }
   const float total = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
   const __m512 r = _mm512_set1_ps(1.f / std::sqrt(total / static_cast<float>(d) + eps));
   const T* src = kFused ? sum : x;
   for (i = 0; i + 16 <= d; i += 16) rms_store<Cvt, T>(src + i, w + i, out + i, r, all);
-  if (i < d) rms_store<Cvt, T>(src + i, w + i, out + i, r, lane_mask(d - i));
+  if (i < d) rms_store<Cvt, T>(src + i, w + i, out + i, r, vec::mask16(d - i));
 }
 
 template <class Cvt, typename T>
 DUET_TARGET_SMALL inline void silu_mul16(const T* gate, const T* up, T* out, __mmask16 m) {
-  using namespace small;
-  const __m512 g = load16(gate, m);
-  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  const __m512 g = vec::load16(gate, m);
+  const __m512 e = vec::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
   const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-  store16<Cvt>(out, _mm512_mul_ps(silu, load16(up, m)), m);
+  small::store16<Cvt>(out, _mm512_mul_ps(silu, vec::load16(up, m)), m);
 }
 
 template <class Cvt, typename T>
 DUET_TARGET_SMALL void silu_mul_row_avx512(const T* gate, const T* up, T* out, int64_t n) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) silu_mul16<Cvt, T>(gate + i, up + i, out + i, small::lane_mask(16));
-  if (i < n) silu_mul16<Cvt, T>(gate + i, up + i, out + i, small::lane_mask(n - i));
+  for (; i + 16 <= n; i += 16) silu_mul16<Cvt, T>(gate + i, up + i, out + i, vec::mask16(16));
+  if (i < n) silu_mul16<Cvt, T>(gate + i, up + i, out + i, vec::mask16(n - i));
 }
 
 // ---- drivers ---------------------------------------------------------------------------------

@@ -22,8 +22,8 @@ namespace py = pybind11;
 namespace duet {
 namespace {
 
-using small::from_f32;
-using small::to_f32;
+using vec::from_f32;
+using vec::to_f32;
 
 template <typename T>
 void rope_row_portable(const T* x, T* out, const float* cos, const float* sin, int64_t half) {
@@ -47,7 +47,7 @@ void rope_token_portable(const T* q, int64_t q_head_stride, const T* k, T* q_out
 // 8 pairs: dst = src * cos_lanes + swap_pairs(src) * signed_sin_lanes.
 template <class Cvt, typename T>
 DUET_TARGET_SMALL inline void rotate16(const T* src, T* dst, __m512 c, __m512 s, __mmask16 m) {
-  const __m512 v = small::load16(src, m);
+  const __m512 v = vec::load16(src, m);
   const __m512 swapped = _mm512_permute_ps(v, 0xB1);  // (x1, x0) in every pair
   small::store16<Cvt>(dst, _mm512_add_ps(_mm512_mul_ps(v, c), _mm512_mul_ps(swapped, s)), m);
 }
@@ -56,7 +56,6 @@ template <class Cvt, typename T>
 DUET_TARGET_SMALL void rope_token_avx512(const T* q, int64_t q_head_stride, const T* k, T* q_out,
                                          T* k_out, const float* cos, const float* sin,
                                          int64_t heads, int64_t half) {
-  using namespace small;
   // Lane 2j and 2j+1 both read pair j; sin is negated on the even lanes.
   const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512 sign = _mm512_set_ps(1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1);
@@ -64,8 +63,8 @@ DUET_TARGET_SMALL void rope_token_avx512(const T* q, int64_t q_head_stride, cons
   // Chunk-major: the cos/sin lanes of a chunk are built once and reused by every head.
   for (int64_t i = 0; i < r; i += 16) {
     const int64_t lanes = std::min<int64_t>(16, r - i);
-    const __mmask16 m = lane_mask(lanes);
-    const __mmask16 mh = lane_mask(lanes / 2);
+    const __mmask16 m = vec::mask16(lanes);
+    const __mmask16 mh = vec::mask16(lanes / 2);
     const __m512 c = _mm512_permutexvar_ps(dup, _mm512_maskz_loadu_ps(mh, cos + i / 2));
     const __m512 s =
         _mm512_mul_ps(sign, _mm512_permutexvar_ps(dup, _mm512_maskz_loadu_ps(mh, sin + i / 2)));

@@ -57,47 +57,48 @@ template <typename T>
 void scores_portable(const T* logits, float* scores, int64_t n, bool softmax) {
   if (softmax) {
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, small::to_f32(logits[i]));
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, vec::to_f32(logits[i]));
     float sum = 0.f;
     for (int64_t i = 0; i < n; ++i) {
-      scores[i] = std::exp(small::to_f32(logits[i]) - mx);
+      scores[i] = std::exp(vec::to_f32(logits[i]) - mx);
       sum += scores[i];
     }
     const float inv = 1.f / sum;
     for (int64_t i = 0; i < n; ++i) scores[i] *= inv;
   } else {
-    for (int64_t i = 0; i < n; ++i) scores[i] = 1.f / (1.f + std::exp(-small::to_f32(logits[i])));
+    for (int64_t i = 0; i < n; ++i) scores[i] = 1.f / (1.f + std::exp(-vec::to_f32(logits[i])));
   }
 }
 
 template <typename T>
 DUET_TARGET_SMALL void scores_avx512(const T* logits, float* scores, int64_t n, bool softmax) {
-  using namespace small;
   const __m512 one = _mm512_set1_ps(1.f);
   if (!softmax) {
     for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 m = lane_mask(n - i);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), load16(logits + i, m)));
+      const __mmask16 m = vec::mask16(n - i);
+      const __m512 x = vec::load16(logits + i, m);
+      const __m512 e = vec::exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
       _mm512_mask_storeu_ps(scores + i, m, _mm512_div_ps(one, _mm512_add_ps(one, e)));
     }
     return;
   }
   __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = lane_mask(n - i);
-    mx = _mm512_mask_max_ps(mx, m, mx, load16(logits + i, m));
+    const __mmask16 m = vec::mask16(n - i);
+    mx = _mm512_mask_max_ps(mx, m, mx, vec::load16(logits + i, m));
   }
   const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = lane_mask(n - i);
-    const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(load16(logits + i, m), vmax)));
+    const __mmask16 m = vec::mask16(n - i);
+    const __m512 x = vec::load16(logits + i, m);
+    const __m512 e = _mm512_maskz_mov_ps(m, vec::exp16(_mm512_sub_ps(x, vmax)));
     sum = _mm512_add_ps(sum, e);
     _mm512_mask_storeu_ps(scores + i, m, e);
   }
   const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = lane_mask(n - i);
+    const __mmask16 m = vec::mask16(n - i);
     _mm512_mask_storeu_ps(scores + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, scores + i), inv));
   }
 }
@@ -176,7 +177,7 @@ DUET_TARGET_SMALL float group_score_avx512(const float* c, int64_t n, bool top2)
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 best = ninf, second = ninf;  // lane-wise top two
   for (int64_t i = 0; i < n; i += 16) {
-    const __m512 v = _mm512_mask_loadu_ps(ninf, small::lane_mask(n - i), c + i);
+    const __m512 v = _mm512_mask_loadu_ps(ninf, vec::mask16(n - i), c + i);
     second = _mm512_max_ps(second, _mm512_min_ps(best, v));
     best = _mm512_max_ps(best, v);
   }
@@ -192,13 +193,12 @@ DUET_TARGET_SMALL float group_score_avx512(const float* c, int64_t n, bool top2)
 DUET_TARGET_SMALL void select_token_avx512(const float* scores, const float* bias,
                                            const TopkParams& p, float* work, int32_t* group_ids,
                                            float* weights_out, int32_t* ids_out) {
-  using small::lane_mask;
-  constexpr float kInf = std::numeric_limits<float>::infinity();
+    constexpr float kInf = std::numeric_limits<float>::infinity();
   const int64_t e = p.num_experts;
   float* choice = work;
   float* group_scores = work + e;
   for (int64_t i = 0; i < e; i += 16) {
-    const __mmask16 m = lane_mask(e - i);
+    const __mmask16 m = vec::mask16(e - i);
     __m512 c = _mm512_maskz_loadu_ps(m, scores + i);
     if (bias) c = _mm512_add_ps(c, _mm512_maskz_loadu_ps(m, bias + i));
     _mm512_mask_storeu_ps(choice + i, m, c);
@@ -225,13 +225,14 @@ DUET_TARGET_SMALL void select_token_avx512(const float* scores, const float* bia
   for (int64_t k = 0; k < p.top_k; ++k) {
     __m512 mx = ninf;
     for (int64_t i = 0; i < e; i += 16) {
-      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(ninf, lane_mask(e - i), choice + i));
+      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(ninf, vec::mask16(e - i), choice + i));
     }
     const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     int64_t winner = 0;
     for (int64_t i = 0; i < e; i += 16) {
+      const __mmask16 live = vec::mask16(e - i);
       const __mmask16 hit =
-          _mm512_mask_cmp_ps_mask(lane_mask(e - i), _mm512_loadu_ps(choice + i), best, _CMP_EQ_OQ);
+          _mm512_mask_cmp_ps_mask(live, _mm512_loadu_ps(choice + i), best, _CMP_EQ_OQ);
       if (hit) {
         winner = i + __builtin_ctz(hit);
         break;
