@@ -17,6 +17,7 @@ import torch
 from engine.batch import ForwardBatch
 from engine.checkpoint_reader import CheckpointReader
 from engine.config import ModelConfig
+from engine.heap import release_free_heap
 from engine.kv_pool import KVPool
 from engine.quant import Quantizer, as_tensor, quantizer
 from engine.rope import rope_cos_sin
@@ -54,15 +55,24 @@ class MoE:
         # Per-expert loaders: each expert is read (from a CheckpointReader) only as it is packed,
         # so loading holds one expert in flight, never a layer's experts (most of the model).
         expert = f"{prefix}.experts.{{}}.{{}}_proj.weight".format
-        w13 = [
-            lambda e=e: (weights.pop(expert(e, "gate")), weights.pop(expert(e, "up")))
-            for e in expert_range
-        ]  # E_local x [2I, D]
-        w2 = [lambda e=e: weights.pop(expert(e, "down")) for e in expert_range]
-        self.experts = quant.experts(w13, w2)
+
+        def load13(e: int):
+            release_free_heap()  # the last expert's packing temporaries (engine.heap)
+            return weights.pop(expert(e, "gate")), weights.pop(expert(e, "up"))
+
+        w13 = [lambda e=e: load13(e) for e in expert_range]  # E_local x [2I, D]
+
+        def load2(e: int):
+            release_free_heap()
+            return weights.pop(expert(e, "down"))
+
+        w2 = [lambda e=e: load2(e) for e in expert_range]  # E_local x [D, I]
+        # The shared experts first: packing their fused gate|up is the layer's largest
+        # transient, better held beside the layers before than beside this layer's experts too.
         self.shared = (
             MLP(weights, f"{prefix}.shared_experts", quant) if cfg.n_shared_experts else None
         )
+        self.experts = quant.experts(w13, w2)
         # Expert parallelism replaces this with a dispatch/combine around the local experts.
         self.routed_experts: RoutedExperts = self.local_experts
 
@@ -252,10 +262,10 @@ class DeepseekModel:
         head = self.embed_tokens if cfg.tie_word_embeddings else weights.pop("lm_head.weight")
         self.lm_head = q.dense(head)
         del head
-        self.layers = [
-            DecoderLayer(cfg, weights, i, self.cos_sin, self.expert_range, q)
-            for i in range(cfg.num_hidden_layers)
-        ]
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            self.layers.append(DecoderLayer(cfg, weights, i, self.cos_sin, self.expert_range, q))
+            release_free_heap()  # the layer's packing temporaries (engine.heap)
         self.norm = weights["model.norm.weight"]
 
     @classmethod

@@ -134,12 +134,19 @@ class Int8Quantizer(Quantizer):
     _moe_op = staticmethod(ops.fused_moe_int8)
 
     def _pack_linear(self, parts: list[Source]):
-        return ops.prepack_linear_int8(self._stacked(parts, torch.float32))
+        return ops.prepack_linear_int8(self._stacked(parts, _float_dtype(parts)))
 
     def _pack_experts(self, w13, w2):
+        def float_expert(load: Loader) -> Loader:
+            def read() -> torch.Tensor:
+                parts = load()  # (gate, up) or down (an Fp8Weight is a tuple too)
+                parts = [parts] if isinstance(parts, Source) else list(parts)
+                return self._stacked(parts, _float_dtype(parts))
+
+            return read
+
         return ops.prepack_experts_int8(
-            [self._expert13(load, torch.float32) for load in w13],
-            [self._expert2(load, torch.float32) for load in w2],
+            [float_expert(f) for f in w13], [float_expert(f) for f in w2]
         )
 
 
@@ -154,7 +161,7 @@ class Fp8Quantizer(Quantizer):
     def _pack_linear(self, parts: list[Source]):
         if all(isinstance(p, Fp8Weight) for p in parts):
             return ops.prepack_linear_fp8(*_stacked_fp8(parts))
-        return ops.prepack_linear_fp8_from(self._stacked(parts, torch.float32))
+        return ops.prepack_linear_fp8_from(self._stacked(parts, _float_dtype(parts)))
 
     def gated_mlp(self, gate: Source, up: Source, down: Source) -> tuple[Linear, Linear]:
         """From an FP8 checkpoint whose intermediate size I is not a multiple of 128 (a small
@@ -179,7 +186,7 @@ class Fp8Quantizer(Quantizer):
                     return torch.cat((gate.weight, up.weight)), torch.cat(
                         (gate.scale_inv, up.scale_inv)
                     )
-                return self._stacked([gate, up], torch.float32)
+                return self._stacked([gate, up], _float_dtype([gate, up]))
 
             return read
 
@@ -189,11 +196,20 @@ class Fp8Quantizer(Quantizer):
                 if isinstance(down, Fp8Weight):
                     _check_kernel_block(down)
                     return down.weight, down.scale_inv
-                return down.float()
+                return as_tensor(down, _float_dtype([down]))
 
             return read
 
         return ops.prepack_experts_fp8([expert13(f) for f in w13], [expert2(f) for f in w2])
+
+
+def _float_dtype(parts: list[Source]) -> torch.dtype:
+    """What int8 (or fp8 from a float checkpoint) quantizes from: a float checkpoint's own dtype (no fp32 copy of a whole matrix
+    while loading: the quantizer upcasts one part, gate or up, at a time), an FP8 checkpoint
+    dequantized to fp32."""
+    if any(isinstance(p, Fp8Weight) for p in parts):
+        return torch.float32
+    return parts[0].dtype
 
 
 def _check_kernel_block(w: Fp8Weight) -> None:

@@ -241,7 +241,9 @@ def _prepack_expert_lists(w13: list, w2: list):
             f"{(len(w2), hidden2, inter)} disagree"
         )
     num_experts = len(w13)
-    if not (_packable(first13) and _packable(first2)):
+    packable = _packable(first13) and _packable(first2)
+    del first13, first2  # held by the lists until taken, not past that
+    if not packable:
         every = lambda parts: list(checked_experts("prepack_experts", parts))  # noqa: E731
         return reference.prepack_experts(every(w13), every(w2))
     return (

@@ -133,9 +133,11 @@ def _pack_pair(w13: list, w2: list, scale13: list | None, scale2: list | None):
         raise ValueError("prepack_experts_fp8: w13, w2 and their scales need E > 0 entries each")
     first = peek_expert(w13)
     first = first[0] if isinstance(first, tuple) else first
-    two_inter, hidden = first.shape if first.dim() == 2 else (-1, -1)
+    shape = first.shape
+    del first  # held by the list until taken, not past that
+    two_inter, hidden = shape if len(shape) == 2 else (-1, -1)
     if two_inter <= 0 or two_inter % 2 or hidden <= 0:
-        raise ValueError(f"prepack_experts_fp8: w13 expert {list(first.shape)} is not [2I, D]")
+        raise ValueError(f"prepack_experts_fp8: w13 expert {list(shape)} is not [2I, D]")
     take13, take2 = _taker(w13, scale13, 2), _taker(w2, scale2, 1)
     packed13 = _pack_experts("w13", num, take13, (two_inter, hidden), 2)
     packed2 = _pack_experts("w2", num, take2, (hidden, two_inter // 2), 1)
@@ -162,6 +164,7 @@ def prepack_experts_fp8_from(w13, w2) -> tuple[PackedExpertsFp8, PackedExpertsFp
     for w in (peek_expert(w13), peek_expert(w2)):
         if not w.is_floating_point() or w.dtype == FP8:
             raise ValueError(f"prepack_experts_fp8_from: needs bf16 / fp32 experts, got {w.dtype}")
+    del w  # the lists hold expert 0 until it is taken, not past that
     return _pack_pair(w13, w2, None, None)
 
 

@@ -42,7 +42,7 @@ class PackedExpertsInt8:
     def store(self, e: int, weight: torch.Tensor) -> None:
         """Quantizes and packs expert e's float weight [parts * n, k]."""
         for part, rows in enumerate(weight.detach().chunk(self.parts, 0)):
-            packed = PackedLinearInt8(reference.quantize_weight_int8(rows))
+            packed = PackedLinearInt8(_quant_ops.quantize_weight_int8_blocked(rows))
             self.packed[e, part] = packed.packed
             self.scale[e, part] = packed.scale
             self.comp[e, part] = packed.comp
@@ -83,9 +83,11 @@ def prepack_experts_int8(w13: torch.Tensor | list, w2: torch.Tensor | list):
     if max(hidden, inter) > _quant_ops._MAX_K:
         raise ValueError(f"prepack_experts_int8: K = {max(hidden, inter)} exceeds the int8 limit")
     num_experts = len(parts13)
+    on_cpu = first13.device.type == first2.device.type == "cpu"
+    del first13, first2  # held by the lists until taken, not past that
     experts13 = checked_experts("prepack_experts_int8", parts13)
     experts2 = checked_experts("prepack_experts_int8", parts2)
-    if not (first13.device.type == first2.device.type == "cpu" and _native_on()):
+    if not (on_cpu and _native_on()):
         return reference.prepack_experts_int8(list(experts13), list(experts2))
     p13 = PackedExpertsInt8(num_experts, 2, inter, hidden)
     p2 = PackedExpertsInt8(num_experts, 1, hidden, inter)

@@ -81,6 +81,23 @@ class PackedLinearInt8:
         return f"PackedLinearInt8(shape={tuple(self.shape)})"
 
 
+_QUANTIZE_ROWS = 256  # rows quantized at a time: bounds the fp32 temporaries while loading
+
+
+def quantize_weight_int8_blocked(weight: torch.Tensor) -> reference.Int8Weight:
+    """`reference.quantize_weight_int8`, a block of rows at a time: each row's quantization is
+    its own, so the result is the same, but the fp32 temporaries are those of 256 rows, not of
+    the matrix (a fused MLP's gate|up is ~0.2 GB of them in fp32)."""
+    if weight.shape[0] <= _QUANTIZE_ROWS:
+        return reference.quantize_weight_int8(weight)
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32)
+    for start in range(0, weight.shape[0], _QUANTIZE_ROWS):
+        rows = slice(start, start + _QUANTIZE_ROWS)
+        q[rows], scale[rows] = reference.quantize_weight_int8(weight[rows])
+    return reference.Int8Weight(q, scale)
+
+
 def prepack_linear_int8(weight: torch.Tensor) -> PackedLinearInt8 | reference.Int8Weight:
     """Quantizes a float weight [N, K] per output channel; packs it when the kernel is on."""
     if weight.dim() != 2 or not weight.is_floating_point():
@@ -90,7 +107,7 @@ def prepack_linear_int8(weight: torch.Tensor) -> PackedLinearInt8 | reference.In
         )
     if weight.shape[1] > _MAX_K:
         raise ValueError(f"prepack_linear_int8: K = {weight.shape[1]} exceeds {_MAX_K}")
-    quantized = reference.quantize_weight_int8(weight.detach())
+    quantized = quantize_weight_int8_blocked(weight.detach())
     if weight.device.type != "cpu" or not _native_on():
         return quantized
     return PackedLinearInt8(quantized)
