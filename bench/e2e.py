@@ -10,6 +10,9 @@ other, so each load's peak memory is its own and no two share the cores:
   per chunk of `--chunk-size` tokens of each prompt) plus the greedy first tokens; TPOT: the
   median of `--decode-steps` decode steps of the batch, greedy tokens fed back. Medians over
   `--repeats` after one warm-up;
+- timing, by default (`--no-interleave`: each worker's own): all the quantizations loaded in one
+  more process and timed in interleaved rounds (`bench/e2e_timing.py`), TTFT and TPOT the
+  medians over the rounds, the ratios the medians of each round's ratios;
 - accuracy: next-token log-probs teacher-forced over `--kl-tokens` held-out tokens; the parent
   reports KL(none || q) = mean over positions of sum_v p_none (log p_none - log p_q) and the
   share of positions whose argmax agrees, against the first "none" row (added if missing).
@@ -25,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from statistics import median
 
 import torch
 
@@ -47,7 +51,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--worker-timeout", type=float, default=3600.0, help="seconds per quant")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
-    p.add_argument("--worker", choices=QUANTS, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--no-interleave", action="store_true", help="time each quant in its own worker only"
+    )
+    p.add_argument("--worker", choices=(*QUANTS, "timing"), help=argparse.SUPPRESS)
+    p.add_argument("--timing-quants", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     return p, p.parse_args(argv)
 
@@ -83,8 +91,9 @@ def kl_and_agreement(ref_logp: torch.Tensor, q_logp: torch.Tensor) -> tuple[floa
     return terms.sum(-1).mean().item(), agree.item()
 
 
-def run_worker(args, quant: str, prefix: Path) -> dict:
-    """One quant in a fresh `python -m bench.e2e --worker` (this checkout first on the path)."""
+def run_worker(args, quant: str, prefix: Path, extra: tuple[str, ...] = ()) -> dict:
+    """One quant (or "timing": every quant, interleaved) in a fresh `python -m bench.e2e
+    --worker` (this checkout first on the path)."""
     root = str(Path(__file__).resolve().parents[1])
     env = {
         **os.environ,
@@ -97,6 +106,7 @@ def run_worker(args, quant: str, prefix: Path) -> dict:
     cmd += ["--kl-tokens", str(args.kl_tokens)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    cmd += list(extra)
     try:
         proc = subprocess.run(
             cmd, env=env, capture_output=True, text=True, timeout=args.worker_timeout
@@ -113,6 +123,23 @@ def run_worker(args, quant: str, prefix: Path) -> dict:
     return {"quant": quant, "error": f"worker died: {tail}"}
 
 
+def apply_interleaved(rows: list[dict], timing: dict) -> None:
+    """Each row's TTFT / TPOT from the interleaved rounds (medians), and its ratios to the
+    "none" row as the medians of the rounds' own ratios (`add_comparisons` keeps them)."""
+    ref = timing.get("none")
+    for row in rows:
+        t = timing.get(row["quant"])
+        if "error" in row or t is None:
+            continue
+        row["ttft_s"], row["tpot_s"] = median(t["ttft_s"]), median(t["tpot_s"])
+        row["rounds"] = len(t["ttft_s"])
+        if ref is not None:
+            pairs = zip(ref["ttft_s"], t["ttft_s"], strict=True)
+            row["prefill_speedup"] = median([a / b for a, b in pairs])
+            pairs = zip(t["tpot_s"], ref["tpot_s"], strict=True)
+            row["tpot_ratio"] = median([a / b for a, b in pairs])
+
+
 def add_comparisons(rows: list[dict]) -> None:
     """KL / agreement and ratios of each row against the first "none" row that succeeded."""
     ref = next((r for r in rows if r["quant"] == "none" and "error" not in r), None)
@@ -122,8 +149,8 @@ def add_comparisons(rows: list[dict]) -> None:
     for row in rows:
         if "error" in row:
             continue
-        row["prefill_speedup"] = ref["ttft_s"] / row["ttft_s"]
-        row["tpot_ratio"] = row["tpot_s"] / ref["tpot_s"]
+        row.setdefault("prefill_speedup", ref["ttft_s"] / row["ttft_s"])
+        row.setdefault("tpot_ratio", row["tpot_s"] / ref["tpot_s"])
         for key in ("weights", "resident", "peak"):
             row[f"{key}_ratio"] = row[f"{key}_bytes"] / ref[f"{key}_bytes"]
         if row is not ref and ref_lp is not None and "logprobs_file" in row:
@@ -164,6 +191,10 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p, args = parse_args(argv)
+    if args.worker == "timing":
+        from bench.e2e_timing import run
+
+        return run(args)
     if args.worker:
         from bench.e2e_worker import run
 
@@ -174,6 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     quants = check_args(p, args)
     with tempfile.TemporaryDirectory(prefix="duet-bench-e2e-") as tmp:
         rows = [run_worker(args, q, Path(tmp) / f"row{i}") for i, q in enumerate(quants)]
+        ran = [r["quant"] for r in rows if "error" not in r]  # a row that failed is not timed
+        if ran and not args.no_interleave:
+            timing = run_worker(
+                args, "timing", Path(tmp) / "timing", ("--timing-quants", ",".join(ran))
+            )
+            if "error" in timing:
+                rows.append({"quant": "timing", "error": timing["error"]})
+            else:
+                apply_interleaved(rows, timing)
         add_comparisons(rows)
     for row in rows:
         row.pop("logprobs_file", None)
@@ -184,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"# {args.model}: prompt {args.prompt_len} x batch {args.batch}, {args.decode_steps} "
             f"decode steps, chunk {args.chunk_size}, threads {args.threads or 'all'}, medians of "
-            f"{args.repeats}; KL over {args.kl_tokens} tokens and ratios vs the first none row"
+            f"{args.repeats}{'' if args.no_interleave else ' interleaved rounds'}; KL over "
+            f"{args.kl_tokens} tokens and ratios vs the first none row"
         )
         print_table(rows)
     return 1 if any("error" in r for r in rows) else 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from bench.e2e import check_args, kl_and_agreement, parse_args
+from bench.e2e import apply_interleaved, check_args, kl_and_agreement, parse_args
 from bench.e2e_worker import decode_step, held_tensor_bytes, prefill_batch, teacher_forced_logprobs
 from deploy.cli import main as duet_main
 from engine.generate import OfflineGenerator
@@ -182,3 +182,20 @@ def test_bad_arguments_are_refused(tiny_dir, capsys):
         assert flag in capsys.readouterr().err.splitlines()[-1]
     p, args = parse_args(["--model", str(tiny_dir), "--prompt-len", "100", "--quant", "int8"])
     assert check_args(p, args) == ["none", "int8"]  # the reference is added
+
+
+def test_interleaved_rounds_give_medians_and_per_round_ratios():
+    """The timing phase's rounds: TTFT / TPOT are the medians, the ratios the medians of each
+    round's own ratio (round 2 ran while DRAM was slow for both: its ratio is still 2)."""
+    rows = [{"quant": "none"}, {"quant": "int8"}, {"quant": "fp8", "error": "x"}]
+    timing = {
+        "none": {"ttft_s": [1.0, 3.0, 1.2], "tpot_s": [0.10, 0.30, 0.12]},
+        "int8": {"ttft_s": [0.5, 1.5, 0.7], "tpot_s": [0.06, 0.15, 0.06]},
+    }
+    apply_interleaved(rows, timing)
+    none, int8, fp8 = rows
+    assert none["ttft_s"] == 1.2 and int8["ttft_s"] == 0.7 and int8["tpot_s"] == 0.06
+    assert int8["prefill_speedup"] == pytest.approx(2.0)  # rounds: 2, 2, 1.71
+    assert int8["tpot_ratio"] == pytest.approx(0.5)  # rounds: 0.6, 0.5, 0.5
+    assert none["prefill_speedup"] == pytest.approx(1.0) and int8["rounds"] == 3
+    assert "ttft_s" not in fp8
