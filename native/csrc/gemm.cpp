@@ -159,8 +159,8 @@ DUET_TARGET_AVX512 void store_row_avx512(const float* src, bf16_t* dst, int64_t 
   }
 }
 
-DUET_TARGET_AVX512 void silu_mul_avx512(const float* gate, const float* up, bf16_t* dst,
-                                        int64_t n) {
+template <typename T>
+DUET_TARGET_AVX512 void silu_mul_avx512(const float* gate, const float* up, T* dst, int64_t n) {
   const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = vec::mask16(n - i);
@@ -204,6 +204,11 @@ void silu_mul_row_bf16(Isa isa, const float* gate, const float* up, bf16_t* dst,
   for (int64_t i = 0; i < n; ++i) {
     dst[i] = vec::f32_to_bf16(gate[i] / (1.f + std::exp(-gate[i])) * up[i]);
   }
+}
+
+void silu_mul_row_f32(Isa isa, const float* gate, const float* up, float* dst, int64_t n) {
+  if (isa >= Isa::kAvx512) return silu_mul_avx512(gate, up, dst, n);
+  for (int64_t i = 0; i < n; ++i) dst[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
 }
 
 void axpy_row_f32(Isa isa, float alpha, const float* src, float* dst, int64_t n) {

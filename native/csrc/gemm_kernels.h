@@ -85,6 +85,8 @@ DUET_TARGET_AVX512_BF16 inline __attribute__((always_inline)) void tile_bf16_acc
 void store_row_bf16(Isa isa, const float* src, bf16_t* dst, int64_t n);
 // dst[i] = bf16(silu(gate[i]) * up[i]) for i < n.
 void silu_mul_row_bf16(Isa isa, const float* gate, const float* up, bf16_t* dst, int64_t n);
+// dst[i] = silu(gate[i]) * up[i] in fp32 for i < n (the int8 MoE quantizes it next).
+void silu_mul_row_f32(Isa isa, const float* gate, const float* up, float* dst, int64_t n);
 // dst[i] += alpha * src[i] for i < n.
 void axpy_row_f32(Isa isa, float alpha, const float* src, float* dst, int64_t n);
 

@@ -2,9 +2,9 @@
 every ISA level, and the twin against the bf16 `reference.fused_moe` within the int8 error.
 
 Kernel vs twin: the integers (quantized x, int32 sums, quantized h) are the same by
-construction; the fp32 silu uses std::exp in the kernel and torch.exp in the twin, which may
-differ in the last bit and so, rarely, move one element of h across a rounding boundary of its
-quantization. So outputs are compared within a bf16 ulp-scale tolerance (TWIN_TOL) and almost
+construction; the fp32 silu uses vec::exp16 (std::exp on the portable path) in the kernel and
+torch.exp in the twin, which may differ in the last bit and so, rarely, move one element of h
+across a rounding boundary of its quantization. So outputs are compared within a bf16 ulp-scale tolerance (TWIN_TOL) and almost
 all of them must be bit-equal (MIN_EQUAL)."""
 
 import pytest
