@@ -133,8 +133,8 @@ class MLA:
         kv_b = as_tensor(w("kv_b_proj.weight"), quant.dtype)  # [H * (Dn + Dv), L]
         self.kv_b_proj = quant.dense(kv_b)
         kv_b = kv_b.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        self.w_uk = kv_b[:, : cfg.qk_nope_head_dim].contiguous()  # [H, Dn, L]
-        self.w_uv_t = kv_b[:, cfg.qk_nope_head_dim :].transpose(1, 2).contiguous()  # [H, L, Dv]
+        self.w_uk = ops.prepack_bmm(kv_b[:, : cfg.qk_nope_head_dim])  # [H, Dn, L]
+        self.w_uv_t = ops.prepack_bmm(kv_b[:, cfg.qk_nope_head_dim :].transpose(1, 2))  # [H, L, Dv]
         self.o_proj = quant.linear(w("o_proj.weight"))  # [D, H * Dv]
 
     def __call__(

@@ -290,8 +290,43 @@ def fused_moe(
     return out
 
 
-def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Batched matmul.  a: [N, M, K], b: [N, K, P] -> [N, M, P] (fp32 accumulation)."""
+def prepack_bmm(b: torch.Tensor) -> torch.Tensor | PackedLinear:
+    """A constant right operand b [N, K, P] of `bmm` packed once: the PackedLinear of b^T
+    [N, P, K] (per batch entry the layout of a [P, K] linear weight), so `bmm` skips its per-call
+    repack; b itself when the kernel does not cover it (other dtype or device, native off)."""
+    if b.dim() != 3 or not _packable(b):
+        return b
+    return PackedLinear(b.detach().transpose(1, 2), tuple(b.transpose(1, 2).shape))
+
+
+def _bmm_packed(a: torch.Tensor, b: PackedLinear) -> torch.Tensor:
+    batch, p, k = b.shape
+    if not (_native_on() and a.dtype == torch.bfloat16 and a.device.type == "cpu"):
+        return reference.bmm(a, b.unpack().transpose(1, 2))
+    if a.dim() != 3 or a.shape[0] != batch or a.shape[2] != k:
+        raise ValueError(f"bmm: a {tuple(a.shape)} and b {(batch, k, p)} do not chain")
+    m = a.shape[1]
+    if k % 2:
+        a = F.pad(a, (0, 1))
+    elif a.stride(2) != 1 or a.stride(1) % 2 or a.stride(0) % 2 or a.data_ptr() % 4:
+        a = a.contiguous()
+    if m == 1:  # one row: its stride is never followed, but the binding checks it
+        sa1 = a.shape[2]
+    else:
+        sa1 = a.stride(1)
+    out = torch.empty(batch, m, p, dtype=torch.bfloat16)
+    _C.bmm_packed_bf16(
+        a.data_ptr(), batch, m, b.k_pairs, a.stride(0), sa1, b.packed.data_ptr(), p,
+        out.data_ptr(), tags(a, b.packed, out),
+    )  # fmt: skip
+    return out
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor | PackedLinear) -> torch.Tensor:
+    """Batched matmul.  a: [N, M, K], b: [N, K, P] (or `prepack_bmm(b)`) -> [N, M, P] (fp32
+    accumulation)."""
+    if isinstance(b, PackedLinear):
+        return _bmm_packed(a, b)
     if not (
         _native_on()
         and a.dtype == torch.bfloat16

@@ -61,6 +61,7 @@ prepack_linear_int8 = _quant_ops.prepack_linear_int8
 linear_int8 = _quant_ops.linear_int8
 silu_and_mul = _small_ops.silu_and_mul
 bmm = _gemm_ops.bmm
+prepack_bmm = _gemm_ops.prepack_bmm
 grouped_topk = _small_ops.grouped_topk
 prepack_experts = _gemm_ops.prepack_experts
 fused_moe = _gemm_ops.fused_moe

@@ -75,6 +75,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate.float()) * up.float()).to(x.dtype)
 
 
+def prepack_bmm(b: torch.Tensor) -> torch.Tensor:
+    """Prepares a constant right operand b [N, K, P] of `bmm` (kernels repack; the reference
+    keeps it)."""
+    return b
+
+
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Batched matmul.  a: [N, M, K], b: [N, K, P] -> [N, M, P] (fp32 accumulation)."""
     return torch.bmm(a.float(), b.float()).to(a.dtype)

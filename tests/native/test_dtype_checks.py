@@ -37,3 +37,5 @@ def test_moe_and_bmm_check_theirs():
         )  # fmt: skip
     with pytest.raises(ValueError, match="bmm_bf16: b is float32, expected bfloat16"):
         _C.bmm_bf16(zero, 0, 0, 1, 2, 2, zero, 2, 2, 4, 2, zero, tags(bf, torch.zeros(1), bf))
+    with pytest.raises(ValueError, match="bmm_packed_bf16: out is float32, expected bfloat16"):
+        _C.bmm_packed_bf16(zero, 0, 0, 1, 2, 2, zero, 2, zero, tags(bf, bf, torch.zeros(1)))

@@ -115,6 +115,44 @@ def test_bmm_matches_reference(isa, batch, m, k, p):
     torch.testing.assert_close(out.float(), reference.bmm(a, b).float(), **BF16_TOL)
 
 
+@pytest.mark.parametrize(
+    "batch,m,k,p",
+    [(1, 1, 1, 1), (16, 1, 128, 512), (16, 5, 512, 128), (3, 7, 33, 70), (2, 13, 300, 65)],
+)
+def test_bmm_with_b_prepacked_matches_reference(isa, batch, m, k, p):
+    """The model's absorbed weights are prepacked once (`prepack_bmm`): the same products as
+    the plain-b kernel (bit for bit: the same tiles over the same K order) and the twin."""
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(batch, m, k, generator=gen).to(torch.bfloat16)
+    b = (torch.randn(batch, k, p, generator=gen) / k**0.5).to(torch.bfloat16)
+    packed = ops.prepack_bmm(b)
+    out = ops.bmm(a, packed)
+    assert out.shape == (batch, m, p) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference.bmm(a, b).float(), **BF16_TOL)
+    assert torch.equal(out, ops.bmm(a, b))
+    # Head-major views of token-major activations, as MLA's decode passes them.
+    rows = torch.randn(m, batch, k + 8, generator=gen).to(torch.bfloat16)[..., :k].transpose(0, 1)
+    torch.testing.assert_close(
+        ops.bmm(rows, packed).float(), reference.bmm(rows, b).float(), **BF16_TOL
+    )
+    with pytest.raises(ValueError, match="chain"):
+        ops.bmm(a[..., :-1] if k > 1 else a[:, :, :0], packed)
+
+
+def test_bmm_prepacked_off_the_kernel_is_the_twin():
+    b = torch.randn(2, 6, 5).to(torch.bfloat16)
+    packed = ops.prepack_bmm(b)
+    a = torch.randn(2, 3, 6).to(torch.bfloat16)
+    ops.set_native_enabled(False)
+    try:
+        assert torch.equal(ops.bmm(a, packed), reference.bmm(a, b))
+    finally:
+        ops.set_native_enabled(True)
+    assert ops.prepack_bmm(b.float()) is not None and torch.equal(
+        ops.prepack_bmm(b.float()), b.float()
+    )
+
+
 def test_bmm_strided_and_empty(isa):
     # Head-major view of a token-major tensor, as in MLA weight absorption.
     a = torch.randn(5, 16, 128).to(torch.bfloat16).transpose(0, 1)  # [16, 5, 128]
