@@ -5,8 +5,9 @@ the moment the model takes each one.
 from its file with plain reads (`engine.safetensors_reader`, no memory map) and hands it over
 without keeping it, so the model packs or quantizes each matrix as it is read and the raw copy
 is freed at once. Loading thus holds the model as held (bf16, int8 or fp8) plus one tensor in
-flight, never the checkpoint's pages or a second copy of the weights. `loader(name)` is the
-same read deferred (the expert packers take one expert at a time, `native._gemm_ops.take_expert`).
+flight, never the checkpoint's pages or a second copy of the weights. The model hands the routed
+experts to their packers as loaders that pop each expert when it is packed
+(`native._gemm_ops.take_expert`).
 
 FP8 e4m3 block-quantized weights (`X` + `X_scale_inv`, DeepSeek-V3 style) are dequantized to
 the model dtype, or with `keep_fp8` handed over as stored (`Fp8Weight`) for a quantizer to keep
@@ -132,10 +133,6 @@ class CheckpointReader:
         if name in self._kept:
             return self._kept.pop(name)
         return self._take(name, keep_fp8=self.keep_fp8)
-
-    def loader(self, name: str):
-        """`pop(name)`, deferred: a zero-argument callable."""
-        return lambda: self.pop(name)
 
     def unread(self) -> list[str]:
         """Expected tensors nobody asked for (a model that skips one has a bug)."""

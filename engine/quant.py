@@ -11,8 +11,8 @@ LM head and the router gate stay in the model dtype too, as in the seeds' CPU de
   and re-quantized per channel.
 - "fp8": weight-only e4m3 with 128x128 block scales, converted to bf16 in registers
   (`ops.linear_fp8`, `ops.fused_moe_fp8`). An FP8 checkpoint's weights are kept as stored (its
-  blocks must be 128x128, and a fused gate|up projection needs the gate's rows in whole blocks);
-  a bf16 checkpoint is block-quantized at load.
+  blocks must be 128x128; a fused gate|up projection whose gate rows are not whole blocks is
+  zero-padded to them); a bf16 checkpoint is block-quantized at load.
 
 A `Quantizer` turns the weights the loader hands over (`torch.Tensor`, or `Fp8Weight` from an FP8
 checkpoint) into callables: `Linear` (x -> x W^T) and `Experts` (the routed experts). The
@@ -72,8 +72,8 @@ def as_tensor(source: Source, dtype: torch.dtype) -> torch.Tensor:
 
 
 class Quantizer:
-    """Scheme "none": the model dtype's kernels. Subclasses override `_pack_linear`, `_experts`
-    and their ops; `keeps_fp8` asks the loader for FP8 weights as stored."""
+    """Scheme "none": the model dtype's kernels. Subclasses override `_pack_linear`,
+    `_pack_experts` and their ops; `keeps_fp8` asks the loader for FP8 weights as stored."""
 
     name = "none"
     keeps_fp8 = False
@@ -125,8 +125,8 @@ class Quantizer:
 
 
 class Int8Quantizer(Quantizer):
-    """W8A8: per-channel int8 weights (quantized from fp32, so an FP8 checkpoint loses no more
-    than its own rounding), per-token int8 activations."""
+    """W8A8: per-channel int8 weights (an FP8 checkpoint's dequantized to fp32 first, so it
+    loses no more than its own rounding), per-token int8 activations."""
 
     name = "int8"
     keeps_fp8 = True
@@ -204,9 +204,9 @@ class Fp8Quantizer(Quantizer):
 
 
 def _float_dtype(parts: list[Source]) -> torch.dtype:
-    """What int8 (or fp8 from a float checkpoint) quantizes from: a float checkpoint's own dtype (no fp32 copy of a whole matrix
-    while loading: the quantizer upcasts one part, gate or up, at a time), an FP8 checkpoint
-    dequantized to fp32."""
+    """What int8 (or fp8 from a float checkpoint) quantizes from: a float checkpoint's own
+    dtype (no fp32 copy of a whole matrix while loading: the quantizers upcast a block of rows at
+    a time), an FP8 checkpoint dequantized to fp32."""
     if any(isinstance(p, Fp8Weight) for p in parts):
         return torch.float32
     return parts[0].dtype

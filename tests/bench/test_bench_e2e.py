@@ -66,7 +66,13 @@ def _packed_bytes(n: int, k: int) -> int:
 def test_weights_bytes_equal_a_count_from_the_checkpoint(model, tiny_dir):
     """What the bf16 model holds, from the checkpoint's shapes alone: packed projections (and
     lm_head), norms and embeddings in bf16, router tensors in fp32, and kv_b once more as the
-    absorbed W_UK / W_UV of the decode path."""
+    absorbed W_UK [H, Dn, L] / W_UV [H, L, Dv] of the decode path, prepacked per head as the
+    linear weights [L, Dn] / [Dv, L]."""
+    cfg = model.cfg
+    heads, nope, latent, v = (
+        cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+    )  # fmt: skip
+    absorbed = heads * (_packed_bytes(latent, nope) + _packed_bytes(v, latent))
     expected = 0
     with safe_open(str(tiny_dir / "model.safetensors"), "pt") as f:
         for name in f.keys():
@@ -78,7 +84,7 @@ def test_weights_bytes_equal_a_count_from_the_checkpoint(model, tiny_dir):
             else:
                 expected += math.prod(shape) * 2
             if name.endswith("kv_b_proj.weight"):
-                expected += math.prod(shape) * 2
+                expected += absorbed
     assert held_tensor_bytes(model) == expected
     # The checkpoint is fp32: the bf16 model holds about half of it.
     size = (tiny_dir / "model.safetensors").stat().st_size
