@@ -299,17 +299,23 @@ def prepack_bmm(b: torch.Tensor) -> torch.Tensor | PackedLinear:
     return PackedLinear(b.detach().transpose(1, 2), tuple(b.transpose(1, 2).shape))
 
 
+def _bmm_lhs(a: torch.Tensor, k: int) -> torch.Tensor:
+    """a as the kernels read it: K padded to even, rows of unit stride starting 4-byte aligned."""
+    if k % 2:
+        return F.pad(a, (0, 1))
+    if a.stride(2) != 1 or a.stride(1) % 2 or a.stride(0) % 2 or a.data_ptr() % 4:
+        return a.contiguous()
+    return a
+
+
 def _bmm_packed(a: torch.Tensor, b: PackedLinear) -> torch.Tensor:
     batch, p, k = b.shape
-    if not (_native_on() and a.dtype == torch.bfloat16 and a.device.type == "cpu"):
-        return reference.bmm(a, b.unpack().transpose(1, 2))
     if a.dim() != 3 or a.shape[0] != batch or a.shape[2] != k:
         raise ValueError(f"bmm: a {tuple(a.shape)} and b {(batch, k, p)} do not chain")
+    if not (_native_on() and a.dtype == torch.bfloat16 and a.device.type == "cpu"):
+        return reference.bmm(a, b.unpack().transpose(1, 2))
     m = a.shape[1]
-    if k % 2:
-        a = F.pad(a, (0, 1))
-    elif a.stride(2) != 1 or a.stride(1) % 2 or a.stride(0) % 2 or a.data_ptr() % 4:
-        a = a.contiguous()
+    a = _bmm_lhs(a, k)
     if m == 1:  # one row: its stride is never followed, but the binding checks it
         sa1 = a.shape[2]
     else:
@@ -341,10 +347,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor | PackedLinear) -> torch.Tensor:
     if b.shape[0] != batch or b.shape[1] != k:
         raise ValueError(f"bmm: a {tuple(a.shape)} and b {tuple(b.shape)} do not chain")
     p = b.shape[2]
-    if k % 2:
-        a = F.pad(a, (0, 1))
-    elif a.stride(2) != 1 or a.stride(1) % 2 or a.stride(0) % 2 or a.data_ptr() % 4:
-        a = a.contiguous()
+    a = _bmm_lhs(a, k)
     if b.stride(2) != 1:
         b = b.contiguous()
     out = torch.empty(batch, m, p, dtype=torch.bfloat16)
