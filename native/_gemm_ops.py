@@ -194,6 +194,11 @@ def check_moe_inputs(
         )
 
 
+def routing_tensors(topk_weights: torch.Tensor, topk_ids: torch.Tensor):
+    """The routing as every fused-MoE kernel reads it: fp32 weights, int32 ids, contiguous."""
+    return topk_weights.to(torch.float32).contiguous(), topk_ids.to(torch.int32).contiguous()
+
+
 def list_of(weights: torch.Tensor | list) -> list:
     return weights if isinstance(weights, list) else list(weights.unbind(0))
 
@@ -278,8 +283,7 @@ def fused_moe(
     if num_tokens == 0:
         return out
     x2 = _kernel_input(x, hidden)
-    weights = topk_weights.to(torch.float32).contiguous()
-    ids = topk_ids.to(torch.int32).contiguous()
+    weights, ids = routing_tensors(topk_weights, topk_ids)
     ldx = x2.stride(0) if num_tokens > 1 else 2 * w13.k_pairs
     _C.fused_moe_bf16(
         x2.data_ptr(), num_tokens, ldx, w13.k_pairs,

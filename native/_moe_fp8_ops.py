@@ -21,8 +21,14 @@ from __future__ import annotations
 import torch
 
 from native import reference
-from native._fp8_ops import _NAN_MAGNITUDE, _pack, _unpack
-from native._gemm_ops import _kernel_input, check_moe_inputs, peek_expert, take_expert
+from native._fp8_ops import _NAN_MAGNITUDE, _arg, _pack, _unpack
+from native._gemm_ops import (
+    _kernel_input,
+    check_moe_inputs,
+    peek_expert,
+    routing_tensors,
+    take_expert,
+)
 from native._tags import DTYPE_TAGS
 
 try:
@@ -195,8 +201,7 @@ def fused_moe_fp8(
     if num_tokens == 0:
         return out
     x2 = _kernel_input(x, hidden)
-    weights = topk_weights.to(torch.float32).contiguous()
-    ids = topk_ids.to(torch.int32).contiguous()
+    weights, ids = routing_tensors(topk_weights, topk_ids)
     ldx = x2.stride(0) if num_tokens > 1 else 2 * w13.k_pairs
     _C.fused_moe_fp8(
         _arg(x2, _TAG_BF16), num_tokens, ldx, w13.k_pairs,
@@ -206,9 +211,3 @@ def fused_moe_fp8(
         _arg(out, _TAG_BF16),
     )  # fmt: skip
     return out
-
-
-def _arg(t: torch.Tensor, tag: int) -> tuple[int, int, int]:
-    """(data pointer, dtype tag, elements spanned from it) for the binding's checks."""
-    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    return t.data_ptr(), tag, span if t.numel() else 0

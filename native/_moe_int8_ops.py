@@ -15,7 +15,13 @@ from __future__ import annotations
 import torch
 
 from native import _quant_ops, reference
-from native._gemm_ops import check_moe_inputs, checked_experts, list_of, peek_expert
+from native._gemm_ops import (
+    check_moe_inputs,
+    checked_experts,
+    list_of,
+    peek_expert,
+    routing_tensors,
+)
 from native._quant_ops import PackedLinearInt8
 from native._tags import tags
 
@@ -128,8 +134,7 @@ def fused_moe_int8(
     if num_tokens == 0:
         return out
     x2 = x if x.stride(1) == 1 else x.contiguous()
-    weights = topk_weights.to(torch.float32).contiguous()
-    ids = topk_ids.to(torch.int32).contiguous()
+    weights, ids = routing_tensors(topk_weights, topk_ids)
     ldx = x2.stride(0) if num_tokens > 1 else hidden
     _C.fused_moe_int8(
         x2.data_ptr(), num_tokens, ldx,

@@ -134,15 +134,9 @@ void fused_moe_bf16(const MoeArgs& p) {
   const int64_t ldh = inter_blocks * kPackBlockN;
   std::unique_ptr<bf16_t[]> h(new bf16_t[std::max<int64_t>(num_rows * ldh, 1)]);
 
-  std::vector<int64_t> tasks;  // (e, first block of I) as e * inter_blocks + nb0
-  int64_t num_hit = 0;
-  for (int64_t e = 0; e < p.num_experts; ++e) {
-    if (route.offsets[e + 1] == route.offsets[e]) continue;
-    ++num_hit;
-    for (int64_t nb = 0; nb < inter_blocks; nb += kGateUpBlocks) {
-      tasks.push_back(e * inter_blocks + nb);
-    }
-  }
+  const ExpertTasks work = expert_block_tasks(route, inter_blocks, kGateUpBlocks);
+  const std::vector<int64_t>& tasks = work.tasks;
+  const int64_t num_hit = work.num_hit;
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const int64_t num_panels = (pack_num_blocks(p.hidden) + kDownBlocks - 1) / kDownBlocks;
   // Weights of the experts hit; below kMinParallelBytes a fork/join costs more than it saves.

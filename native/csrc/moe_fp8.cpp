@@ -199,17 +199,9 @@ void fused_moe_fp8(const MoeFp8Args& p) {
   const int64_t ldh = inter_blocks * kPackBlockN;
   std::unique_ptr<bf16_t[]> h(new bf16_t[std::max<int64_t>(num_rows * ldh, 1)]);
 
-  std::vector<int64_t> tasks;  // (e, first block of I) as e * inter_blocks + nb0
-  int64_t num_hit = 0, max_rows = 0;
-  for (int64_t e = 0; e < p.num_experts; ++e) {
-    const int64_t count = route.offsets[e + 1] - route.offsets[e];
-    if (count == 0) continue;
-    ++num_hit;
-    max_rows = std::max(max_rows, count);
-    for (int64_t nb = 0; nb < inter_blocks; nb += kGateUpBlocks) {
-      tasks.push_back(e * inter_blocks + nb);
-    }
-  }
+  const ExpertTasks work = expert_block_tasks(route, inter_blocks, kGateUpBlocks);
+  const std::vector<int64_t>& tasks = work.tasks;
+  const int64_t num_hit = work.num_hit, max_rows = work.max_rows;
   const int64_t num_panels = (pack_num_blocks(p.hidden) + kDownBlocks - 1) / kDownBlocks;
   const bool parallel = num_hit * 3 * p.inter * p.hidden >= kMinParallelBytes;  // 1 byte each
   parallel_tasks(static_cast<int64_t>(tasks.size()), parallel, [&](int64_t i) {

@@ -4,6 +4,7 @@
 // and no padding to a block size.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -40,6 +41,27 @@ inline Routing sort_by_expert(const int32_t* topk_ids, const float* topk_weights
     route.weights[fill[e]++] = topk_weights[i];
   }
   return route;
+}
+
+// Stage 2 of the three kernels: one task per (expert holding rows, group of `step` column blocks
+// of I), encoded as e * inter_blocks + first block; with the experts hit (they size the weight
+// traffic, hence whether to fork) and the most rows one expert holds.
+struct ExpertTasks {
+  std::vector<int64_t> tasks;
+  int64_t num_hit = 0, max_rows = 0;
+};
+
+inline ExpertTasks expert_block_tasks(const Routing& route, int64_t inter_blocks, int64_t step) {
+  ExpertTasks out;
+  const int64_t num_experts = static_cast<int64_t>(route.offsets.size()) - 1;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t count = route.offsets[e + 1] - route.offsets[e];
+    if (count == 0) continue;
+    ++out.num_hit;
+    out.max_rows = std::max(out.max_rows, count);
+    for (int64_t nb = 0; nb < inter_blocks; nb += step) out.tasks.push_back(e * inter_blocks + nb);
+  }
+  return out;
 }
 
 }  // namespace duet
