@@ -56,17 +56,12 @@ class MoE:
         # so loading holds one expert in flight, never a layer's experts (most of the model).
         expert = f"{prefix}.experts.{{}}.{{}}_proj.weight".format
 
-        def load13(e: int):
-            release_free_heap()  # the last expert's packing temporaries (engine.heap)
-            return weights.pop(expert(e, "gate")), weights.pop(expert(e, "up"))
+        def load(e: int, *projections: str):
+            release_free_heap()  # the last matrix's packing temporaries (engine.heap)
+            return tuple(weights.pop(expert(e, p)) for p in projections)
 
-        w13 = [lambda e=e: load13(e) for e in expert_range]  # E_local x [2I, D]
-
-        def load2(e: int):
-            release_free_heap()
-            return weights.pop(expert(e, "down"))
-
-        w2 = [lambda e=e: load2(e) for e in expert_range]  # E_local x [D, I]
+        w13 = [lambda e=e: load(e, "gate", "up") for e in expert_range]  # E_local x [2I, D]
+        w2 = [lambda e=e: load(e, "down")[0] for e in expert_range]  # E_local x [D, I]
         # The shared experts first: packing their fused gate|up is the layer's largest
         # transient, better held beside the layers before than beside this layer's experts too.
         self.shared = (

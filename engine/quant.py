@@ -102,26 +102,13 @@ class Quantizer:
     _moe_op = staticmethod(ops.fused_moe)
 
     def _pack_linear(self, parts: list[Source]):
-        return ops.prepack_linear(self._stacked(parts, self.dtype))
+        return ops.prepack_linear(_stacked(parts, self.dtype))
 
     def _pack_experts(self, w13: list[Loader], w2: list[Loader]):
         return ops.prepack_experts(
-            [self._expert13(load, self.dtype) for load in w13],
-            [self._expert2(load, self.dtype) for load in w2],
+            [_matrix_loader(load, self.dtype) for load in w13],
+            [_matrix_loader(load, self.dtype) for load in w2],
         )
-
-    @staticmethod
-    def _stacked(parts: list[Source], dtype: torch.dtype) -> torch.Tensor:
-        tensors = [as_tensor(p, dtype) for p in parts]
-        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-
-    @classmethod
-    def _expert13(cls, load: Loader, dtype: torch.dtype) -> Loader:
-        return lambda: cls._stacked(list(load()), dtype)
-
-    @staticmethod
-    def _expert2(load: Loader, dtype: torch.dtype) -> Loader:
-        return lambda: as_tensor(load(), dtype)
 
 
 class Int8Quantizer(Quantizer):
@@ -134,19 +121,11 @@ class Int8Quantizer(Quantizer):
     _moe_op = staticmethod(ops.fused_moe_int8)
 
     def _pack_linear(self, parts: list[Source]):
-        return ops.prepack_linear_int8(self._stacked(parts, _float_dtype(parts)))
+        return ops.prepack_linear_int8(_stacked(parts))
 
     def _pack_experts(self, w13, w2):
-        def float_expert(load: Loader) -> Loader:
-            def read() -> torch.Tensor:
-                parts = load()  # (gate, up) or down (an Fp8Weight is a tuple too)
-                parts = [parts] if isinstance(parts, Source) else list(parts)
-                return self._stacked(parts, _float_dtype(parts))
-
-            return read
-
         return ops.prepack_experts_int8(
-            [float_expert(f) for f in w13], [float_expert(f) for f in w2]
+            [_matrix_loader(f) for f in w13], [_matrix_loader(f) for f in w2]
         )
 
 
@@ -161,7 +140,7 @@ class Fp8Quantizer(Quantizer):
     def _pack_linear(self, parts: list[Source]):
         if all(isinstance(p, Fp8Weight) for p in parts):
             return ops.prepack_linear_fp8(*_stacked_fp8(parts))
-        return ops.prepack_linear_fp8_from(self._stacked(parts, _float_dtype(parts)))
+        return ops.prepack_linear_fp8_from(_stacked(parts))
 
     def gated_mlp(self, gate: Source, up: Source, down: Source) -> tuple[Linear, Linear]:
         """From an FP8 checkpoint whose intermediate size I is not a multiple of 128 (a small
@@ -178,29 +157,33 @@ class Fp8Quantizer(Quantizer):
         return super().gated_mlp(gate, up, down)
 
     def _pack_experts(self, w13, w2):
-        def expert13(load: Loader) -> Loader:
+        def expert(load: Loader) -> Loader:
             def read():
-                gate, up = load()
-                if isinstance(gate, Fp8Weight) and isinstance(up, Fp8Weight):
-                    _check_kernel_block(gate)  # each half keeps its own blocks: any I works
-                    return torch.cat((gate.weight, up.weight)), torch.cat(
-                        (gate.scale_inv, up.scale_inv)
-                    )
-                return self._stacked([gate, up], _float_dtype([gate, up]))
+                parts = _parts(load())
+                if all(isinstance(p, Fp8Weight) for p in parts):
+                    # gate and up keep their own blocks (the kernel's halves): any I works
+                    return _stacked_fp8(parts, whole_blocks=False)
+                return _stacked(parts)
 
             return read
 
-        def expert2(load: Loader) -> Loader:
-            def read():
-                down = load()
-                if isinstance(down, Fp8Weight):
-                    _check_kernel_block(down)
-                    return down.weight, down.scale_inv
-                return as_tensor(down, _float_dtype([down]))
+        return ops.prepack_experts_fp8([expert(f) for f in w13], [expert(f) for f in w2])
 
-            return read
 
-        return ops.prepack_experts_fp8([expert13(f) for f in w13], [expert2(f) for f in w2])
+def _parts(loaded) -> list[Source]:
+    """What a loader returned, as a list: (gate, up), or one matrix (an Fp8Weight is a tuple)."""
+    return [loaded] if isinstance(loaded, Source) else list(loaded)
+
+
+def _stacked(parts: list[Source], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The parts stacked by rows in `dtype` (default: `_float_dtype`)."""
+    tensors = [as_tensor(p, dtype or _float_dtype(parts)) for p in parts]
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def _matrix_loader(load: Loader, dtype: torch.dtype | None = None) -> Loader:
+    """An expert loader whose matrix comes out stacked (`_stacked`) in `dtype`."""
+    return lambda: _stacked(_parts(load()), dtype)
 
 
 def _float_dtype(parts: list[Source]) -> torch.dtype:
@@ -228,12 +211,15 @@ def _pad_fp8(w: Fp8Weight, rows: int = 0, cols: int = 0) -> Fp8Weight:
     return w._replace(weight=raw.view(torch.float8_e4m3fn))
 
 
-def _stacked_fp8(parts: list[Fp8Weight]) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 matrices stacked by rows with their scales: every part but the last must end on a
-    block boundary, or a block would mix two matrices' scales."""
+def _stacked_fp8(
+    parts: list[Fp8Weight], whole_blocks: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 matrices stacked by rows with their scales. For one linear (`whole_blocks`) every part
+    but the last must end on a block boundary, or a block would mix two matrices' scales; the
+    experts' kernel keeps each half's blocks apart and takes any row count."""
     for p in parts:
         _check_kernel_block(p)
-    for p in parts[:-1]:
+    for p in parts[:-1] if whole_blocks else ():
         rows = p.weight.shape[0]
         if rows % FP8_KERNEL_BLOCK[0]:
             raise QuantizationError(
