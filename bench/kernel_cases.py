@@ -107,10 +107,46 @@ def _act(*shape: int) -> torch.Tensor:
 # ---- MoE -------------------------------------------------------------------------------------
 
 
+def _moe_token_counts(d: Dims, prefix: str, wanted: Wanted) -> list[tuple[str, int]]:
+    """(case name, tokens) of the decode and prefill rows of one fused-MoE family."""
+    counts = [(f"{prefix}_decode", t) for t in d.moe_decode_tokens]
+    counts.append((f"{prefix}_prefill", d.prefill_tokens))
+    return [(name, t) for name, t in counts if wanted(name)]
+
+
+def _moe_case(d: Dims, name: str, tokens: int, expert_bytes: int, run, reference, **extra) -> Case:
+    """One fused-MoE row: `run` / `reference` (and each op of `others`) take (x, weights, ids).
+    The cache defeat of MoE: successive calls route to different experts, through enough
+    routings that one round reads more than the caches hold."""
+    x = _act(tokens, d.hidden)
+    routings = [_routing(d, tokens)]
+    used_first = int(torch.unique(routings[0][1]).numel())
+    routings += [
+        _routing(d, tokens) for _ in range(copies_to_defeat(used_first * expert_bytes) - 1)
+    ]
+    used = sum(int(torch.unique(ids).numel()) for _, ids in routings) / len(routings)
+    union = int(torch.unique(torch.cat([ids.flatten() for _, ids in routings])).numel())
+    routing = cycling(routings)
+    bind = lambda op: lambda: op(x, *routing())  # noqa: E731
+    others = {
+        family: {op_name: bind(op) for op_name, op in ops_.items()}
+        for family, ops_ in extra.pop("others", {}).items()
+    }
+    return Case(
+        kernel=name,
+        shape=f"T={tokens} E={d.num_experts} K={d.top_k} D={d.hidden} I={d.moe_inter}",
+        num_bytes=round(used * expert_bytes) + 2 * x.numel() * ELEM + tokens * d.top_k * 8,
+        flops=2 * tokens * d.top_k * 3 * d.moe_inter * d.hidden,
+        run=bind(run),
+        reference=bind(reference),
+        level=memory_level(union * expert_bytes),
+        others=others,
+        **extra,
+    )
+
+
 def moe_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
-    token_counts = [("moe_decode", t) for t in d.moe_decode_tokens]
-    token_counts.append(("moe_prefill", d.prefill_tokens))
-    token_counts = [(name, t) for name, t in token_counts if wanted(name)]
+    token_counts = _moe_token_counts(d, "moe", wanted)
     if not token_counts:
         return
     w13, w2 = (
@@ -121,33 +157,17 @@ def moe_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
     ref_packed = reference.prepack_experts(w13, w2)
     expert_bytes = 3 * d.moe_inter * d.hidden * ELEM
     for name, tokens in token_counts:
-        x = _act(tokens, d.hidden)
-        # The cache defeat of MoE: successive calls route to different experts.
-        routings = [_routing(d, tokens)]
-        used_first = int(torch.unique(routings[0][1]).numel())
-        routings += [
-            _routing(d, tokens) for _ in range(copies_to_defeat(used_first * expert_bytes) - 1)
-        ]
-        used = sum(int(torch.unique(ids).numel()) for _, ids in routings) / len(routings)
-        union = int(torch.unique(torch.cat([ids.flatten() for _, ids in routings])).numel())
-        routing = cycling(routings)
-        yield Case(
-            kernel=name,
-            shape=f"T={tokens} E={d.num_experts} K={d.top_k} D={d.hidden} I={d.moe_inter}",
-            num_bytes=round(used * expert_bytes) + 2 * x.numel() * ELEM + tokens * d.top_k * 8,
-            flops=2 * tokens * d.top_k * 3 * d.moe_inter * d.hidden,
-            run=lambda x=x, r=routing: ops.fused_moe(x, *packed, *r()),
-            reference=lambda x=x, r=routing: reference.fused_moe(x, *ref_packed, *r()),
-            level=memory_level(union * expert_bytes),
-        )
+        yield _moe_case(
+            d, name, tokens, expert_bytes,
+            run=lambda x, w, ids: ops.fused_moe(x, *packed, w, ids),
+            reference=lambda x, w, ids: reference.fused_moe(x, *ref_packed, w, ids),
+        )  # fmt: skip
 
 
 def moe_int8_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
     """ops.fused_moe_int8 (W8A8: per-token and per-row activation quantization fused in) on the
     shapes and routings of moe_cases; compare with the bf16 moe_* rows of the same run."""
-    token_counts = [("moe_int8_decode", t) for t in d.moe_decode_tokens]
-    token_counts.append(("moe_int8_prefill", d.prefill_tokens))
-    token_counts = [(name, t) for name, t in token_counts if wanted(name)]
+    token_counts = _moe_token_counts(d, "moe_int8", wanted)
     if not token_counts:
         return
     w13, w2 = (
@@ -160,34 +180,19 @@ def moe_int8_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
     # int8 weights + per output channel an fp32 scale and an int32 comp.
     expert_bytes = 3 * d.moe_inter * d.hidden + 8 * (2 * d.moe_inter + d.hidden)
     for name, tokens in token_counts:
-        x = _act(tokens, d.hidden)
-        routings = [_routing(d, tokens)]  # successive calls route to different experts
-        used_first = int(torch.unique(routings[0][1]).numel())
-        routings += [
-            _routing(d, tokens) for _ in range(copies_to_defeat(used_first * expert_bytes) - 1)
-        ]
-        used = sum(int(torch.unique(ids).numel()) for _, ids in routings) / len(routings)
-        union = int(torch.unique(torch.cat([ids.flatten() for _, ids in routings])).numel())
-        routing = cycling(routings)
-        yield Case(
-            kernel=name,
-            shape=f"T={tokens} E={d.num_experts} K={d.top_k} D={d.hidden} I={d.moe_inter}",
-            num_bytes=round(used * expert_bytes) + 2 * x.numel() * ELEM + tokens * d.top_k * 8,
-            flops=2 * tokens * d.top_k * 3 * d.moe_inter * d.hidden,
-            run=lambda x=x, r=routing: ops.fused_moe_int8(x, *packed, *r()),
-            reference=lambda x=x, r=routing: reference.fused_moe_int8(x, *ref_packed, *r()),
+        yield _moe_case(
+            d, name, tokens, expert_bytes,
+            run=lambda x, w, ids: ops.fused_moe_int8(x, *packed, w, ids),
+            reference=lambda x, w, ids: reference.fused_moe_int8(x, *ref_packed, w, ids),
             compute="int8",
-            level=memory_level(union * expert_bytes),
-        )
+        )  # fmt: skip
 
 
 def moe_fp8_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
     """The routed experts with FP8 e4m3 weights (1 byte each, 128x128 block scales), held to the
     bf16 roof (converted to bf16 for vdpbf16ps) and compared with the bf16 fused MoE on the
     dequantized experts (the same values at 2 bytes each)."""
-    token_counts = [("moe_fp8_decode", t) for t in d.moe_decode_tokens]
-    token_counts.append(("moe_fp8_prefill", d.prefill_tokens))
-    token_counts = [(name, t) for name, t in token_counts if wanted(name)]
+    token_counts = _moe_token_counts(d, "moe_fp8", wanted)
     if not token_counts:
         return
     packed = ops.prepack_experts_fp8_from(
@@ -204,27 +209,12 @@ def moe_fp8_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
     scale_bytes = 4 * (2 * -(-d.moe_inter // 128) * -(-d.hidden // 128) * 2)
     expert_bytes = 3 * d.moe_inter * d.hidden + scale_bytes
     for name, tokens in token_counts:
-        x = _act(tokens, d.hidden)
-        routings = [_routing(d, tokens)]  # the cache defeat of MoE, as in moe_cases
-        used_first = int(torch.unique(routings[0][1]).numel())
-        routings += [
-            _routing(d, tokens) for _ in range(copies_to_defeat(used_first * expert_bytes) - 1)
-        ]
-        used = sum(int(torch.unique(ids).numel()) for _, ids in routings) / len(routings)
-        union = int(torch.unique(torch.cat([ids.flatten() for _, ids in routings])).numel())
-        routing = cycling(routings)
-        yield Case(
-            kernel=name,
-            shape=f"T={tokens} E={d.num_experts} K={d.top_k} D={d.hidden} I={d.moe_inter}",
-            num_bytes=round(used * expert_bytes) + 2 * x.numel() * ELEM + tokens * d.top_k * 8,
-            flops=2 * tokens * d.top_k * 3 * d.moe_inter * d.hidden,
-            run=lambda x=x, r=routing: ops.fused_moe_fp8(x, *packed, *r()),
-            reference=lambda x=x, r=routing: reference.fused_moe_fp8(x, *ref_packed, *r()),
-            others={
-                "bf16": {"fused_moe": lambda x=x, r=routing: ops.fused_moe(x, *bf16_packed, *r())}
-            },
-            level=memory_level(union * expert_bytes),
-        )
+        yield _moe_case(
+            d, name, tokens, expert_bytes,
+            run=lambda x, w, ids: ops.fused_moe_fp8(x, *packed, w, ids),
+            reference=lambda x, w, ids: reference.fused_moe_fp8(x, *ref_packed, w, ids),
+            others={"bf16": {"fused_moe": lambda x, w, ids: ops.fused_moe(x, *bf16_packed, w, ids)}},
+        )  # fmt: skip
 
 
 def _routing(d: Dims, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
