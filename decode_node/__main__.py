@@ -20,7 +20,7 @@ def _build(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, inbox, outbox, 
     mcfg = model.cfg
     pool = model.new_kv_pool(cfg.num_pages, cfg.page_size)
     fingerprint = make_fingerprint(
-        mcfg.fingerprint(), mcfg.num_hidden_layers, mcfg.kv_row_width, model.dtype
+        mcfg.fingerprint(), model.num_kv_layers, mcfg.kv_row_width, model.dtype
     )
     receiver = ZmqReceiver(
         pool, fingerprint, cfg.kv_bind_endpoint, advertise_host=cfg.host, security=security

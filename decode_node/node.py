@@ -24,10 +24,11 @@ from typing import Any
 import torch
 
 from decode_node.scheduler import DecodeRequest, DecodeScheduler, DecodeState, StepOutput
+from decode_node.speculative_step import SpeculativeStep
 from engine.batch import ForwardBatch
 from engine.cluster_config import DecodeNodeConfig, SlaConfig, TimeoutConfig
 from engine.cost_model import DecodeCost, RecentSamples
-from engine.errors import DuetError
+from engine.errors import ConfigError, DuetError
 from engine.generate import validate_prompt
 from engine.lease import RouterLease
 from engine.logprobs import TokenLogprobs, token_logprobs
@@ -97,7 +98,7 @@ class DecodeNode:
         )
         self.token_counts = TokenCounts(cfg.max_batch, mcfg.vocab_size)  # by batch slot
         self.fingerprint = make_fingerprint(
-            mcfg.fingerprint(), mcfg.num_hidden_layers, mcfg.kv_row_width, model.dtype
+            mcfg.fingerprint(), model.num_kv_layers, mcfg.kv_row_width, model.dtype
         )
         self.stage_times = StageTimes()
         # Structured output: grammars over the model's vocabulary (tokenizer loaded on first use).
@@ -106,6 +107,12 @@ class DecodeNode:
         self.step_cost = DecodeCost()
         self.timing_samples = RecentSamples()
         self.tpot_s = sla.tpot_ms / 1000.0 if sla is not None and sla.cap_decode_batch else None
+        # MTP speculative decoding (issue 12): drafts from the model's MTP layer.
+        self.speculative: SpeculativeStep | None = None
+        if cfg.mtp:
+            if model.mtp is None:
+                raise ConfigError(f"node {name}: mtp = true needs the model's MTP layer loaded")
+            self.speculative = SpeculativeStep(self, cfg.mtp_tokens)
         self.lease = RouterLease()
         self.is_stopping = False
         self.is_draining = False
@@ -300,7 +307,12 @@ class DecodeNode:
             self._error(request.request_id, "decode", problem)
             return
         outputs = self.scheduler.kv_ready(
-            request.request_id, event.first_token, now, self.timeouts.decode_s, event.fork_tokens
+            request.request_id,
+            event.first_token,
+            now,
+            self.timeouts.decode_s,
+            event.fork_tokens,
+            event.draft_tokens if self.speculative is not None else (),
         )
         self._emit(outputs)  # the sequences whose first token already ended them
 
@@ -321,7 +333,7 @@ class DecodeNode:
         if not event.is_ready or event.first_token is None:
             return event.reason or "KV transfer failed"
         vocab_size = self.model.cfg.vocab_size
-        for token in (event.first_token, *event.fork_tokens):
+        for token in (event.first_token, *event.fork_tokens, *event.draft_tokens):
             if not 0 <= token < vocab_size:
                 return f"kv_done carried token {token}, outside the vocabulary"
         return None
@@ -338,6 +350,14 @@ class DecodeNode:
 
     # ---- compute ---------------------------------------------------------------------------
     def _decode(self, batch: list[DecodeRequest]) -> None:
+        if self.speculative is not None:
+            started = time.monotonic()
+            result = self.speculative.run(batch)
+            if result is not None:
+                outputs, logprobs_of, _ = result
+                self._record_step(batch, time.monotonic() - started)
+                self._emit(outputs, logprobs_of)
+            return
         fb = ForwardBatch.build(
             self.pool,
             [r.table for r in batch],
@@ -351,13 +371,8 @@ class DecodeNode:
         pending_masks = self.grammars.start_masks([r.grammar for r in batch])
         try:
             logits = self.model.forward(fb, self.pool)  # [B, vocab] fp32
-        except Exception as exc:  # fail these requests loudly, keep serving the others
-            if self.forward_errors_are_fatal:
-                raise
-            log.exception("decode forward failed")
-            for request in batch:
-                self.scheduler.abort(request.request_id)
-                self._error(request.request_id, "decode", f"decode forward failed: {exc}")
+        except Exception as exc:
+            self._fail_forward(batch, exc)
             return
         finally:
             masks = pending_masks.result()
@@ -366,12 +381,25 @@ class DecodeNode:
             self._advance_grammar(request, token)
         logprobs = token_logprobs(logits, tokens, [r.params.logprobs for r in batch])
         logprobs_of = {r.request_id: lp for r, lp in zip(batch, logprobs, strict=True) if lp}
-        elapsed = time.monotonic() - started
+        self._record_step(batch, time.monotonic() - started)
+        self._emit(self.scheduler.update(batch, tokens), logprobs_of)
+
+    def _fail_forward(self, batch: list[DecodeRequest], exc: Exception) -> None:
+        """Fails the batch's requests loudly and keeps serving the others (fatal on a
+        multi-rank node, whose collectives would no longer match)."""
+        if self.forward_errors_are_fatal:
+            raise exc
+        log.exception("decode forward failed")
+        for request in batch:
+            self.scheduler.abort(request.request_id)
+            self._error(request.request_id, "decode", f"decode forward failed: {exc}")
+
+    def _record_step(self, batch: list[DecodeRequest], elapsed: float) -> None:
+        """The step's time for the stage figures and this node's step-time model (SLA)."""
         self.stage_times.add("decode_step", elapsed)
         total_context = sum(r.next_position + 1 for r in batch)
         self.step_cost.observe(len(batch), total_context, elapsed)
         self.timing_samples.add(len(batch), total_context, elapsed)
-        self._emit(self.scheduler.update(batch, tokens), logprobs_of)
 
     def batch_cap(self) -> int | None:
         """The largest running batch whose predicted step (this node's own step-time model, at

@@ -319,7 +319,7 @@ def build_rank(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, rank: int,
         mcfg = model.cfg
         pool = model.new_kv_pool(cfg.num_pages, cfg.page_size)
         fingerprint = make_fingerprint(
-            mcfg.fingerprint(), mcfg.num_hidden_layers, mcfg.kv_row_width, model.dtype
+            mcfg.fingerprint(), model.num_kv_layers, mcfg.kv_row_width, model.dtype
         )
         endpoint = cfg.kv_bind_endpoint if rank == 0 else f"tcp://{cfg.listen_host}:0"
         receiver = ZmqReceiver(

@@ -90,6 +90,8 @@ class DecodeRequest:
     ready_time: float | None = None
     finish_reason: str | None = None
     error: str = ""
+    # MTP (engine.speculative): the drafted tokens after output_ids[-1], verified next step.
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def next_position(self) -> int:
@@ -244,11 +246,13 @@ class DecodeScheduler:
         now: float,
         decode_timeout: float,
         fork_tokens: tuple[int, ...] = (),
+        draft_tokens: tuple[int, ...] = (),
     ) -> list[StepOutput]:
         """The KV is complete: the request joins the ready queue with P's first token, and
         each of its forks (n > 1) with its own (`fork_tokens`, in fork order) right after it.
         A sequence whose first token already ends it finishes here: its StepOutput (no new
-        tokens) is returned."""
+        tokens) is returned. `draft_tokens`: P's MTP draft after the first token (the
+        request's own; its forks, whose first tokens differ, draft from their first step)."""
         request = self._requests[request_id]
         if len(fork_tokens) != len(request.forks):
             raise ValueError(
@@ -261,6 +265,7 @@ class DecodeScheduler:
         sequences = [request, *forks]
         for fork in forks:
             self._requests[fork.request_id] = fork
+        request.drafts = list(draft_tokens)
         outputs = []
         for sequence, token in zip(sequences, (first_token, *fork_tokens), strict=True):
             sequence.advance(DecodeState.READY)
@@ -326,15 +331,24 @@ class DecodeScheduler:
 
     def update(self, batch: list[DecodeRequest], tokens: list[int]) -> list[StepOutput]:
         """Appends each request's sampled token; finished requests leave (pages freed)."""
+        return self.update_many(batch, [[token] for token in tokens])
+
+    def update_many(self, batch: list[DecodeRequest], tokens: list[list[int]]) -> list[StepOutput]:
+        """`update` for steps that emit several tokens per request (MTP): each request takes
+        its tokens in order up to the first that ends it; the rest are dropped."""
         outputs = []
-        for request, token in zip(batch, tokens, strict=True):
+        for request, new_tokens in zip(batch, tokens, strict=True):
             if request.state != DecodeState.RUNNING:
                 continue  # aborted during the step
-            request.output_ids.append(token)
-            reason = self._finish_reason(request, token)
-            if reason is not None:
-                self._finish(request, reason)
-            outputs.append(StepOutput(request.request_id, [token], reason))
+            kept, reason = [], None
+            for token in new_tokens:
+                request.output_ids.append(token)
+                kept.append(token)
+                reason = self._finish_reason(request, token)
+                if reason is not None:
+                    self._finish(request, reason)
+                    break
+            outputs.append(StepOutput(request.request_id, kept, reason))
         return outputs
 
     # ---- on-demand growth and preemption ---------------------------------------------------

@@ -12,10 +12,16 @@
     [[prefill]] name, host, bind_host, control_port, threads, page_size, chunk_size, replicas,
                 device, prefix_cache, quant
     [[decode]]  name, host, bind_host, control_port, kv_port, threads, page_size, num_pages,
-                max_batch, ranks, replicas, device, kv_reservation, kv_headroom_tokens, quant
+                max_batch, ranks, replicas, device, kv_reservation, kv_headroom_tokens, quant,
+                mtp, mtp_tokens
 
 `quant` ("none", "int8", "fp8"; engine.quant) is each node's own weight scheme: the KV it
 produces or consumes is the same whatever the scheme, so any prefill node feeds any decode node.
+
+`mtp = true` (issue 12) makes a decode node speculate with the checkpoint's MTP layer, verifying
+`mtp_tokens` drafts a step (`engine.speculative`). The MTP layer's KV is one more layer of the
+cache, which the prefill nodes compute and send: so every decode node must agree on `mtp`, and
+the prefill nodes run the MTP layer exactly when they do (`ClusterConfig.uses_mtp`).
 
 Addresses: `host` is where the other roles (and, for the router, HTTP clients) reach a role; it
 is the address in every endpoint the role names, e.g. a decode node's `kv_endpoint`. `bind_host`
@@ -158,6 +164,10 @@ class DecodeNodeConfig(_Addresses):
     kv_reservation: str = "on_demand"
     kv_headroom_tokens: int = 32
     quant: str = "none"  # weight quantization (issue 9): "none" | "int8" | "fp8"
+    # MTP speculative decoding (issue 12): draft with the checkpoint's MTP layer, verify
+    # mtp_tokens drafts per step.
+    mtp: bool = False
+    mtp_tokens: int = 1
 
     @property
     def kv_endpoint(self) -> str:
@@ -202,6 +212,11 @@ class ClusterConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     prefill: tuple[PrefillNodeConfig, ...] = ()
     decode: tuple[DecodeNodeConfig, ...] = ()
+
+    @property
+    def uses_mtp(self) -> bool:
+        """The KV layout has the MTP layer's cache: the decode nodes speculate (they agree)."""
+        return any(node.mtp for node in self.decode)
 
     @property
     def ratio(self) -> str:
@@ -344,6 +359,7 @@ def _validate(cfg: ClusterConfig) -> None:
             )
         if node.kv_headroom_tokens < 0:
             raise ConfigError(f"node {node.name}: kv_headroom_tokens must be >= 0")
+        _validate_mtp(node, cfg.uses_mtp)
     for node in cfg.prefill:
         if node.chunk_size < 1 or node.max_batch_tokens < node.chunk_size:
             raise ConfigError(f"node {node.name}: need 1 <= chunk_size <= max_batch_tokens")
@@ -367,6 +383,24 @@ def _validate(cfg: ClusterConfig) -> None:
     if cfg.sla.ttft_ms <= 0 or cfg.sla.tpot_ms <= 0:
         raise ConfigError("[sla] ttft_ms and tpot_ms must be positive")
     _validate_admission(cfg.sla)
+
+
+MAX_MTP_TOKENS = 16  # kvtransfer.wire.MAX_DRAFTS: what one kv_done can carry
+
+
+def _validate_mtp(node: DecodeNodeConfig, uses_mtp: bool) -> None:
+    if node.mtp != uses_mtp:
+        raise ConfigError(
+            f"node {node.name}: mtp must be the same on every decode node (the MTP layer's "
+            "cache is part of the KV the prefill nodes send)"
+        )
+    if not 1 <= node.mtp_tokens <= MAX_MTP_TOKENS:
+        raise ConfigError(f"node {node.name}: mtp_tokens must be in [1, {MAX_MTP_TOKENS}]")
+    if node.mtp and node.ranks > 1:
+        raise ConfigError(
+            f"node {node.name}: mtp with ranks > 1 is not supported yet (the MTP layer's "
+            "experts are not sharded across ranks)"
+        )
 
 
 ADMISSION_POLICIES = ("reject", "queue", "none")

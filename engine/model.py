@@ -17,11 +17,13 @@ import torch
 from engine.batch import ForwardBatch
 from engine.checkpoint_reader import CheckpointReader
 from engine.config import ModelConfig
+from engine.errors import ConfigError
 from engine.heap import release_free_heap
 from engine.kv_pool import KVPool
+from engine.mtp import MTPLayer
 from engine.quant import Quantizer, as_tensor, quantizer
 from engine.rope import rope_cos_sin
-from engine.weight_names import checkpoint_shapes
+from engine.weight_names import checkpoint_shapes, mtp_shapes
 from native import ops
 
 Weights = dict[str, torch.Tensor]
@@ -232,7 +234,9 @@ class DeepseekModel:
     the packed copy of a matrix are never both held for the whole model; from a
     CheckpointReader (`from_pretrained`) each tensor is read only as it is packed, so loading
     holds the model as held plus one tensor in flight. `quant` ("none", "int8", "fp8"; None =
-    "none") is the scheme of the projections and experts (`engine.quant`)."""
+    "none") is the scheme of the projections and experts (`engine.quant`). With `mtp`, the
+    checkpoint's MTP layer is loaded too (`engine.mtp`, the draft of speculative decoding) and
+    the KV pool has one more layer, its cache."""
 
     def __init__(
         self,
@@ -241,6 +245,7 @@ class DeepseekModel:
         dtype: torch.dtype,
         expert_range=None,
         quant: str | None = None,
+        mtp: bool = False,
     ):
         self.cfg = cfg
         q = quantizer(quant, dtype)
@@ -262,6 +267,15 @@ class DeepseekModel:
             self.layers.append(DecoderLayer(cfg, weights, i, self.cos_sin, self.expert_range, q))
             release_free_heap()  # the layer's packing temporaries (engine.heap)
         self.norm = weights["model.norm.weight"]
+        self.mtp: MTPLayer | None = None
+        if mtp:
+            check_has_mtp(cfg)
+            n = cfg.num_hidden_layers
+            layer = DecoderLayer(cfg, weights, n, self.cos_sin, self.expert_range, q)
+            self.mtp = MTPLayer(cfg, weights, layer, q)
+            release_free_heap()
+        # The KV pool's layers: the main ones, then the MTP layer's when loaded.
+        self.num_kv_layers = cfg.num_hidden_layers + (1 if self.mtp is not None else 0)
 
     @classmethod
     def from_pretrained(
@@ -271,6 +285,7 @@ class DeepseekModel:
         expert_range: range | None = None,
         progress: bool = True,
         quant: str | None = None,
+        mtp: bool = False,
     ) -> DeepseekModel:
         """Loads config.json and the safetensors, each tensor read as the model packs it;
         `expert_range` limits the routed experts held (an expert-parallel rank loads only its
@@ -278,10 +293,13 @@ class DeepseekModel:
         cfg = ModelConfig.from_model_dir(model_dir)
         keep = None if expert_range is None else (lambda e: e in expert_range)
         shapes = checkpoint_shapes(cfg, keep)
+        if mtp:
+            check_has_mtp(cfg)
+            shapes.update(mtp_shapes(cfg, keep))
         block = cfg.quant.weight_block_size if cfg.quant else None
         keep_fp8 = quantizer(quant, dtype).keeps_fp8
         with CheckpointReader(model_dir, shapes, dtype, block, keep_fp8, progress) as weights:
-            model = cls(cfg, weights, dtype, expert_range, quant)
+            model = cls(cfg, weights, dtype, expert_range, quant, mtp)
             unread = weights.unread()
         if unread:  # checkpoint_shapes and the model disagree: a bug, not the user's input
             raise RuntimeError(f"the model did not read {len(unread)} tensors: {unread[:3]}")
@@ -291,19 +309,62 @@ class DeepseekModel:
     def new_kv_pool(self, num_pages: int, page_size: int, device="cpu") -> KVPool:
         cfg = self.cfg
         return KVPool(
-            cfg.num_hidden_layers, num_pages, page_size, cfg.kv_row_width, self.dtype, device
+            self.num_kv_layers, num_pages, page_size, cfg.kv_row_width, self.dtype, device
         )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """Runs the batch, writing its new KV rows into `pool`. Returns [B, vocab] fp32: each
         sequence's last new token; then [N] more rows for `batch.extra_logit_index` if set."""
+        return self._forward(batch, pool, keep_hidden=False)[0]
+
+    @torch.inference_mode()
+    def forward_with_hidden(
+        self, batch: ForwardBatch, pool: KVPool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s logits and the hidden states [T, D] of every new token before the final
+        norm (what the MTP layer reads)."""
+        logits, hidden = self._forward(batch, pool, keep_hidden=True)
+        return logits, hidden
+
+    def _forward(self, batch: ForwardBatch, pool: KVPool, keep_hidden: bool):
         h = self.embed_tokens.index_select(0, batch.input_ids)  # [T, D]
         residual = None
         for idx, layer in enumerate(self.layers):
             h, residual = layer(h, residual, batch, pool.layer(idx))
+        rows = self._logit_rows(batch)
+        x, _ = ops.fused_add_rms_norm(h[rows], residual[rows], self.norm, self.cfg.rms_norm_eps)
+        return self.lm_head(x).float(), (h + residual if keep_hidden else None)
+
+    @torch.inference_mode()
+    def forward_mtp(
+        self, batch: ForwardBatch, main_hidden: torch.Tensor, pool: KVPool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer over `batch`, whose input_ids are the tokens t_{i+1} after the
+        positions i it runs at, and `main_hidden` [T, D] the main model's h_i (or, for a
+        chained draft, this layer's own output). Writes its KV into the pool's last layer.
+        Returns the logits (rows as `forward`'s: each sequence's last token, then
+        `extra_logit_index`) and the output hidden states [T, D]."""
+        if self.mtp is None:
+            raise RuntimeError("the model was loaded without its MTP layer (mtp=True)")
+        embedded = self.embed_tokens.index_select(0, batch.input_ids)
+        kv_cache = pool.layer(self.cfg.num_hidden_layers)
+        hidden = self.mtp.hidden(embedded, main_hidden, batch, kv_cache)
+        x = self.mtp.head_input(hidden[self._logit_rows(batch)])
+        return self.lm_head(x).float(), hidden
+
+    @staticmethod
+    def _logit_rows(batch: ForwardBatch) -> torch.Tensor:
         last = batch.last_token_index
         if batch.extra_logit_index is not None:
             last = torch.cat([last, batch.extra_logit_index])
-        x, _ = ops.fused_add_rms_norm(h[last], residual[last], self.norm, self.cfg.rms_norm_eps)
-        return self.lm_head(x).float()
+        return last
+
+
+def check_has_mtp(cfg: ModelConfig) -> None:
+    """ConfigError unless the checkpoint has an MTP layer (num_nextn_predict_layers >= 1)."""
+    if cfg.num_nextn_predict_layers < 1:
+        raise ConfigError(
+            "MTP needs a checkpoint with an MTP layer (num_nextn_predict_layers >= 1); "
+            "this one has none"
+        )

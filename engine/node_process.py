@@ -61,6 +61,7 @@ def load_model(cluster: ClusterConfig, node_cfg: Any, model_dir: str | None, exp
             expert_range=expert_range,
             progress=False,
             quant=node_cfg.quant,
+            mtp=cluster.uses_mtp,  # the MTP layer's cache is part of every node's KV
         )
     except DuetError as exc:  # one line that names the node (the router shows it as is)
         raise type(exc)(f"node {node_cfg.name}: {exc}") from None

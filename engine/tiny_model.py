@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
-from engine.weight_names import checkpoint_shapes
+from engine.weight_names import checkpoint_shapes, mtp_copy_names, mtp_prefix, mtp_shapes
 from engine.weights import quantize_fp8_blockwise, save_checkpoint
 
 # Bump when the generated files change, so a cached copy from an older version is rebuilt.
@@ -190,7 +190,10 @@ def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
-    for name, shape in checkpoint_shapes(cfg).items():
+    shapes = checkpoint_shapes(cfg)
+    if cfg.num_nextn_predict_layers:  # the MTP layer after the main ones (engine.mtp)
+        shapes.update(mtp_shapes(cfg))
+    for name, shape in shapes.items():
         noise = torch.randn(shape, generator=gen, dtype=torch.float32)
         if name.endswith("norm.weight"):
             w = 1.0 + (0.05 * noise).clamp(-0.1, 0.1)
@@ -206,6 +209,14 @@ def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
         else:
             w = _std(name) * noise
         out[name] = w.to(torch.bfloat16).to(torch.float32)
+    if cfg.num_nextn_predict_layers:  # V3 stores copies of the shared embedding and head
+        copies = mtp_copy_names(cfg)
+        embed, head = (
+            f"{mtp_prefix(cfg)}.{n}" for n in ("embed_tokens.weight", "shared_head.head.weight")
+        )
+        assert set(copies) == {embed, head}
+        out[embed] = out["model.embed_tokens.weight"].clone()
+        out[head] = out["lm_head.weight"].clone()
     return out
 
 

@@ -79,6 +79,35 @@ def checkpoint_shapes(
     return shapes
 
 
+def mtp_prefix(cfg: ModelConfig) -> str:
+    """DeepSeek-V3 numbers its MTP layer after the main ones: model.layers.{num_hidden_layers}."""
+    return f"model.layers.{cfg.num_hidden_layers}"
+
+
+def mtp_shapes(
+    cfg: ModelConfig, keep_expert: Callable[[int], bool] | None = None
+) -> dict[str, Shape]:
+    """The MTP layer's own tensors (DeepSeek-V3 layout): the two input norms, the projection of
+    [embedding | hidden] back to the hidden size, one decoder layer and the head's norm. The
+    checkpoint's copies of the embedding and the head (`mtp_copy_names`) are not listed: the
+    layer shares the main model's."""
+    prefix, d = mtp_prefix(cfg), cfg.hidden_size
+    shapes: dict[str, Shape] = {
+        f"{prefix}.enorm.weight": (d,),
+        f"{prefix}.hnorm.weight": (d,),
+        f"{prefix}.eh_proj.weight": (d, 2 * d),
+    }
+    shapes.update(layer_shapes(cfg, cfg.num_hidden_layers, keep_expert))
+    shapes[f"{prefix}.shared_head.norm.weight"] = (d,)
+    return shapes
+
+
+def mtp_copy_names(cfg: ModelConfig) -> dict[str, Shape]:
+    """The copies of the embedding and the head that DeepSeek-V3 stores with its MTP layer."""
+    prefix, shape = mtp_prefix(cfg), (cfg.vocab_size, cfg.hidden_size)
+    return {f"{prefix}.embed_tokens.weight": shape, f"{prefix}.shared_head.head.weight": shape}
+
+
 def is_norm_or_bias(name: str) -> bool:
     """Tensors kept in full precision and never quantized (norm weights, router bias, gate)."""
     return (

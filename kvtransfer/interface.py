@@ -79,6 +79,8 @@ class TransferEvent:
     first_token: int | None = None
     reason: str = ""
     fork_tokens: tuple[int, ...] = ()
+    # MTP: P's draft of the token after first_token (empty without MTP).
+    draft_tokens: tuple[int, ...] = ()
 
     @property
     def is_ready(self) -> bool:
@@ -143,10 +145,11 @@ class KVSender(abc.ABC):
         num_tokens: int,
         first_token: int,
         fork_tokens: tuple[int, ...] = (),
+        draft_tokens: tuple[int, ...] = (),
     ) -> None:
         """Queue `kv_done` after this rendezvous's chunks: the prompt had `num_tokens` tokens,
         all sent, and P sampled `first_token` (and `fork_tokens` for the sequences an n > 1
-        request forks into). The rendezvous is finished on the sender."""
+        request forks into; `draft_tokens`: its MTP layer's draft of the next token). The rendezvous is finished on the sender."""
 
     @abc.abstractmethod
     def send_abort(self, rendezvous: Rendezvous, reason: str) -> None:

@@ -283,7 +283,13 @@ class ReceiverCore(KVReceiver):
                 if self._finish(exp, "failed", reason=reason):
                     self._tell_peer(exp, reason)
                 return
-            self._finish(exp, "ready", first_token=msg.first_token, fork_tokens=msg.fork_tokens)
+            self._finish(
+                exp,
+                "ready",
+                first_token=msg.first_token,
+                fork_tokens=msg.fork_tokens,
+                draft_tokens=msg.draft_tokens,
+            )
 
     def _incomplete(self, exp: _Expectation, num_tokens: int) -> str | None:
         if num_tokens != exp.num_tokens:
@@ -295,7 +301,13 @@ class ReceiverCore(KVReceiver):
         return f"incomplete, layer {layer} token {token} never arrived{why}"
 
     def _finish(
-        self, exp: _Expectation, kind: str, first_token=None, reason: str = "", fork_tokens=()
+        self,
+        exp: _Expectation,
+        kind: str,
+        first_token=None,
+        reason: str = "",
+        fork_tokens=(),
+        draft_tokens=(),
     ) -> bool:
         """Hand the pages back with one event (caller holds exp.lock); True if done here, False
         (a no-op) if another path (cancel, expiry, kv_done) already did."""
@@ -304,7 +316,14 @@ class ReceiverCore(KVReceiver):
                 return False
             del self._expected[exp.rendezvous]
             exp.is_active = False
-            event = TransferEvent(kind, exp.rendezvous, first_token, reason, tuple(fork_tokens))  # type: ignore[arg-type]
+            event = TransferEvent(
+                kind,  # type: ignore[arg-type]
+                exp.rendezvous,
+                first_token,
+                reason,
+                tuple(fork_tokens),
+                tuple(draft_tokens),
+            )
             self._events.append(event)
             if kind == "ready":
                 self._num_ready += 1

@@ -24,6 +24,7 @@ import torch
 from kvtransfer.interface import DropReason, KVSender
 from kvtransfer.wire import (
     DTYPE_NAMES,
+    MAX_DRAFTS,
     MAX_FORKS,
     MAX_ID_LEN,
     MAX_LAYERS,
@@ -239,16 +240,26 @@ class SenderCore(KVSender):
         num_tokens: int,
         first_token: int,
         fork_tokens: tuple[int, ...] = (),
+        draft_tokens: tuple[int, ...] = (),
     ) -> None:
         self._check_usable()
         if not 0 < num_tokens <= MAX_TOKENS:
             raise ValueError(f"num_tokens must be in [1, {MAX_TOKENS}], got {num_tokens}")
-        if not all(0 <= t <= MAX_TOKEN_ID for t in (first_token, *fork_tokens)):
-            raise ValueError(f"first tokens must be token ids, got {first_token}, {fork_tokens}")
+        if not all(0 <= t <= MAX_TOKEN_ID for t in (first_token, *fork_tokens, *draft_tokens)):
+            raise ValueError(
+                f"first and draft tokens must be token ids, got {first_token}, {fork_tokens}, "
+                f"{draft_tokens}"
+            )
+        if len(draft_tokens) > MAX_DRAFTS:
+            raise ValueError(f"at most {MAX_DRAFTS} draft tokens, got {len(draft_tokens)}")
         if len(fork_tokens) > MAX_FORKS:
             raise ValueError(f"at most {MAX_FORKS} fork tokens, got {len(fork_tokens)}")
         seq = self._next_seq(rendezvous, is_last=True)
-        self._deliver(KVDone(rendezvous, seq, num_tokens, first_token, tuple(fork_tokens)))
+        self._deliver(
+            KVDone(
+                rendezvous, seq, num_tokens, first_token, tuple(fork_tokens), tuple(draft_tokens)
+            )
+        )
 
     def send_abort(self, rendezvous: Rendezvous, reason: str) -> None:
         self._check_usable()

@@ -41,7 +41,8 @@ import xxhash
 
 from engine.errors import DuetError
 
-PROTOCOL_VERSION = 3  # 2: per-request headers carry `hcrc`; 3: kv_done carries `fork`
+# 2: per-request headers carry `hcrc`; 3: kv_done carries `fork`; 4: and `draft` (MTP)
+PROTOCOL_VERSION = 4
 
 # Bounds: generous for real models, tight enough that a hostile header cannot make the receiver
 # allocate or loop much.
@@ -55,6 +56,7 @@ MAX_PAYLOAD_BYTES = 1 << 32
 MAX_FINGERPRINT_FIELDS = 64
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_FORKS = 64  # kv_done's fork tokens (n - 1 of an n > 1 request) at most
+MAX_DRAFTS = 16  # kv_done's MTP draft tokens at most
 U64_MAX = (1 << 64) - 1
 U32_MAX = (1 << 32) - 1
 
@@ -145,6 +147,8 @@ class KVDone:
     first_token: int
     # n > 1: the first tokens of the sequences forked from this KV (sequences 1 .. n-1).
     fork_tokens: tuple[int, ...] = ()
+    # MTP: the draft P's MTP layer made of the token after first_token (empty without MTP).
+    draft_tokens: tuple[int, ...] = ()
     version: int = PROTOCOL_VERSION
 
 
@@ -279,6 +283,7 @@ def encode(msg: Message) -> bytes:
         head.update(
             kind="kv_done", **_rdv(msg.rendezvous), seq=msg.seq,
             num_tokens=msg.num_tokens, first_token=msg.first_token, fork=list(msg.fork_tokens),
+            draft=list(msg.draft_tokens),
         )  # fmt: skip
     elif isinstance(msg, KVAbort):
         head.update(kind="kv_abort", **_rdv(msg.rendezvous), seq=msg.seq, reason=msg.reason)
@@ -309,7 +314,7 @@ _KEYS = {
     "hello": {"v", "kind", "sender", "fp"},
     "hello_ack": {"v", "kind", "ok", "fp", "error"},
     "kv_chunk": _RDV_KEYS | {"l0", "l1", "t0", "t1", "dtype", "w", "len", "crc"},
-    "kv_done": _RDV_KEYS | {"num_tokens", "first_token", "fork"},
+    "kv_done": _RDV_KEYS | {"num_tokens", "first_token", "fork", "draft"},
     "kv_abort": _RDV_KEYS | {"reason"},
     "kv_cancel": (_RDV_KEYS - {"seq"}) | {"reason"},
 }
@@ -359,7 +364,8 @@ def decode(frame: Any) -> Message:
             seq,
             _int(head, "num_tokens", 1, MAX_TOKENS),
             _int(head, "first_token", 0, MAX_TOKEN_ID),
-            _fork_tokens(head),
+            _token_list(head, "fork", MAX_FORKS),
+            _token_list(head, "draft", MAX_DRAFTS),
         )
     elif kind == "kv_abort":
         msg = KVAbort(rdv, seq, _str(head, "reason", MAX_REASON_LEN, 0))
@@ -401,13 +407,13 @@ def peek_kind(frame: Any) -> str | None:
     return kind if isinstance(kind, str) else None
 
 
-def _fork_tokens(head: dict[str, Any]) -> tuple[int, ...]:
-    fork = head["fork"]
-    if not isinstance(fork, list) or len(fork) > MAX_FORKS:
-        raise WireError(f"kv_done: 'fork' must be a list of at most {MAX_FORKS} token ids")
-    if not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in fork):
-        raise WireError("kv_done: 'fork' holds something other than token ids")
-    return tuple(fork)
+def _token_list(head: dict[str, Any], key: str, max_len: int) -> tuple[int, ...]:
+    tokens = head[key]
+    if not isinstance(tokens, list) or len(tokens) > max_len:
+        raise WireError(f"kv_done: '{key}' must be a list of at most {max_len} token ids")
+    if not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens):
+        raise WireError(f"kv_done: '{key}' holds something other than token ids")
+    return tuple(tokens)
 
 
 def _int(head: dict[str, Any], key: str, lo: int, hi: int) -> int:

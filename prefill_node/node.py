@@ -44,6 +44,7 @@ from engine.protocol import (
     sampling_from_dict,
 )
 from engine.sampling import SamplingParams, sample
+from engine.speculative import ahead_tokens
 from engine.structured import GrammarMatcher, Grammars
 from engine.version import package_version
 from kvtransfer import KVSender, KVTransferError, Rendezvous, make_fingerprint
@@ -79,7 +80,7 @@ class PrefillNode:
         )
         mcfg = model.cfg
         self.fingerprint = make_fingerprint(
-            mcfg.fingerprint(), mcfg.num_hidden_layers, mcfg.kv_row_width, model.dtype
+            mcfg.fingerprint(), model.num_kv_layers, mcfg.kv_row_width, model.dtype
         )
         # A handshake blocks the loop: keep it well inside the router's node timeout.
         handshake_s = min(timeouts.reserve_s, timeouts.node_timeout_s / 2)
@@ -254,7 +255,12 @@ class PrefillNode:
         if extra:
             batch.extra_logit_index = torch.tensor([index for index, _, _ in extra])
         try:
-            logits = self.model.forward(batch, self.pool)  # [B (+ N), vocab] fp32
+            if self.model.mtp is None:
+                logits = self.model.forward(batch, self.pool)  # [B (+ N), vocab] fp32
+            else:  # MTP: sample the first tokens now, the MTP layer needs them before the send
+                logits, hidden = self.model.forward_with_hidden(batch, self.pool)
+                firsts = self._first_tokens_of(chunks, logits)
+                firsts = self._run_mtp(chunks, hidden, firsts)
         except Exception as exc:  # fail these requests loudly, keep serving the others
             log.exception("prefill forward failed")
             for chunk in chunks:
@@ -264,14 +270,52 @@ class PrefillNode:
             self._add_prompt_logprobs(logits[len(chunks) :], extra)
         for chunk in chunks:
             self._send_chunk(chunk)
-        row_of = {id(c.request): i for i, c in enumerate(chunks) if c.is_last}
         finished = self.scheduler.update(chunks)
-        if finished:
-            rows = logits[[row_of[id(r)] for r in finished]]
-            for request, (tokens, lps) in zip(
-                finished, self._first_tokens(rows, finished), strict=True
-            ):
-                self._finish(request, tokens, lps)
+        if not finished:
+            return
+        if self.model.mtp is not None:
+            for request in finished:
+                self._finish(request, *firsts[id(request)])
+            return
+        row_of = {id(c.request): i for i, c in enumerate(chunks) if c.is_last}
+        rows = logits[[row_of[id(r)] for r in finished]]
+        for request, (tokens, lps) in zip(
+            finished, self._first_tokens(rows, finished), strict=True
+        ):
+            self._finish(request, tokens, lps)
+
+    def _first_tokens_of(self, chunks: list[Chunk], logits: torch.Tensor) -> dict[int, tuple]:
+        """The first tokens and logprobs of the requests whose prompt ends in this forward, by
+        id(request) (MTP samples them before `update`, which frees the requests' pages)."""
+        last = [(i, c.request) for i, c in enumerate(chunks) if c.is_last]
+        if not last:
+            return {}
+        rows = logits[[i for i, _ in last]]
+        sampled = self._first_tokens(rows, [r for _, r in last])
+        return {id(r): out for (_, r), out in zip(last, sampled, strict=True)}
+
+    def _run_mtp(self, chunks: list[Chunk], hidden: torch.Tensor, firsts: dict) -> dict:
+        """The MTP layer behind the main forward, at the same positions (its rows join the
+        chunks' KV); a finishing request's entry gains the layer's draft of its second token."""
+        ahead = [
+            ahead_tokens(
+                c.request.token_ids,
+                c.start,
+                c.end,
+                firsts[id(c.request)][0][0] if c.is_last else -1,
+            )
+            for c in chunks
+        ]
+        mtp_batch = ForwardBatch.build(
+            self.pool, [c.request.table for c in chunks], ahead, [c.start for c in chunks], False
+        )
+        logits, _ = self.model.forward_mtp(mtp_batch, hidden, self.pool)
+        drafts = logits[: len(chunks)].argmax(-1).tolist()
+        return {
+            id(c.request): (*firsts[id(c.request)], (drafts[i],))
+            for i, c in enumerate(chunks)
+            if c.is_last
+        }
 
     def _first_tokens(self, rows: torch.Tensor, finished: list[PrefillRequest]):
         """Each finished request's first tokens, one per sequence (n > 1: sequence i samples
@@ -340,7 +384,11 @@ class PrefillNode:
         self.kv_bytes_sent += rows.numel() * rows.element_size()
 
     def _finish(
-        self, request: PrefillRequest, tokens: list[int], lps: list[TokenLogprobs | None]
+        self,
+        request: PrefillRequest,
+        tokens: list[int],
+        lps: list[TokenLogprobs | None],
+        draft: tuple[int, ...] = (),
     ) -> None:
         """Hands the request on: FirstToken to the router, then kv_done to D, each with the
         first token of every sequence (n > 1: the first is the request's own). In this order
@@ -362,7 +410,9 @@ class PrefillNode:
         )  # fmt: skip
         try:
             sender = self.senders.get(request.kv_endpoint)
-            sender.send_done(_rendezvous(request), request.prompt_len, tokens[0], tuple(tokens[1:]))
+            sender.send_done(
+                _rendezvous(request), request.prompt_len, tokens[0], tuple(tokens[1:]), draft
+            )
         except (KVTransferError, ValueError) as exc:
             self._on_sender_error(request, exc)
 

@@ -69,12 +69,14 @@ class Pair:
         kv_headroom_tokens=32,
         prefix_cache=True,
         sla=None,
+        mtp_tokens=0,
     ):
+        """`mtp_tokens` > 0: D speculates with the model's MTP layer (which must be loaded)."""
         self.model = model
         self.timeouts = timeouts or TimeoutConfig(heartbeat_s=0.05)
         cfg = model.cfg
         fp = make_fingerprint(
-            cfg.fingerprint(), cfg.num_hidden_layers, cfg.kv_row_width, model.dtype
+            cfg.fingerprint(), model.num_kv_layers, cfg.kv_row_width, model.dtype
         )
         self.receiver = InprocReceiver(model.new_kv_pool(d_num_pages, d_page_size), fp)
         self.p_in, self.p_out = QueueInbox(), QueueOutbox()
@@ -88,7 +90,8 @@ class Pair:
         )
         d_cfg = DecodeNodeConfig(
             "d", page_size=d_page_size, max_batch=max_batch, kv_reservation=kv_reservation,
-            kv_headroom_tokens=kv_headroom_tokens,
+            kv_headroom_tokens=kv_headroom_tokens, mtp=mtp_tokens > 0,
+            mtp_tokens=max(1, mtp_tokens),
         )  # fmt: skip
         self.prefill = PrefillNode(
             "p", model, p_cfg, self.timeouts, self.p_in, self.p_out, sender_factory

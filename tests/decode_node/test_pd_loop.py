@@ -184,8 +184,8 @@ def test_incomplete_kv_is_never_decoded(pair):
 class BadTokenSender(InprocSender):
     """Sends a complete KV but a first token outside the vocabulary."""
 
-    def send_done(self, rendezvous, num_tokens, first_token, fork_tokens=()):
-        super().send_done(rendezvous, num_tokens, 10**6, fork_tokens)
+    def send_done(self, rendezvous, num_tokens, first_token, *more):
+        super().send_done(rendezvous, num_tokens, 10**6, *more)
 
 
 def test_a_first_token_outside_the_vocabulary_is_never_decoded(pair):

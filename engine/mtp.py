@@ -1,0 +1,60 @@
+"""DeepSeek-V3's multi-token prediction (MTP) layer, used as the draft model of speculative
+decoding.
+
+At position i it combines the main model's hidden state h_i (before the final norm) with the
+embedding of the token after it, t_{i+1}, and predicts t_{i+2}:
+
+    x_i = eh_proj([enorm(embed(t_{i+1})) | hnorm(h_i)])      (embedding first, as SGLang / vLLM)
+    y_i = DecoderLayer(x_i)  at rope position i, causal over the MTP positions <= i
+    logits_i = lm_head(shared_head.norm(y_i))
+
+The decoder layer has its own latent KV cache: the pool's layer `num_hidden_layers`, after the
+main ones, so the KV of a prompt moves from the prefill node to the decode node like any other
+layer's. The embedding and the head are the main model's (V3 stores copies; they are equal).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.batch import ForwardBatch
+from engine.config import ModelConfig
+from engine.weight_names import mtp_prefix
+from native import ops
+
+if TYPE_CHECKING:
+    from engine.model import DecoderLayer
+    from engine.quant import Quantizer
+
+
+class MTPLayer:
+    def __init__(self, cfg: ModelConfig, weights, decoder_layer: DecoderLayer, quant: Quantizer):
+        prefix = mtp_prefix(cfg)
+        self.eps = cfg.rms_norm_eps
+        self.enorm = weights[f"{prefix}.enorm.weight"]
+        self.hnorm = weights[f"{prefix}.hnorm.weight"]
+        self.eh_proj = quant.linear(weights.pop(f"{prefix}.eh_proj.weight"))  # [D, 2D]
+        self.layer = decoder_layer
+        self.head_norm = weights[f"{prefix}.shared_head.norm.weight"]
+
+    def hidden(
+        self,
+        embedded: torch.Tensor,
+        main_hidden: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """embedded [T, D] (the embeddings of t_{i+1}), main_hidden [T, D] (h_i, before the
+        main model's final norm), `batch` at the positions i -> the layer's output [T, D]
+        before the head's norm (what a chained draft feeds back as its h)."""
+        e = ops.rms_norm(embedded, self.enorm, self.eps)
+        h = ops.rms_norm(main_hidden.to(embedded.dtype), self.hnorm, self.eps)
+        x = self.eh_proj(torch.cat((e, h), dim=-1))
+        y, residual = self.layer(x, None, batch, kv_cache)
+        return y + residual
+
+    def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's output [N, D] -> what the shared head multiplies."""
+        return ops.rms_norm(hidden.contiguous(), self.head_norm, self.eps)
