@@ -496,7 +496,19 @@ class DecodeNode:
                 draining=self.is_draining,
                 num_preempted=self.scheduler.num_preempted,
                 timing_samples=self.timing_samples.take(),
+                **self._mtp_figures(),
             )
+        )
+
+    def _mtp_figures(self) -> dict[str, int]:
+        if self.speculative is None:
+            return {}
+        s = self.speculative.stats
+        return dict(
+            mtp_drafted=s.drafted,
+            mtp_accepted=s.accepted,
+            mtp_emitted=s.emitted,
+            mtp_request_steps=s.request_steps,
         )
 
     def close(self, reason: str) -> None:

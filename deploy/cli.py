@@ -86,6 +86,12 @@ def _add_generate(sub) -> None:
     p.add_argument(
         "--decode-quant", choices=QUANT_SCHEMES, help="the decode steps' own (a decode node's)"
     )
+    p.add_argument(
+        "--mtp-tokens",
+        type=int,
+        default=0,
+        help="speculate with the model's MTP layer, this many drafts a step (0: off)",
+    )
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
@@ -131,14 +137,24 @@ def _run_generate(args) -> int:
     dtype = getattr(torch, args.dtype)
     prefill_quant = args.prefill_quant or args.quant
     decode_quant = args.decode_quant or args.quant
+    mtp = args.mtp_tokens > 0
     load = lambda quant: DeepseekModel.from_pretrained(  # noqa: E731
-        model_dir, dtype=dtype, progress=not args.json, quant=quant
+        model_dir, dtype=dtype, progress=not args.json, quant=quant, mtp=mtp
     )
     model = load(prefill_quant)
     decode_model = None if decode_quant == prefill_quant else load(decode_quant)
-    generator = OfflineGenerator(
-        model, page_size=args.page_size, chunk_size=args.chunk_size, decode_model=decode_model
-    )
+    if mtp:
+        from engine.speculative_generate import SpeculativeGenerator
+
+        if decode_model is not None:
+            raise InvalidRequestError("--mtp-tokens with two quantizations is not supported")
+        generator = SpeculativeGenerator(
+            model, args.mtp_tokens, page_size=args.page_size, chunk_size=args.chunk_size
+        )
+    else:
+        generator = OfflineGenerator(
+            model, page_size=args.page_size, chunk_size=args.chunk_size, decode_model=decode_model
+        )
     result = generator.generate(prompt_ids, params)
     text = tokenizer.decode(result.token_ids)
     if args.json:

@@ -247,7 +247,7 @@ def node_set_manifests(
             {"name": name, "containerPort": port, "protocol": "TCP"}
             for name, port in node_ports(node_set)
         ],
-        resources=node_resources(model, cluster.dtype, node_set.nodes[0]).k8s(),
+        resources=node_resources(model, cluster.dtype, node_set.nodes[0], cluster.uses_mtp).k8s(),
         startupProbe=_exec_probe("live", 2, 60),
         livenessProbe=_exec_probe("live", 10, 3),
         readinessProbe=_exec_probe("ready", 5, 2),

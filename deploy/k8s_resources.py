@@ -30,7 +30,7 @@ from decode_node.expert_parallel import expert_shard
 from engine.cluster_config import DecodeNodeConfig, PrefillNodeConfig
 from engine.config import ModelConfig
 from engine.quant_schemes import is_quantized, quantized_bytes
-from engine.weight_names import checkpoint_shapes
+from engine.weight_names import checkpoint_shapes, mtp_shapes
 from engine.weights import keeps_fp32
 
 MIB = 1 << 20
@@ -58,10 +58,15 @@ ROUTER_RESOURCES = PodResources(cpu=ROUTER_CPU, memory_bytes=ROUTER_MEMORY_BYTES
 
 
 def weight_bytes(
-    model: ModelConfig, dtype: str, experts: range | None = None, quant: str = "none"
+    model: ModelConfig,
+    dtype: str,
+    experts: range | None = None,
+    quant: str = "none",
+    mtp: bool = False,
 ) -> int:
     """Bytes of the weights one process holds; `experts` limits the routed experts (a rank);
-    `quant` the node's weight scheme (its quantized matrices take about a byte per weight)."""
+    `quant` the node's weight scheme (its quantized matrices take about a byte per weight);
+    `mtp`: the MTP layer is loaded too (issue 12)."""
     keep = None if experts is None else (lambda e: e in experts)
     size = DTYPE_BYTES[dtype]
 
@@ -70,27 +75,37 @@ def weight_bytes(
             return quantized_bytes(quant, shape)
         return math.prod(shape) * (4 if keeps_fp32(name) else size)
 
-    return sum(held(name, shape) for name, shape in checkpoint_shapes(model, keep).items())
+    shapes = checkpoint_shapes(model, keep)
+    if mtp:
+        shapes.update(mtp_shapes(model, keep))
+    return sum(held(name, shape) for name, shape in shapes.items())
 
 
-def kv_pool_bytes(model: ModelConfig, dtype: str, num_pages: int, page_size: int) -> int:
-    """Bytes of one KV pool: [layers, num_pages, page_size, kv_lora_rank + rope_dim]."""
-    rows = model.num_hidden_layers * num_pages * page_size
+def kv_pool_bytes(
+    model: ModelConfig, dtype: str, num_pages: int, page_size: int, mtp: bool = False
+) -> int:
+    """Bytes of one KV pool: [layers, num_pages, page_size, kv_lora_rank + rope_dim]; with
+    `mtp` one more layer, the MTP layer's."""
+    rows = (model.num_hidden_layers + (1 if mtp else 0)) * num_pages * page_size
     return rows * model.kv_row_width * DTYPE_BYTES[dtype]
 
 
 def node_resources(
-    model: ModelConfig, dtype: str, node: PrefillNodeConfig | DecodeNodeConfig
+    model: ModelConfig,
+    dtype: str,
+    node: PrefillNodeConfig | DecodeNodeConfig,
+    mtp: bool = False,
 ) -> PodResources:
     """What the pod of `node` asks for (ConfigError if a decode node has more ranks than the
-    model has routed experts, as the node itself would refuse)."""
+    model has routed experts, as the node itself would refuse); `mtp`: the cluster uses MTP
+    (`ClusterConfig.uses_mtp`), so every node holds the MTP layer and its cache."""
     ranks = getattr(node, "ranks", 1)
     quant = node.quant
     if ranks == 1:
-        weights = weight_bytes(model, dtype, quant=quant)
+        weights = weight_bytes(model, dtype, quant=quant, mtp=mtp)
     else:
         shards = (expert_shard(model.n_routed_experts, r, ranks) for r in range(ranks))
-        weights = sum(weight_bytes(model, dtype, shard, quant) for shard in shards)
-    kv = ranks * kv_pool_bytes(model, dtype, node.num_pages, node.page_size)
+        weights = sum(weight_bytes(model, dtype, shard, quant, mtp) for shard in shards)
+    kv = ranks * kv_pool_bytes(model, dtype, node.num_pages, node.page_size, mtp)
     memory = math.ceil((weights + kv) * MARGIN) + ranks * RUNTIME_BYTES
     return PodResources(node.threads * ranks, memory, weights, kv)

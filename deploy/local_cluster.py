@@ -62,6 +62,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--decode-quant", choices=QUANT_SCHEMES, help="every decode node's weight quantization"
     )
+    p.add_argument(
+        "--mtp-tokens",
+        type=int,
+        help="every decode node speculates with the model's MTP layer, this many drafts a step",
+    )
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait")
     return p.parse_args(argv)
 
@@ -136,6 +141,9 @@ def resolve_config(args: argparse.Namespace) -> dict:
         if quant is not None:  # overrides the config's per-node `quant`
             for node in raw.get(role, []):
                 node["quant"] = quant
+    if args.mtp_tokens is not None:  # overrides the config's per-node `mtp` / `mtp_tokens`
+        for node in raw.get("decode", []):
+            node.update(mtp=args.mtp_tokens > 0, mtp_tokens=max(1, args.mtp_tokens))
     if args.dtype:
         raw["dtype"] = args.dtype
     if args.model:

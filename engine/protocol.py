@@ -90,6 +90,11 @@ class Heartbeat:
     queued_attention: float = 0.0  # prefill: sum of new*prefix over the chunks still to compute
     queued_forwards: int = 0  # prefill: forwards its queued work needs at least
     last_prefill_seq: int = 0  # prefill: the highest Prefill.seq taken (0 after a router change)
+    # ---- MTP speculative decoding (issue 12): decode, cumulative (decode_node.speculative_step)
+    mtp_drafted: int = 0  # draft tokens verified
+    mtp_accepted: int = 0  # of which accepted
+    mtp_emitted: int = 0  # tokens the speculating requests emitted
+    mtp_request_steps: int = 0  # (speculating request, step) pairs
 
 
 # ---- request flow ----------------------------------------------------------------------------

@@ -204,6 +204,7 @@ class NodeCollector:
             "duet_node_preemptions", "Requests a decode node preempted (heartbeat)", labels=labels
         )
         prefix = PrefixCacheFamilies(labels)  # prefix cache (issue 10)
+        mtp = MtpFamilies(labels)  # MTP speculative decoding (issue 12)
         # Weight quantization (issue 9): 1 with the scheme a ready node reported in NodeReady.
         quant = GaugeMetricFamily(
             "duet_node_quant_info", "The node's weight quantization (1; label quant)",
@@ -232,6 +233,8 @@ class NodeCollector:
                 received.add_metric(lv, hb.kv_bytes_received)
                 dropped.add_metric(lv, hb.kv_chunks_dropped)
                 preempted.add_metric(lv, hb.num_preempted)
+                if hb.mtp_request_steps:
+                    mtp.add(lv, hb)
             for stage, ms in hb.stage_ms.items():
                 stage_ms.add_metric([*lv, stage], float(ms))
         router_malformed = CounterMetricFamily(
@@ -253,6 +256,36 @@ class NodeCollector:
         yield preempted
         yield quant
         yield from prefix.families()
+        yield from mtp.families()
+
+
+class MtpFamilies:
+    """A decode node's MTP speculative-decoding figures, from its heartbeat (issue 12)."""
+
+    def __init__(self, labels: list[str]):
+        self.drafted = CounterMetricFamily(
+            "duet_mtp_draft_tokens", "MTP draft tokens a decode node verified", labels=labels
+        )
+        self.accepted = CounterMetricFamily(
+            "duet_mtp_accepted_tokens", "MTP draft tokens accepted", labels=labels
+        )
+        self.acceptance = GaugeMetricFamily(
+            "duet_mtp_acceptance_ratio", "Share of MTP drafts accepted (cumulative)", labels=labels
+        )
+        self.per_step = GaugeMetricFamily(
+            "duet_mtp_tokens_per_step",
+            "Tokens a speculating request gains per decode step (cumulative mean; 1 = no gain)",
+            labels=labels,
+        )
+
+    def add(self, lv: list[str], hb) -> None:
+        self.drafted.add_metric(lv, hb.mtp_drafted)
+        self.accepted.add_metric(lv, hb.mtp_accepted)
+        self.acceptance.add_metric(lv, hb.mtp_accepted / hb.mtp_drafted if hb.mtp_drafted else 0.0)
+        self.per_step.add_metric(lv, hb.mtp_emitted / hb.mtp_request_steps)
+
+    def families(self) -> tuple:
+        return (self.drafted, self.accepted, self.acceptance, self.per_step)
 
 
 class PrefixCacheFamilies:

@@ -75,9 +75,7 @@ class Pair:
         self.model = model
         self.timeouts = timeouts or TimeoutConfig(heartbeat_s=0.05)
         cfg = model.cfg
-        fp = make_fingerprint(
-            cfg.fingerprint(), model.num_kv_layers, cfg.kv_row_width, model.dtype
-        )
+        fp = make_fingerprint(cfg.fingerprint(), model.num_kv_layers, cfg.kv_row_width, model.dtype)
         self.receiver = InprocReceiver(model.new_kv_pool(d_num_pages, d_page_size), fp)
         self.p_in, self.p_out = QueueInbox(), QueueOutbox()
         self.d_in, self.d_out = QueueInbox(), QueueOutbox()

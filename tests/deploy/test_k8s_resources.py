@@ -132,3 +132,29 @@ def test_a_quantized_node_asks_for_its_quantized_weights(tiny, quant):
     assert estimate < 0.8 * weight_bytes(tiny, "bfloat16")
     node = DecodeNodeConfig(name="d", quant=quant)
     assert node_resources(tiny, "bfloat16", node).weight_bytes == estimate
+
+
+def test_a_cluster_with_mtp_sizes_the_mtp_layer_and_its_cache(tmp_path):
+    """mtp (issue 12): every node holds the MTP layer (the checkpoint's tensors but its copies
+    of the shared embedding and head) and a KV pool of one more layer."""
+    from engine.tiny_model import make_tiny_model
+    from engine.weight_names import mtp_copy_names
+
+    path = make_tiny_model(tmp_path / "m", seed=1, overrides={"num_nextn_predict_layers": 1})
+    cfg = ModelConfig.from_model_dir(path)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        stored = sum(
+            math.prod(f.get_slice(n).get_shape()) * 4
+            for n in f.keys()
+            if n not in mtp_copy_names(cfg)
+        )
+    assert weight_bytes(cfg, "float32", mtp=True) == stored
+    assert weight_bytes(cfg, "float32") < stored
+    layers = cfg.num_hidden_layers
+    assert kv_pool_bytes(cfg, "float32", 8, 4, mtp=True) * layers == kv_pool_bytes(
+        cfg, "float32", 8, 4
+    ) * (layers + 1)
+    node = DecodeNodeConfig(name="d", mtp=True)
+    res = node_resources(cfg, "float32", node, mtp=True)
+    assert res.weight_bytes == stored
+    assert res.kv_bytes == kv_pool_bytes(cfg, "float32", node.num_pages, node.page_size, True)

@@ -136,3 +136,24 @@ def test_sla_admission_defaults_keep_todays_behaviour():
          "sla": {"admission": "queue", "queue_s": 2}}
     )  # fmt: skip
     assert cfg.sla.admission == "queue" and cfg.sla.queue_s == 2.0
+
+
+def test_mtp_settings_default_off_and_are_checked():
+    """MTP (issue 12): off by default; every decode node must agree (the MTP layer's cache is
+    part of the KV every prefill node sends), mtp_tokens within what kv_done carries, and not
+    yet with expert-parallel ranks."""
+    cfg = _cfg()
+    assert not cfg.uses_mtp and cfg.decode[0].mtp_tokens == 1
+    cfg = _cfg(decode={"mtp": True, "mtp_tokens": 3})
+    assert cfg.uses_mtp and cfg.decode[0].mtp_tokens == 3
+    two = {"prefill": [{"name": "p"}], "router": {}}
+    decode = [{"name": "d0", "mtp": True}, {"name": "d1", "kv_port": 7301, "control_port": 7201}]
+    with pytest.raises(ConfigError, match="node d1: mtp must be the same on every decode node"):
+        ClusterConfig.from_dict({**two, "decode": decode})
+    for bad in (0, 17):
+        with pytest.raises(ConfigError, match="mtp_tokens must be in"):
+            _cfg(decode={"mtp": True, "mtp_tokens": bad})
+    with pytest.raises(ConfigError, match="ranks > 1 is not supported"):
+        _cfg(decode={"mtp": True, "ranks": 2})
+    with pytest.raises(ConfigError, match="mtp must be bool"):
+        _cfg(decode={"mtp": "yes"})

@@ -64,6 +64,7 @@ def _sealed(head):
         KVChunk(RDV, 3, 0, 27, 256, 512, "bfloat16", 576, 27 * 256 * 576 * 2, 0xDEADBEEF),
         KVDone(RDV, 9, 2048, 151_000),
         KVDone(RDV, 9, 2048, 151_000, (0, 7, 151_000)),
+        KVDone(RDV, 9, 2048, 151_000, (), (42, 7)),  # MTP: P's drafts
         KVAbort(RDV, 2, "client went away"),
         KVCancel(RDV, "aborted: the client went away"),
         KVCancel(RDV, ""),
@@ -130,6 +131,7 @@ BAD_HEADERS = {
                 "num_tokens": 4,
                 "first_token": 1 << 40,
                 "fork": [],
+                "draft": [],
             }
         )
     ),  # fmt: skip
@@ -144,6 +146,7 @@ BAD_HEADERS = {
                 "num_tokens": 0,
                 "first_token": 1,
                 "fork": [],
+                "draft": [],
             }
         )
     ),  # fmt: skip
@@ -159,6 +162,7 @@ BAD_HEADERS = {
                     "num_tokens": 4,
                     "first_token": 1,
                     "fork": fork,
+                    "draft": [],
                 }
             )
         )  # fmt: skip
@@ -171,6 +175,30 @@ BAD_HEADERS = {
             ("too long", [1] * 65),
         ]
     },
+    **{
+        f"draft {name}": msgpack.packb(
+            _sealed(
+                {
+                    "v": PROTOCOL_VERSION, "kind": "kv_done", "rid": "r", "room": 1, "seq": 0,
+                    "num_tokens": 4, "first_token": 1, "fork": [], "draft": draft,
+                }
+            )
+        )  # fmt: skip
+        for name, draft in [
+            ("not a list", 5),
+            ("a string id", ["2"]),
+            ("negative id", [-1]),
+            ("too long", [1] * 17),
+        ]
+    },
+    "kv_done without draft": msgpack.packb(
+        _sealed(
+            {
+                "v": PROTOCOL_VERSION, "kind": "kv_done", "rid": "r", "room": 1, "seq": 0,
+                "num_tokens": 4, "first_token": 1, "fork": [],
+            }
+        )
+    ),  # fmt: skip
     "cancel with a seq": msgpack.packb(_sealed(_cancel_head(seq=0))),
     "cancel without hcrc": msgpack.packb(_cancel_head()),
     "cancel reason too long": msgpack.packb(_sealed(_cancel_head(reason="x" * 1025))),

@@ -1,0 +1,65 @@
+"""End to end: `duet up --mtp-tokens 2` on a checkpoint with an MTP layer, served to the
+official openai client. The prefill node runs the MTP layer behind the prompt and sends its KV
+(one more layer) and its first draft; the decode node speculates. Greedy outputs equal plain
+`duet generate` (no MTP, the oracle) and seeded sampled ones `duet generate --mtp-tokens 2`
+(its offline twin); /metrics exports the acceptance figures."""
+
+import pytest
+from e2e_helpers import generate_reference, start_cluster, wait_until
+
+from engine.tiny_model import make_tiny_model
+
+PROMPTS = ["The quick brown fox", "Once upon a time there was", "1, 2, 3, 4,"]
+MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tmp_path_factory):
+    return str(
+        make_tiny_model(  # served under its folder's name
+            tmp_path_factory.mktemp("mtp") / "mtp-model",
+            seed=5,
+            overrides={"num_nextn_predict_layers": 1},
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, mtp_dir):
+    args = ["--model", mtp_dir, "--threads", "1", "--mtp-tokens", "2", "--dtype", "float32"]
+    up = start_cluster(args, tmp_path_factory)
+    yield up
+    up.stop()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_with_mtp_equals_plain_generate(cluster, mtp_dir, prompt):
+    out = cluster.client().completions.create(
+        model="mtp-model", prompt=prompt, max_tokens=MAX_NEW, temperature=0.0
+    )
+    want = generate_reference("float32", MAX_NEW, prompt=prompt, extra=("--model", mtp_dir))
+    assert out.choices[0].text == want["text"]
+    assert out.usage.completion_tokens == len(want["token_ids"])
+
+
+def test_seeded_sampling_with_mtp_equals_its_offline_twin(cluster, mtp_dir):
+    prompt = PROMPTS[1]
+    out = cluster.client().completions.create(
+        model="mtp-model", prompt=prompt, max_tokens=MAX_NEW, temperature=1.2, seed=7
+    )
+    extra = ("--model", mtp_dir, "--mtp-tokens", "2", "--temperature", "1.2", "--seed", "7")
+    want = generate_reference("float32", MAX_NEW, prompt=prompt, extra=extra)
+    assert out.choices[0].text == want["text"]
+
+
+def test_metrics_export_the_acceptance_figures(cluster):
+    cluster.client().completions.create(
+        model="mtp-model", prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0.0
+    )
+    labels = {"node": "decode-0", "role": "decode"}
+    assert wait_until(lambda: cluster.metric("duet_mtp_draft_tokens_total", **labels) > 0, 30)
+    drafted = cluster.metric("duet_mtp_draft_tokens_total", **labels)
+    accepted = cluster.metric("duet_mtp_accepted_tokens_total", **labels)
+    ratio = cluster.metric("duet_mtp_acceptance_ratio", **labels)
+    assert ratio == pytest.approx(accepted / drafted)
+    assert cluster.metric("duet_mtp_tokens_per_step", **labels) >= 1.0
