@@ -179,8 +179,15 @@ BAD_HEADERS = {
         f"draft {name}": msgpack.packb(
             _sealed(
                 {
-                    "v": PROTOCOL_VERSION, "kind": "kv_done", "rid": "r", "room": 1, "seq": 0,
-                    "num_tokens": 4, "first_token": 1, "fork": [], "draft": draft,
+                    "v": PROTOCOL_VERSION,
+                    "kind": "kv_done",
+                    "rid": "r",
+                    "room": 1,
+                    "seq": 0,
+                    "num_tokens": 4,
+                    "first_token": 1,
+                    "fork": [],
+                    "draft": draft,
                 }
             )
         )  # fmt: skip
@@ -194,8 +201,14 @@ BAD_HEADERS = {
     "kv_done without draft": msgpack.packb(
         _sealed(
             {
-                "v": PROTOCOL_VERSION, "kind": "kv_done", "rid": "r", "room": 1, "seq": 0,
-                "num_tokens": 4, "first_token": 1, "fork": [],
+                "v": PROTOCOL_VERSION,
+                "kind": "kv_done",
+                "rid": "r",
+                "room": 1,
+                "seq": 0,
+                "num_tokens": 4,
+                "first_token": 1,
+                "fork": [],
             }
         )
     ),  # fmt: skip
