@@ -26,6 +26,7 @@ import torch
 from decode_node.scheduler import DecodeRequest, DecodeScheduler, DecodeState, StepOutput
 from decode_node.speculative_step import SpeculativeStep
 from engine.batch import ForwardBatch
+from engine.block_table import BlockTable
 from engine.cluster_config import DecodeNodeConfig, SlaConfig, TimeoutConfig
 from engine.cost_model import DecodeCost, RecentSamples
 from engine.errors import ConfigError, DuetError
@@ -97,6 +98,9 @@ class DecodeNode:
             headroom_tokens=cfg.kv_headroom_tokens,
         )
         self.token_counts = TokenCounts(cfg.max_batch, mcfg.vocab_size)  # by batch slot
+        # The running batch's page tables, kept across steps by batch slot (issue 12).
+        max_pages = -(-mcfg.max_position_embeddings // self.pool.page_size) + 1
+        self.block_table = BlockTable(cfg.max_batch, max_pages)
         self.fingerprint = make_fingerprint(
             mcfg.fingerprint(), model.num_kv_layers, mcfg.kv_row_width, model.dtype
         )
@@ -358,12 +362,12 @@ class DecodeNode:
                 self._record_step(batch, time.monotonic() - started)
                 self._emit(outputs, logprobs_of)
             return
-        fb = ForwardBatch.build(
-            self.pool,
-            [r.table for r in batch],
-            [[r.output_ids[-1]] for r in batch],
+        tables = [r.table for r in batch]
+        fb = ForwardBatch.decode_rows(
+            tables,
+            [r.output_ids[-1] for r in batch],
             [r.next_position for r in batch],
-            is_decode=True,
+            self.block_table.rows([r.slot for r in batch], tables),
         )
         started = time.monotonic()
         # The structured rows' masks: on a helper thread while the forward runs (both release

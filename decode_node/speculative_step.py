@@ -67,7 +67,8 @@ class SpeculativeStep:
             r.drafts = self._room_for_drafts(r) if s else []
         tokens = [[r.output_ids[-1], *r.drafts] for r in batch]
         positions = [r.next_position for r in batch]
-        fb = rows_batch(node.pool, [r.table for r in batch], tokens, positions)
+        tables, slots = [r.table for r in batch], [r.slot for r in batch]
+        fb = rows_batch(node.pool, tables, tokens, positions, node.block_table, slots)
         plain = [r for r, s in zip(batch, spec, strict=True) if not s]
         pending_masks = node.grammars.start_masks([r.grammar for r in plain])
         try:
@@ -153,6 +154,8 @@ class SpeculativeStep:
                 [positions[i] for i in live],
                 hidden[rows],
                 num_next,
+                self.node.block_table,
+                [batch[i].slot for i in live],
             )
         except Exception:  # no drafts costs speed, never correctness: keep serving
             log.exception("MTP draft forward failed; these requests decode without drafts")

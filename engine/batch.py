@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +29,7 @@ class ForwardBatch:
     # [N] int64 packed indices of more tokens whose logits `forward` returns after the last
     # tokens' (prompt logprobs); None, the default, keeps the lm_head to B rows.
     extra_logit_index: torch.Tensor | None = None
+    _seq_lens: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -35,13 +37,43 @@ class ForwardBatch:
 
     @property
     def seq_lens(self) -> torch.Tensor:
-        """[B] int32: context length after this forward."""
-        return self.prefix_lens + self.new_lens
+        """[B] int32: context length after this forward (computed once: every layer asks)."""
+        if self._seq_lens is None:
+            self._seq_lens = self.prefix_lens + self.new_lens
+        return self._seq_lens
 
     @property
     def last_token_index(self) -> torch.Tensor:
         """[B] int64: index in the packed tokens of each sequence's last new token."""
         return torch.cumsum(self.new_lens.long(), 0) - 1
+
+    @classmethod
+    def decode_rows(
+        cls,
+        tables: Sequence[PageTable],
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        page_table: torch.Tensor,
+    ) -> ForwardBatch:
+        """A decode-path batch of one token per row: row i feeds tokens[i] at positions[i]
+        through tables[i] (which must hold that position); `page_table` its [rows, max_pages]
+        (`engine.block_table`). Python ints all the way to one tensor per field."""
+        slots = []
+        for table, pos in zip(tables, positions, strict=True):
+            page_size = table.page_size
+            if not 0 <= pos < table.capacity:
+                raise IndexError(f"position {pos} outside capacity {table.capacity}")
+            slots.append(table.pages[pos // page_size] * page_size + pos % page_size)
+        return cls(
+            is_decode=True,
+            input_ids=torch.tensor(tokens, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            new_lens=torch.ones(len(tokens), dtype=torch.int32),
+            prefix_lens=torch.tensor(positions, dtype=torch.int32),
+            page_table=page_table,
+            slots=torch.tensor(slots, dtype=torch.int64),
+            prefix_slots=torch.zeros(0, dtype=torch.int64),
+        )
 
     @classmethod
     def build(

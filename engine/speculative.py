@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.batch import ForwardBatch
+from engine.block_table import BlockTable
 from engine.kv_pool import KVPool, PageTable
 from engine.penalties import process_logits
 from engine.sampling import SamplingParams, draw, filter_probs
@@ -47,17 +48,27 @@ def rows_batch(
     tables: Sequence[PageTable],
     tokens: Sequence[Sequence[int]],
     positions: Sequence[int],
+    block_table: BlockTable | None = None,
+    slots: Sequence[int] | None = None,
 ) -> ForwardBatch:
     """A decode-path batch in which request r feeds tokens[r] at positions positions[r],
     positions[r] + 1, ...: one kernel row per token, all over the request's pages (its table
-    must already hold the last position). Verify and draft passes are both this shape."""
-    row_tables, row_tokens, row_positions = [], [], []
-    for table, toks, start in zip(tables, tokens, positions, strict=True):
+    must already hold the last position). Verify and draft passes are both this shape. With
+    `block_table`, the page table comes from its rows by batch slot (`slots`, one a request)."""
+    row_tables, row_tokens, row_positions, row_slots = [], [], [], []
+    for r, (table, toks, start) in enumerate(zip(tables, tokens, positions, strict=True)):
         for j, token in enumerate(toks):
             row_tables.append(table)
-            row_tokens.append([token])
+            row_tokens.append(token)
             row_positions.append(start + j)
-    return ForwardBatch.build(pool, row_tables, row_tokens, row_positions, is_decode=True)
+            if slots is not None:
+                row_slots.append(slots[r])
+    if block_table is None:
+        return ForwardBatch.build(
+            pool, row_tables, [[t] for t in row_tokens], row_positions, is_decode=True
+        )
+    page_table = block_table.rows(row_slots, row_tables)
+    return ForwardBatch.decode_rows(row_tables, row_tokens, row_positions, page_table)
 
 
 def accept_tokens(
@@ -128,12 +139,15 @@ def draft(
     positions: Sequence[int],
     main_hidden: torch.Tensor,
     num_drafts: Sequence[int],
+    block_table: BlockTable | None = None,
+    slots: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """The MTP pass of step 3: request r feeds tokens[r] (the tokens after positions[r], ...)
     with the main hidden states of those positions (`main_hidden`, rows packed in request
     order), then chains the layer on its own output until it has num_drafts[r] drafts. Each
-    table must hold positions[r] + len(tokens[r]) + num_drafts[r] - 1 positions."""
-    batch = rows_batch(pool, tables, tokens, positions)
+    table must hold positions[r] + len(tokens[r]) + num_drafts[r] - 1 positions. `block_table`
+    and `slots`: as for `rows_batch`."""
+    batch = rows_batch(pool, tables, tokens, positions, block_table, slots)
     logits, hidden = model.forward_mtp(batch, main_hidden, pool)
     # One kernel row per token, each its own "sequence": logits has a row per token too.
     ends = torch.cumsum(torch.tensor([len(t) for t in tokens]), 0) - 1
@@ -149,6 +163,8 @@ def draft(
             [tables[r] for r in live],
             [[drafts[r][-1]] for r in live],
             [next_pos[r] + step - 1 for r in live],
+            block_table,
+            None if slots is None else [slots[r] for r in live],
         )
         logits, out = model.forward_mtp(batch, hidden[live], pool)
         for i, token in zip(live, logits.argmax(-1).tolist(), strict=True):

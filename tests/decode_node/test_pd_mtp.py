@@ -75,8 +75,8 @@ def _true_drafts(monkeypatch, continuations):
     and writes its rows): a request's drafts are all accepted."""
     real = speculative_step.draft
 
-    def fake(model, pool, tables, tokens, positions, hidden, num_drafts):
-        real(model, pool, tables, tokens, positions, hidden, num_drafts)
+    def fake(model, pool, tables, tokens, positions, hidden, num_drafts, *block_table):
+        real(model, pool, tables, tokens, positions, hidden, num_drafts, *block_table)
         out = []
         for table, toks, pos, n in zip(tables, tokens, positions, num_drafts, strict=True):
             full = continuations[id(table)]
