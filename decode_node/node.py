@@ -3,10 +3,11 @@
 `step()` is six numbered steps; socket I/O lives in the inbox/outbox (`engine.messaging`) and
 the KV receiver (`kvtransfer`), so tests run the same loop with in-process queues and receiver.
 
-Every reserved request ends in exactly one of: Tokens with a finish_reason (finished),
-RequestError (failed: refused KV, timeout), Preempted (the pool ran out under on-demand
-reservation: `decode_node.scheduler`; sent after the request's Tokens, the router re-prefills
-it), or silence after an Abort from the router (or after its router's lease lapsed:
+Every reserved request ends in exactly one of: its StepTokens entry with a finish_reason
+(finished; a step's outputs go out as one StepTokens), RequestError (failed: refused KV,
+timeout), Preempted (the pool ran out under on-demand reservation: `decode_node.scheduler`;
+sent after the request's tokens, the router re-prefills it), or silence after an Abort from
+the router (or after its router's lease lapsed:
 `engine.lease`). SIGTERM drains: no new reservations, the held
 requests finish (for at most `drain_s`), then the loop stops. Its pages
 are freed on every path in the step that ends it; while its KV is in flight they are lent to
@@ -43,12 +44,13 @@ from engine.protocol import (
     NodeReady,
     Preempted,
     RequestError,
+    RequestTokens,
     Reserve,
     ReserveReply,
     RouterPing,
     Shutdown,
-    Tokens,
     sampling_from_dict,
+    step_tokens_messages,
 )
 from engine.sampling import SamplingParams, sample, skip_draw
 from engine.structured import GrammarMatcher, Grammars, TokenMasks
@@ -384,7 +386,7 @@ class DecodeNode:
         for request, token in zip(batch, tokens, strict=True):
             self._advance_grammar(request, token)
         logprobs = token_logprobs(logits, tokens, [r.params.logprobs for r in batch])
-        logprobs_of = {r.request_id: lp for r, lp in zip(batch, logprobs, strict=True) if lp}
+        logprobs_of = {r.request_id: [lp] for r, lp in zip(batch, logprobs, strict=True) if lp}
         self._record_step(batch, time.monotonic() - started)
         self._emit(self.scheduler.update(batch, tokens), logprobs_of)
 
@@ -452,23 +454,32 @@ class DecodeNode:
         return False
 
     def _emit(
-        self, outputs: list[StepOutput], logprobs_of: dict[str, TokenLogprobs] | None = None
+        self, outputs: list[StepOutput], logprobs_of: dict[str, list[TokenLogprobs]] | None = None
     ) -> None:
-        """One Tokens per output; with the token's logprobs where its request asked."""
+        """The step's outputs, every request in one StepTokens (not one message per request):
+        with each request's logprobs (one per token it emitted) where it asked."""
+        entries = []
         for out in outputs:
-            lp = (logprobs_of or {}).get(out.request_id) if out.token_ids else None
-            extra = {}
-            if lp is not None:
-                extra = dict(
-                    logprobs=[lp.logprob], top_ids=[lp.top_ids], top_logprobs=[lp.top_logprobs]
+            lps = (logprobs_of or {}).get(out.request_id, []) if out.token_ids else []
+            entries.append(
+                RequestTokens(
+                    out.request_id,
+                    out.token_ids,
+                    out.finish_reason,
+                    logprobs=[lp.logprob for lp in lps],
+                    top_ids=[lp.top_ids for lp in lps],
+                    top_logprobs=[lp.top_logprobs for lp in lps],
                 )
-            self.outbox.send(Tokens(out.request_id, out.token_ids, out.finish_reason, **extra))
+            )
             if out.finish_reason is not None:  # one line per request end, with its id
                 log.info("request %s: finished (%s)", out.request_id, out.finish_reason)
+        for msg in step_tokens_messages(entries):  # one, but for a batch past the bounds
+            self.outbox.send(msg)
 
     def _report_preempted(self) -> None:
-        """Preempted for each request `schedule` dropped to find pages: after its Tokens (the
-        same outbox), so the router has its whole output when it re-prefills it."""
+        """Preempted for each request `schedule` dropped to find pages: after the StepTokens of
+        its output (the same outbox, in order), so the router has its whole output when it
+        re-prefills it."""
         for request in self.scheduler.take_preempted():
             log.info("request %s: preempted (%s)", request.request_id, request.error)
             self.outbox.send(Preempted(request.request_id, len(request.output_ids), request.error))

@@ -10,8 +10,8 @@ hostname resolves to (often 127.0.0.1).
 
 Every rank owns its own KV pool and ZmqReceiver (rank 0 at the config's `kv_port`, the others on
 free ports: `kv_port + r` could be another node's port; all bound on `bind_host` and advertised
-at `host`), its own scheduler, and a PUSH socket to the router for its ReserveReply / Tokens /
-RequestError messages (they carry the request id, not the sender). One step, on every rank in
+at `host`), its own scheduler, and a PUSH socket to the router for its ReserveReply / StepTokens
+/ RequestError messages (they carry the request id, not the sender). One step, on every rank in
 lockstep:
 1. control: rank 0 drains the router's messages and broadcasts them as msgpack (protocol
    frames, no pickle), each Reserve tagged with the rank it chose (fewest context tokens in

@@ -92,8 +92,8 @@ class SpeculativeStep:
             index = [i for i, s in enumerate(spec) if not s]
             for i, r, token, lp in zip(index, plain, sampled, lps, strict=True):
                 emitted[i] = [token] if node._advance_grammar(r, token) else []
-                if lp:
-                    logprobs_of[r.request_id] = lp
+                if lp and emitted[i]:
+                    logprobs_of[r.request_id] = [lp]  # one per emitted token
         stats = self.stats
         if any(spec):
             stats.steps += 1

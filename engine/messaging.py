@@ -1,9 +1,12 @@
-"""Tiny synchronous ZeroMQ PUSH/PULL wrappers for the control plane (protocol messages only).
+"""Tiny ZeroMQ PUSH/PULL wrappers for the control plane (protocol messages only).
 
-Every call is bounded: `recv` waits at most its timeout, `send` waits at most the socket's send
-timeout for room in zmq's queue and then drops the message (counted in `num_dropped`), so a
-node never hangs on a router that is gone. LINGER is 0: closing never blocks. A socket belongs
-to the thread that uses it (zmq sockets are not thread-safe).
+Every call is bounded: `recv` waits at most its timeout. `send` never waits: it encodes the
+message and queues it for the socket's own I/O thread, which waits at most the send timeout for
+room in zmq's queue and then drops the message; a full queue (the peer has not read for a
+while) drops at once. Both drops are counted in `num_dropped`, so a node loop never stalls on a
+slow router, nor hangs on one that is gone. Closing is bounded too. A zmq socket belongs to the
+one thread that uses it (zmq sockets are not thread-safe): a PullSocket to its caller's, a
+PushSocket's to its I/O thread.
 
 Queues with the same interface (`QueueInbox`, `QueueOutbox`) let tests run a node loop with no
 sockets at all.
@@ -11,8 +14,10 @@ sockets at all.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
+import threading
 import time
 from typing import Any, Protocol
 
@@ -23,6 +28,8 @@ from engine.protocol import ProtocolError
 from engine.security import CurveSecurity, curve_client, curve_server
 
 log = logging.getLogger(__name__)
+
+POLL_SLICE_MS = 50  # a PushSocket's I/O thread checks for a close this often while it waits
 
 
 class Inbox(Protocol):
@@ -95,11 +102,12 @@ class PullSocket:
 
 
 class PushSocket:
-    """Connects (or binds) a PUSH socket that sends protocol messages.
+    """Connects (or binds) a PUSH socket that sends protocol messages from an I/O thread.
 
-    Up to `sndhwm` messages queue while the peer is slow or not yet up; beyond that `send`
-    waits `send_timeout` seconds, then drops the message and returns False. With `security`,
-    the socket is CURVE (the client when connecting).
+    `send` queues the encoded frame (up to `max_queued` of them) and returns at once; the
+    thread hands frames to zmq in order, which queues up to `sndhwm` more while the peer is slow
+    or not yet up. Beyond that the thread waits `send_timeout` seconds per frame, then drops it.
+    With `security`, the socket is CURVE (the client when connecting).
     """
 
     def __init__(
@@ -109,41 +117,106 @@ class PushSocket:
         bind: bool = False,
         send_timeout: float = 1.0,
         sndhwm: int = 10000,
+        max_queued: int = 10000,
         context: zmq.Context | None = None,
         security: CurveSecurity | None = None,
     ):
-        self._sock = (context or zmq.Context.instance()).socket(zmq.PUSH)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, sndhwm)
-        (curve_server if bind else curve_client)(self._sock, security)
+        sock = (context or zmq.Context.instance()).socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, sndhwm)
+        (curve_server if bind else curve_client)(sock, security)
         try:
-            self._sock.bind(endpoint) if bind else self._sock.connect(endpoint)
+            sock.bind(endpoint) if bind else sock.connect(endpoint)
         except zmq.ZMQError as exc:
-            self._sock.close(linger=0)
+            sock.close(linger=0)
             verb = "bind" if bind else "connect to"
             raise OSError(f"cannot {verb} {endpoint}: {exc}") from None
         self.endpoint = endpoint
         self.send_timeout = send_timeout
-        self.num_dropped = 0
+        self.max_queued = max_queued
+        self._frames: collections.deque[tuple[bytes, str]] = collections.deque()
+        self._wake = threading.Condition()
+        self._close_by: float | None = None  # set by close(): when queued frames are given up
+        self._linger_s = 0.0
+        self._num_refused = 0  # counted by the caller's thread: the queue was full
+        self._num_timed_out = 0  # counted by the I/O thread: zmq had no room in time
+        # The socket is handed over before its first use there (starting the thread is the
+        # memory barrier zmq asks for) and never touched by this thread again.
+        self._thread = threading.Thread(
+            target=self._serve, args=(sock,), name=f"push-{endpoint}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def num_dropped(self) -> int:
+        """Messages dropped so far: refused with the queue full, or timed out in zmq."""
+        return self._num_refused + self._num_timed_out
 
     def send(self, msg: Any) -> bool:
-        frame = protocol.encode(msg)
-        if self._sock.poll(int(self.send_timeout * 1000), zmq.POLLOUT):
-            try:
-                self._sock.send(frame, flags=zmq.NOBLOCK)
+        """Queues `msg` for the I/O thread; False (dropped, counted) if the queue is full or
+        the socket is closing. Never blocks."""
+        frame = protocol.encode(msg)  # a non-message raises here, in the caller
+        name = type(msg).__name__
+        with self._wake:
+            if self._close_by is None and len(self._frames) < self.max_queued:
+                self._frames.append((frame, name))
+                self._wake.notify()
                 return True
-            except zmq.Again:
-                pass
-        self.num_dropped += 1
-        log.warning("dropped %s to %s: peer not reading", type(msg).__name__, self.endpoint)
+            self._num_refused += 1
+        log.warning(
+            "dropped %s to %s: %d messages already queued", name, self.endpoint, self.max_queued
+        )
         return False
 
     def linger(self, timeout: float) -> None:
-        """Give queued messages up to `timeout` seconds to leave before a close (best effort)."""
-        self._sock.setsockopt(zmq.LINGER, int(timeout * 1000))
+        """Give queued messages up to `timeout` seconds to leave at close (best effort)."""
+        self._linger_s = max(0.0, timeout)
 
     def close(self) -> None:
-        self._sock.close()
+        """Stops the I/O thread: what was queued before has the linger time to leave (none by
+        default), the rest is dropped. Returns within about the linger plus a second."""
+        with self._wake:
+            if self._close_by is None:
+                self._close_by = time.monotonic() + self._linger_s
+            self._wake.notify()
+        self._thread.join(self._linger_s + 1.0)
+
+    def _serve(self, sock: zmq.Socket) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not self._frames and self._close_by is None:
+                        self._wake.wait()
+                    if not self._frames:  # closing, and everything queued has been handled
+                        break
+                    frame, name = self._frames.popleft()
+                self._send_frame(sock, frame, name)
+        except zmq.ZMQError as exc:  # the context was terminated under it: sends are dropped
+            log.error("the socket to %s stopped: %s", self.endpoint, exc)
+            with self._wake:
+                self._close_by = self._close_by or time.monotonic()
+        finally:
+            left = 0.0 if self._close_by is None else self._close_by - time.monotonic()
+            sock.close(linger=int(max(0.0, left) * 1000))
+
+    def _send_frame(self, sock: zmq.Socket, frame: bytes, name: str) -> None:
+        """Waits for room in zmq's queue up to the send timeout (or the close's linger), in
+        short slices so that a close never waits for a whole send timeout."""
+        give_up = time.monotonic() + self.send_timeout
+        while True:
+            close_by = self._close_by
+            end = give_up if close_by is None else min(give_up, close_by)
+            left_ms = int((end - time.monotonic()) * 1000)
+            if sock.poll(max(0, min(left_ms, POLL_SLICE_MS)), zmq.POLLOUT):
+                try:
+                    sock.send(frame, flags=zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    pass
+            if time.monotonic() >= end:
+                break
+        self._num_timed_out += 1
+        log.warning("dropped %s to %s: peer not reading", name, self.endpoint)
 
 
 class QueueInbox:

@@ -7,10 +7,15 @@ types and raises `ProtocolError` for anything else, so a bad frame never reaches
 Links (each a ZeroMQ PUSH -> PULL; the receiver binds):
   router -> decode:  Reserve, Abort, Shutdown, RouterPing
   router -> prefill: Prefill, Abort, Shutdown, RouterPing
-  decode -> router:  NodeReady, NodeFailed, Heartbeat, ReserveReply, Tokens, RequestError,
+  decode -> router:  NodeReady, NodeFailed, Heartbeat, ReserveReply, StepTokens, RequestError,
                      Preempted
   prefill -> router: NodeReady, NodeFailed, Heartbeat, FirstToken, RequestError
   prefill -> decode KV traffic goes through kvtransfer, never through the router.
+
+Evolving the wire: every node and the router of a cluster run one package version (NodeReady's
+`info["version"]`, shown by `GET /v1/cluster`). A field added with a default still decodes from
+an older peer; a message type a peer does not know is a malformed frame to it (dropped, counted).
+StepTokens replaced the per-request Tokens message of earlier versions.
 """
 
 from __future__ import annotations
@@ -117,7 +122,7 @@ class Reserve:
     # restarts; a decode node short of pages preempts the latest arrival first.
     priority: float = 0.0
     # n > 1: the wire ids of sequences 1 .. n-1, forked from this request's KV once it is in
-    # (sampling["n"] - 1 of them); each then streams Tokens under its own id.
+    # (sampling["n"] - 1 of them); each then streams its tokens under its own id.
     fork_ids: list[str] = field(default_factory=list)
 
 
@@ -173,16 +178,110 @@ class FirstToken:
 
 
 @dataclass(frozen=True)
-class Tokens:
-    """Decode -> router: newly generated tokens; `finish_reason` set on the last message."""
+class RequestTokens:
+    """One request's output in one decode step (not a wire message: StepTokens carries it).
+    `token_ids` may be several (speculative decoding accepts more than one per step) or none
+    (the first token, P's, already ended it); `finish_reason` is set on its last output. The
+    raw logprobs, when the sampling asked, hold one entry per token of `token_ids` each."""
 
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | None while running
-    # Raw logprobs when the sampling asked: one entry per token of `token_ids` in each.
     logprobs: list[float] = field(default_factory=list)
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
+
+
+# What one StepTokens holds at most: a step of the largest batch fits many times over, and the
+# router's work for one message stays bounded (`step_tokens_messages` splits beyond them).
+MAX_STEP_REQUESTS = 1 << 16
+MAX_STEP_TOKENS = 1 << 20
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """Decode -> router: the output of one decode step, every request of it in one message,
+    column by column (entry i of each list is request i's, `RequestTokens` without the names).
+    The logprob columns are empty when no request of the step asked for logprobs; else each
+    has one entry per request, empty for the requests that did not ask."""
+
+    request_ids: list[str]
+    token_ids: list[list[int]]
+    finish_reasons: list[str | None]
+    logprobs: list[list[float]] = field(default_factory=list)
+    top_ids: list[list[list[int]]] = field(default_factory=list)
+    top_logprobs: list[list[list[float]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:  # the columns must line up: ProtocolError, never IndexError
+        num = len(self.request_ids)
+        if num > MAX_STEP_REQUESTS:
+            raise ProtocolError(f"StepTokens: {num} requests, more than {MAX_STEP_REQUESTS}")
+        if len(self.token_ids) != num or len(self.finish_reasons) != num:
+            raise ProtocolError(
+                "StepTokens: request_ids, token_ids, finish_reasons differ in length"
+            )
+        if sum(len(ids) for ids in self.token_ids) > MAX_STEP_TOKENS:
+            raise ProtocolError(f"StepTokens: more than {MAX_STEP_TOKENS} tokens")
+        columns = (self.logprobs, self.top_ids, self.top_logprobs)
+        if (
+            any(len(column) not in (0, num) for column in columns)
+            or len(set(map(len, columns))) > 1
+        ):
+            raise ProtocolError("StepTokens: the logprob columns must be empty or one per request")
+        for ids, lps, tops, top_lps in zip(self.token_ids, *columns, strict=False):
+            if len(lps) not in (0, len(ids)) or not len(lps) == len(tops) == len(top_lps):
+                raise ProtocolError("StepTokens: a request's logprobs do not match its tokens")
+            if any(len(a) != len(b) for a, b in zip(tops, top_lps, strict=True)):
+                raise ProtocolError("StepTokens: top_ids and top_logprobs differ in length")
+
+    @classmethod
+    def of(cls, outputs: list[RequestTokens]) -> StepTokens:
+        """The message of these outputs (at most MAX_STEP_REQUESTS / MAX_STEP_TOKENS)."""
+        asked = any(out.logprobs for out in outputs)
+        return cls(
+            [out.request_id for out in outputs],
+            [out.token_ids for out in outputs],
+            [out.finish_reason for out in outputs],
+            [out.logprobs for out in outputs] if asked else [],
+            [out.top_ids for out in outputs] if asked else [],
+            [out.top_logprobs for out in outputs] if asked else [],
+        )
+
+    def outputs(self) -> list[RequestTokens]:
+        """One RequestTokens per request, in the message's order."""
+        if not self.logprobs:
+            return [
+                RequestTokens(rid, ids, finish)
+                for rid, ids, finish in zip(
+                    self.request_ids, self.token_ids, self.finish_reasons, strict=True
+                )
+            ]
+        return [
+            RequestTokens(*entry)
+            for entry in zip(
+                self.request_ids,
+                self.token_ids,
+                self.finish_reasons,
+                self.logprobs,
+                self.top_ids,
+                self.top_logprobs,
+                strict=True,
+            )  # fmt: skip
+        ]
+
+
+def step_tokens_messages(outputs: list[RequestTokens]) -> list[StepTokens]:
+    """`outputs` in as few StepTokens as the bounds allow (one for any real batch), in order."""
+    messages, start, num_tokens = [], 0, 0
+    for i, out in enumerate(outputs):
+        full = i - start == MAX_STEP_REQUESTS or num_tokens + len(out.token_ids) > MAX_STEP_TOKENS
+        if full and i > start:  # (a single request over the token bound fails in StepTokens)
+            messages.append(StepTokens.of(outputs[start:i]))
+            start, num_tokens = i, 0
+        num_tokens += len(out.token_ids)
+    if start < len(outputs):
+        messages.append(StepTokens.of(outputs[start:]))
+    return messages
 
 
 @dataclass(frozen=True)
@@ -198,7 +297,7 @@ class RequestError:
 @dataclass(frozen=True)
 class Preempted:
     """Decode -> router: the node's KV pool ran out (on-demand reservation) and it dropped this
-    request, freeing its pages. Sent after every Tokens it emitted for the request, on the same
+    request, freeing its pages. Sent after every StepTokens holding its output, on the same
     socket, so the router has them all; `num_tokens` counts its output on this node (P's first
     token included). The router re-prefills the prompt plus the output and the stream goes on."""
 
@@ -239,7 +338,7 @@ MESSAGE_TYPES: dict[str, type] = {
         ReserveReply,
         Prefill,
         FirstToken,
-        Tokens,
+        StepTokens,
         RequestError,
         Abort,
         Shutdown,

@@ -1,9 +1,14 @@
 """The router: an OpenAI-compatible HTTP gateway in front of prefill and decode nodes.
 
 - app.py: FastAPI endpoints, SSE, client disconnects; api.py: request bodies and error bodies
-- core.py: admission, pairing, the per-request protocol, node health; state.py: the request
-  state machine; nodes.py: node liveness and load; policy.py: the pairing policy;
-  prefix_affinity.py: the router's guess of what each prefill node's prefix cache holds
+- core.py: the coordinator (admission gates, the request API, how a request ends, message
+  routing); dispatch.py: reserving decode KV and sending the prefill; ordering.py: first
+  tokens and each decode step's tokens into the streams, in output order; health.py:
+  NodeReady / NodeFailed / heartbeats; watchdog.py: lost nodes, overdue requests, lease pings;
+  recovery.py: moving requests of lost nodes, preemption; admission.py: SLA admission
+- state.py: the request state machine; nodes.py: node liveness and load; policy.py: the
+  pairing policy; prefix_affinity.py: the router's guess of what each prefill node's prefix
+  cache holds
 - transport.py: ZeroMQ sockets to the nodes; text.py: incremental detokenization and stop
   strings; metrics.py: Prometheus metrics; __main__.py: `python -m router --config FILE`
 """

@@ -1,26 +1,28 @@
-"""What the router does about lost nodes: finding them, and moving their requests.
+"""What the router does about lost nodes and preempted requests: moving them to another attempt.
 
-Detection (the watchdog, every quarter second): a node whose control connection dropped (its
-process exited; `RouterTransport.lost_connections`), a node silent past `node_timeout_s` (hung),
-and requests past their stage deadline. The watchdog also renews every live node's lease on the
-router's requests (`RouterPing`; see `engine.lease`).
-
-Recovery: a request whose node is lost is moved to a surviving pair as a new attempt
+Lost nodes are found by the watchdog (`router.watchdog`: connection dropped, silent) and by
+their own messages (`router.health`: NodeFailed, a NodeReady after a restart). Recovery: a
+request whose node is lost is moved to a surviving pair as a new attempt
 (`RouterRequest.restart`): before its first token a plain retry, after it a re-prefill of the
 prompt and the tokens already streamed, so the stream goes on where it stopped. At most
 `max_migrations` moves; then it fails with an error naming the stage.
 
 Preemption (on-demand decode KV, issue 10 part 3): a decode node whose KV pool ran out sends
-`Preempted` after the request's last Tokens; the request restarts the same way (prompt + output
-re-prefilled, on any pair, the same decode node included), with its own bound,
-`max_preemptions` (not counted in `max_migrations`); one more fails it (stage "preemption").
+`Preempted` after the StepTokens with the request's last tokens; the request restarts the same
+way (prompt + output re-prefilled, on any pair, the same decode node included), with its own
+bound, `max_preemptions` (not counted in `max_migrations`); one more fails it (stage
+"preemption").
 A preempted attempt waits for a decode node with room (refusals are retried as holds end) for
 what is left of its decode budget (`decode_s` after its first token, at least `reserve_s`);
 then it fails (stage "preemption"). A Preempted that arrives before P's FirstToken (another
 socket) waits in the request until that token is in, so no token is lost.
 
+A RequestError from a node that is draining (its drain timed out and it gave the request back)
+moves the request too, unseen by the client; any other RequestError fails it.
+
 A mixin of `router.core.Router`, whose state it uses (nodes, requests, transport, metrics,
-timeouts) and whose request steps it calls (`_reserve_somewhere`, `_dispatch_prefill`, `_fail`).
+timeouts) and whose request steps it calls (`_reserve_somewhere`, `_dispatch_prefill`,
+`_wait_for_nodes`, `_fail`, `_abort_on_nodes`).
 """
 
 from __future__ import annotations
@@ -31,18 +33,11 @@ import logging
 import secrets
 import time
 
-from engine.protocol import Preempted, RouterPing
-from router.nodes import NodeState
-from router.state import ErrorEvent, RequestState, RouterError, RouterRequest
+from engine.protocol import Preempted, RequestError
+from router.nodes import NodeState, NodeStatus
+from router.state import STAGE_OF_STATE, ErrorEvent, RequestState, RouterError, RouterRequest
 
 log = logging.getLogger("router")
-
-STAGE_OF_STATE = {
-    RequestState.CREATED: "reserve",
-    RequestState.RESERVING: "reserve",
-    RequestState.PREFILLING: "prefill",
-    RequestState.DECODING: "decode",
-}
 
 
 class NodeLossRecovery:
@@ -78,6 +73,21 @@ class NodeLossRecovery:
         self.metrics.migrations.labels(stage).inc()
         self._restart(req, why)
 
+    def _on_request_error(self, msg: RequestError) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is None:
+            return
+        draining = [
+            self.nodes.nodes[name]
+            for name in (req.prefill_node, req.decode_node)
+            if name in self.nodes.nodes and self.nodes.nodes[name].status == NodeStatus.DRAINING
+        ]
+        if draining and req.num_migrations < self.cfg.router.max_migrations and not self._closing:
+            # a node whose drain timed out gave the request back: move it, unseen
+            self._move(req, msg.stage, f"{draining[0].name} stopped draining: {msg.message}")
+        else:
+            self._fail(req, msg.stage, msg.message)
+
     def _on_preempted(self, msg: Preempted) -> None:
         req = self.requests.get(msg.request_id)
         if req is None or req.is_done:  # an old attempt's, or it ended meanwhile
@@ -88,7 +98,7 @@ class NodeLossRecovery:
         self._preempt(req, msg.reason)
 
     def _preempt(self, req: RouterRequest, reason: str) -> None:
-        """The decode node dropped the request (its Tokens all arrived): restart it, or fail it
+        """The decode node dropped the request (its tokens all arrived): restart it, or fail it
         once it has been preempted more than `max_preemptions` times."""
         req.num_preemptions += 1
         self.metrics.preemptions.inc()
@@ -148,53 +158,3 @@ class NodeLossRecovery:
         self._room_changed.clear()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._room_changed.wait(), min(timeout_s, self.t.heartbeat_s))
-
-    async def _wait_for_nodes(self, timeout_s: float) -> bool:
-        """Waits up to `timeout_s` for a ready prefill and a ready decode node (one may be
-        restarting or draining); True if the cluster serves."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while not self.is_serving and not self._closing:
-            left = deadline - loop.time()
-            if left <= 0:
-                return False
-            self._nodes_changed.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._nodes_changed.wait(), left)
-        return self.is_serving and not self._closing
-
-    async def _watchdog_loop(self) -> None:
-        period = min(0.25, self.t.heartbeat_s / 2)
-        next_ping = 0.0
-        while True:
-            await asyncio.sleep(period)
-            try:
-                now = time.monotonic()
-                self.check_deadlines(now)
-                if now >= next_ping:  # renew every node's lease on our requests
-                    next_ping = now + self.t.heartbeat_s
-                    ping = RouterPing(self.router_id, self.t.lease_s)
-                    for node in self.nodes.nodes.values():
-                        if node.is_alive:  # a dead one's queue would only fill up
-                            self.transport.send(node.name, ping)
-            except Exception:
-                log.exception("watchdog error")
-
-    def check_deadlines(self, now: float) -> None:
-        """Declares silent nodes dead and fails requests past their stage deadline."""
-        for name in self.transport.lost_connections() if self.transport is not None else ():
-            node = self.nodes.nodes.get(name)
-            if node is not None and node.is_alive:
-                log.error("node %s (%s) closed its connection: declared dead", name, node.role)
-                self.nodes.mark_dead(node, "connection lost (the process exited)")
-                self._fail_node_requests(node, "exited (connection lost)")
-        for node in self.nodes.expired(self.t.node_timeout_s, now):
-            silent = now - node.last_seen
-            log.error("node %s (%s) silent for %.1f s: declared dead", node.name, node.role, silent)
-            self.nodes.mark_dead(node, f"no heartbeat for {silent:.1f} s")
-            self._fail_node_requests(node, f"stopped answering (no heartbeat for {silent:.1f} s)")
-        prefill_limit = self.t.prefill_queue_s + self.t.transfer_s
-        for req in list(self.requests.values()):
-            error = req.overdue(now, prefill_limit, self.t.decode_s)
-            if error is not None:
-                self._fail(req, error.stage, error.message)

@@ -46,6 +46,15 @@ class RequestState(enum.IntEnum):
         return self >= RequestState.FINISHED
 
 
+# The stage an error names for a request that fails (or moves) in each running state.
+STAGE_OF_STATE = {
+    RequestState.CREATED: "reserve",
+    RequestState.RESERVING: "reserve",
+    RequestState.PREFILLING: "prefill",
+    RequestState.DECODING: "decode",
+}
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     """New output tokens; `finish_reason` ("stop" | "length") on the last one. `logprobs`: one
@@ -235,6 +244,9 @@ class RouterRequest:
         if new.is_terminal:
             self.timings.finished = time.monotonic()
         return True
+
+
+RETRY_AFTER_S = 1  # the Retry-After of a refusal (503): the cluster is busy, not broken
 
 
 class RouterError(Exception):

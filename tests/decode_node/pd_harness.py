@@ -19,7 +19,7 @@ from engine.protocol import (
     RequestError,
     Reserve,
     ReserveReply,
-    Tokens,
+    StepTokens,
     sampling_to_dict,
 )
 from engine.sampling import SamplingParams
@@ -100,6 +100,7 @@ class Pair:
         self.seen: dict[str, Seen] = {}
         self.forks: dict[str, list[str]] = {}  # n > 1: the fork ids of each request
         self.heartbeats: list[Heartbeat] = []
+        self.steps: list[StepTokens] = []  # every StepTokens D sent, in order
         self._rooms = iter(range(1000, 10**6))
 
     # ---- the router's moves ------------------------------------------------------------------
@@ -162,13 +163,15 @@ class Pair:
                 assert len(msg.fork_tokens) == len(fork_ids), msg
                 for fork_id, token in zip(fork_ids, msg.fork_tokens, strict=True):
                     self.seen[fork_id].first_token = token
-            elif isinstance(msg, Tokens):
-                seen = self.seen[msg.request_id]
-                assert seen.finish_reason is None, f"tokens after the finish of {msg.request_id}"
-                seen.token_ids += msg.token_ids
-                seen.logprobs += msg.logprobs
-                seen.top_ids += msg.top_ids
-                seen.finish_reason = msg.finish_reason
+            elif isinstance(msg, StepTokens):
+                self.steps.append(msg)
+                for out in msg.outputs():
+                    seen = self.seen[out.request_id]
+                    assert seen.finish_reason is None, f"tokens after the end of {out.request_id}"
+                    seen.token_ids += out.token_ids
+                    seen.logprobs += out.logprobs
+                    seen.top_ids += out.top_ids
+                    seen.finish_reason = out.finish_reason
             elif isinstance(msg, RequestError):
                 self.seen[msg.request_id].errors.append(msg)
             elif isinstance(msg, Preempted):

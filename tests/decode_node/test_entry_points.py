@@ -25,7 +25,7 @@ from engine.protocol import (
     RequestError,
     Reserve,
     ReserveReply,
-    Tokens,
+    StepTokens,
     sampling_to_dict,
 )
 from engine.sampling import SamplingParams
@@ -144,10 +144,10 @@ def test_nodes_serve_a_request_and_stop_cleanly(tmp_path, tiny_dir, offline):
         first = recv_until(router, FirstToken)
         tokens = []
         while True:
-            msg = recv_until(router, (Tokens, RequestError))
-            assert isinstance(msg, Tokens), msg
-            tokens += msg.token_ids
-            if msg.finish_reason:
+            msg = recv_until(router, (StepTokens, RequestError))
+            assert isinstance(msg, StepTokens) and msg.request_ids == ["a"], msg
+            tokens += msg.token_ids[0]
+            if msg.finish_reasons[0]:
                 break
         assert [first.token, *tokens] == offline(PROMPT, params)
 
@@ -156,7 +156,7 @@ def test_nodes_serve_a_request_and_stop_cleanly(tmp_path, tiny_dir, offline):
         to_d.send(Reserve("b", 12, len(PROMPT), sampling_to_dict(long), 5.0))
         assert recv_until(router, ReserveReply).ok
         to_p.send(Prefill("b", 12, PROMPT, sampling_to_dict(long), reply.kv_endpoint, 5.0))
-        recv_until(router, Tokens)
+        recv_until(router, StepTokens)
         to_d.send(Abort("b", "client gone"))
         to_p.send(Abort("b", "client gone"))
         deadline = time.monotonic() + TIMEOUT

@@ -35,9 +35,10 @@ from engine.protocol import (
     Heartbeat,
     NodeFailed,
     Prefill,
+    RequestTokens,
     Reserve,
     Shutdown,
-    Tokens,
+    StepTokens,
     sampling_to_dict,
 )
 from engine.sampling import SamplingParams
@@ -246,7 +247,7 @@ def _valid_control_frames() -> list[bytes]:
         Prefill("f", 1, [1, 2, 3], SAMPLING, "tcp://127.0.0.1:1", 5.0),
         Abort("f", "x"),
         Heartbeat("n", "decode", stage_ms={"a": 1.0}),
-        Tokens("f", [1, 2], None),
+        StepTokens.of([RequestTokens("f", [1, 2]), RequestTokens("g", [3], "stop")]),
         Shutdown("x"),
     ]
     return [protocol.encode(m) for m in msgs]

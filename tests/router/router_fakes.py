@@ -5,7 +5,7 @@ a helper that runs the real router app under uvicorn in a thread.
 `script` (P's FirstToken is script[0]; D streams the rest one token per `token_interval_s`),
 stopping like a real decode node: EOS / stop_token_ids ("stop"), max_new_tokens ("length").
 Knobs (set from the test thread): `refuse` (decode nodes that refuse reservations), `silent`
-(nodes that stop answering and heartbeating), `tokens_before_first` (D's first Tokens are sent
+(nodes that stop answering and heartbeating), `tokens_before_first` (D's first tokens are sent
 before P's FirstToken), `fail_stages` ("prefill" / "decode": every request gets a RequestError
 there).
 """
@@ -30,9 +30,10 @@ from engine.protocol import (
     NodeReady,
     Prefill,
     RequestError,
+    RequestTokens,
     Reserve,
     ReserveReply,
-    Tokens,
+    StepTokens,
 )
 
 FAKE_FINGERPRINT = None  # the fakes send none, so the router's check is skipped
@@ -204,6 +205,7 @@ class FakeCluster(threading.Thread):
         return None
 
     def _tick_decode(self, now: float, only: str | None = None) -> None:
+        steps: dict[str, list[RequestTokens]] = {}  # a decode node's tick: one StepTokens
         for rid, run in list(self.running.items()):
             if (only is not None and rid != only) or run.next_at > now or run.node in self.silent:
                 continue
@@ -211,18 +213,21 @@ class FakeCluster(threading.Thread):
                 self._send(run.node, RequestError(rid, "decode", "fake decode failure"))
                 self._end(rid, run)
                 continue
+            step = steps.setdefault(run.node, [])
             last = self.script[(run.num_sent - 1) % len(self.script)]
             if run.num_sent == 1 and self._finish_of(run, last):  # P's token ended it
-                self._send(run.node, Tokens(rid, [], self._finish_of(run, last)))
+                step.append(RequestTokens(rid, [], self._finish_of(run, last)))
                 self._end(rid, run)
                 continue
             token = self.script[run.num_sent % len(self.script)]
             run.num_sent += 1
             finish = self._finish_of(run, token)
-            self._send(run.node, Tokens(rid, [token], finish, **_tokens_logprobs(run, token)))
+            step.append(RequestTokens(rid, [token], finish, **_tokens_logprobs(run, token)))
             run.next_at = now + self.token_interval_s
             if finish:
                 self._end(rid, run)
+        for node, outputs in steps.items():
+            self._send(node, StepTokens.of(outputs))
 
     def _end(self, rid: str, run: _Running) -> None:
         self.running.pop(rid, None)
@@ -309,6 +314,11 @@ def _first_token(msg: Prefill, token: int) -> FirstToken:
             prompt_top_logprobs=[e[2] for e in entries],
         )
     return FirstToken(msg.request_id, token, len(msg.token_ids), {"queue": 1.0}, **extra)
+
+
+def tokens(request_id: str, token_ids: list[int], finish_reason: str | None = None, **lps):
+    """The StepTokens of a decode step that ran this one request (`lps`: its logprobs)."""
+    return StepTokens.of([RequestTokens(request_id, token_ids, finish_reason, **lps)])
 
 
 def _tokens_logprobs(run: _Running, token: int) -> dict:

@@ -8,7 +8,7 @@ import asyncio
 import time
 
 import pytest
-from router_fakes import fake_config
+from router_fakes import fake_config, tokens
 
 from engine.protocol import (
     Abort,
@@ -20,7 +20,6 @@ from engine.protocol import (
     RequestError,
     Reserve,
     ReserveReply,
-    Tokens,
 )
 from engine.sampling import SamplingParams
 from router.core import Router, RouterError
@@ -111,15 +110,15 @@ def test_happy_path_orders_tokens_and_finishes():
         ((_, pre),) = r.transport.of(Prefill)
         assert pre.kv_endpoint == "tcp://d0-kv" and pre.room == req.room
         # D's first tokens arrive before P's FirstToken: they wait and come out in order
-        r.handle(Tokens("r1", [11, 12]))
+        r.handle(tokens("r1", [11, 12]))
         assert drain(req) == []
         r.handle(FirstToken("r1", 10, 10))
-        r.handle(Tokens("r1", [13], "length"))
+        r.handle(tokens("r1", [13], "length"))
         events = drain(req)
         assert events == [TokenEvent([10, 11, 12], None), TokenEvent([13], "length")]
         assert req.state == RequestState.FINISHED and "r1" not in r.requests
         assert r.nodes.nodes["d0"].reserved_pages == 0 and r.nodes.nodes["p0"].queued_tokens == 0
-        r.handle(Tokens("r1", [14]))  # late: ignored
+        r.handle(tokens("r1", [14]))  # late: ignored
         assert drain(req) == []
 
     asyncio.run(main())
@@ -142,7 +141,7 @@ def test_router_stops_on_stop_token_id_even_if_decode_does_not():
         r = make_router()
         req = await submit(r, max_new=10, stop_token_ids=(42,))
         r.handle(FirstToken("r1", 5, 10))
-        r.handle(Tokens("r1", [6, 42, 43]))
+        r.handle(tokens("r1", [6, 42, 43]))
         assert drain(req)[-1] == TokenEvent([6, 42], "stop")
         assert req.num_output_tokens == 3
 

@@ -5,10 +5,11 @@ the request's restarts and end with it; after it each sequence moves alone when 
 
 import asyncio
 
+from router_fakes import tokens
 from test_core import EOS, RecordingTransport, drain, submit  # noqa: F401
 from test_migration import answer_reserve, make_router, tokens_of
 
-from engine.protocol import FirstToken, NodeFailed, Prefill, RequestError, Reserve, Tokens
+from engine.protocol import FirstToken, NodeFailed, Prefill, RequestError, Reserve
 from router.state import ErrorEvent, RequestState
 
 
@@ -32,13 +33,13 @@ def test_one_reserve_and_prefill_then_every_sequence_streams_alone():
         assert prefill.sampling["n"] == 3
         fork1, fork2 = req.forks
         assert [f.sampling.seed for f in req.forks] == [41, 42] and fork1.sampling.n == 1
-        r.handle(Tokens("r1/2", [30]))  # D's, before P's first token: waits
+        r.handle(tokens("r1/2", [30]))  # D's, before P's first token: waits
         r.handle(FirstToken("r1", 5, 20, fork_tokens=[20, 29]))
         assert [s.state for s in (req, fork1, fork2)] == [RequestState.DECODING] * 3
         assert req.sampling.n == 1 and fork1.decode_node == req.decode_node
-        r.handle(Tokens("r1", [6, 7], "length"))
-        r.handle(Tokens("r1/1", [21, EOS], "stop"))
-        r.handle(Tokens("r1/2", [31], "length"))
+        r.handle(tokens("r1", [6, 7], "length"))
+        r.handle(tokens("r1/1", [21, EOS], "stop"))
+        r.handle(tokens("r1/2", [31], "length"))
         assert tokens_of(drain(req)) == [5, 6, 7] and req.finish_reason == "length"
         assert tokens_of(drain(fork1)) == [20, 21, EOS] and fork1.finish_reason == "stop"
         assert tokens_of(drain(fork2)) == [29, 30, 31] and fork2.finish_reason == "length"
@@ -57,8 +58,8 @@ def test_before_the_first_token_the_forks_follow_a_restart():
         (fork,) = req.forks
         assert fork.wire_id == "r1/1~1" and set(r.requests) == {"r1~1", "r1/1~1"}
         r.handle(FirstToken("r1~1", 5, 10, fork_tokens=[8]))
-        r.handle(Tokens("r1~1", [6, 7, 8], "length"))
-        r.handle(Tokens("r1/1~1", [9, 10, 11], "length"))
+        r.handle(tokens("r1~1", [6, 7, 8], "length"))
+        r.handle(tokens("r1/1~1", [9, 10, 11], "length"))
         assert tokens_of(drain(req)) == [5, 6, 7, 8] and tokens_of(drain(fork)) == [8, 9, 10, 11]
         assert idle(r)
 
@@ -86,8 +87,8 @@ def test_after_the_first_token_each_sequence_moves_alone_with_its_own_output():
         (fork,) = req.forks
         lost = req.decode_node
         r.handle(FirstToken("r1", 5, 10, fork_tokens=[7]))
-        r.handle(Tokens("r1", [6]))
-        r.handle(Tokens("r1/1", [8, 9]))
+        r.handle(tokens("r1", [6]))
+        r.handle(tokens("r1/1", [8, 9]))
         r.handle(NodeFailed(lost, "decode", "killed"))
         await asyncio.sleep(0.05)  # both moves reserve on the other decode node
         reserves = {m.request_id: m for _, m in r.transport.of(Reserve)}
@@ -107,7 +108,7 @@ def test_a_first_token_without_its_fork_tokens_fails_the_forks_only():
         for fork in req.forks:
             (event,) = drain(fork)
             assert isinstance(event, ErrorEvent) and "2 forked sequences" in event.message
-        r.handle(Tokens("r1", [6, 7], "length"))
+        r.handle(tokens("r1", [6, 7], "length"))
         assert tokens_of(drain(req)) == [5, 6, 7] and req.state == RequestState.FINISHED
         assert idle(r)
 

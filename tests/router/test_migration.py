@@ -6,7 +6,7 @@ missing; the number of moves is bounded; messages of an old attempt are ignored.
 import asyncio
 import time
 
-from router_fakes import fake_config
+from router_fakes import fake_config, tokens
 from test_core import EOS, RecordingTransport, drain, submit  # noqa: F401
 
 from engine.protocol import (
@@ -16,7 +16,6 @@ from engine.protocol import (
     Prefill,
     Reserve,
     ReserveReply,
-    Tokens,
 )
 from router.core import Router
 from router.state import ErrorEvent, RequestState, TokenEvent
@@ -57,7 +56,7 @@ def test_decode_death_mid_stream_moves_the_request_and_the_stream_goes_on():
         req = await submit(r, prompt_len=10, max_new=8)
         first_decode = req.decode_node
         r.handle(FirstToken("r1", 5, 10))
-        r.handle(Tokens("r1", [6, 7]))
+        r.handle(tokens("r1", [6, 7]))
         r.handle(NodeFailed(first_decode, "decode", "killed"))
         assert req.state == RequestState.RESERVING and req.wire_id == "r1~1"
         node, reserve = await answer_reserve(r, 2)
@@ -66,9 +65,9 @@ def test_decode_death_mid_stream_moves_the_request_and_the_stream_goes_on():
         assert reserve.sampling["max_new_tokens"] == 5  # 8 - 3
         ((_, prefill),) = [(n, m) for n, m in r.transport.of(Prefill) if m.request_id == "r1~1"]
         assert prefill.token_ids == list(range(2, 12)) + [5, 6, 7]
-        r.handle(Tokens("r1", [99]))  # late from the old attempt: ignored
+        r.handle(tokens("r1", [99]))  # late from the old attempt: ignored
         r.handle(FirstToken("r1~1", 8, 13))
-        r.handle(Tokens("r1~1", [9, 10, 11, 12], "length"))
+        r.handle(tokens("r1~1", [9, 10, 11, 12], "length"))
         events = drain(req)
         assert tokens_of(events) == [5, 6, 7, 8, 9, 10, 11, 12]
         assert events[-1].finish_reason == "length" and req.state == RequestState.FINISHED
@@ -88,7 +87,7 @@ def test_prefill_death_before_first_token_is_retried_unseen():
         _, reserve = await answer_reserve(r, 2)
         assert reserve.prompt_len == 10 and req.prefill_node != lost
         r.handle(FirstToken("r1~1", 5, 10))
-        r.handle(Tokens("r1~1", [6, 7, 8], "length"))
+        r.handle(tokens("r1~1", [6, 7, 8], "length"))
         events = drain(req)
         assert tokens_of(events) == [5, 6, 7, 8] and events[-1].finish_reason == "length"
         assert r.metrics.migrations.labels("prefill")._value.get() == 1
@@ -143,7 +142,7 @@ def test_a_restarted_decode_node_takes_a_waiting_move():
         r.handle(NodeReady("d0", "decode", {"num_pages": 64, "page_size": 16}))
         await answer_reserve(r, 2)
         r.handle(FirstToken("r1~1", 6, 11))
-        r.handle(Tokens("r1~1", [7], "length"))
+        r.handle(tokens("r1~1", [7], "length"))
         assert tokens_of(drain(req)) == [5, 6, 7]
 
     asyncio.run(main())

@@ -7,7 +7,7 @@ one past it fails naming the reason; reservations are estimated by the node's ru
 import asyncio
 import dataclasses
 
-from router_fakes import fake_config
+from router_fakes import fake_config, tokens
 from test_core import EOS, RecordingTransport, drain, submit  # noqa: F401
 from test_migration import answer_reserve, tokens_of
 
@@ -19,7 +19,6 @@ from engine.protocol import (
     Prefill,
     Reserve,
     ReserveReply,
-    Tokens,
 )
 from router.core import Router
 from router.state import ErrorEvent, RequestState, TokenEvent
@@ -63,8 +62,8 @@ def test_a_preempted_request_is_re_prefilled_and_its_stream_goes_on():
         assert req.reserved_pages == 3  # on_demand: 10 + 32 headroom tokens, not 10 + 100
         first_decode = req.decode_node
         r.handle(FirstToken("r1", 5, 10))
-        r.handle(Tokens("r1", [6]))
-        r.handle(Tokens("r1", [7]))
+        r.handle(tokens("r1", [6]))
+        r.handle(tokens("r1", [7]))
         r.handle(Preempted("r1", 3, REASON))
         assert req.state == RequestState.RESERVING and req.wire_id == "r1~1"
         assert req.num_preemptions == 1 and req.num_migrations == 0
@@ -73,9 +72,9 @@ def test_a_preempted_request_is_re_prefilled_and_its_stream_goes_on():
         assert req.reserved_pages == 3  # 13 + 32 tokens
         ((_, prefill),) = [(n, m) for n, m in r.transport.of(Prefill) if m.request_id == "r1~1"]
         assert prefill.token_ids == list(range(2, 12)) + [5, 6, 7]
-        r.handle(Tokens("r1", [99]))  # late from the preempted attempt: ignored
+        r.handle(tokens("r1", [99]))  # late from the preempted attempt: ignored
         r.handle(FirstToken("r1~1", 8, 13))
-        r.handle(Tokens("r1~1", [9, EOS], "stop"))
+        r.handle(tokens("r1~1", [9, EOS], "stop"))
         events = drain(req)
         assert tokens_of(events) == [5, 6, 7, 8, 9, EOS] and events[-1].finish_reason == "stop"
         assert not any(isinstance(e, ErrorEvent) for e in events)
@@ -93,7 +92,7 @@ def test_worst_case_nodes_are_estimated_on_worst_case_terms():
         req = await submit(r, prompt_len=10, max_new=100)
         assert req.reserved_pages == 7  # 110 tokens
         r.handle(FirstToken("r1", 5, 10))
-        r.handle(Tokens("r1", [6, 7, 8, 9, 10]))
+        r.handle(tokens("r1", [6, 7, 8, 9, 10]))
         r.handle(Preempted("r1", 6, REASON))
         await answer_reserve(r, 2)
         assert req.reserved_pages == 7  # 15 + 95 tokens
@@ -105,7 +104,7 @@ def test_a_preempted_that_beats_the_first_token_waits_for_it():
     async def main():
         r = make_router()
         req = await submit(r, prompt_len=10, max_new=8)
-        r.handle(Tokens("r1", [6]))  # D's token before P's FirstToken (another socket)
+        r.handle(tokens("r1", [6]))  # D's token before P's FirstToken (another socket)
         r.handle(Preempted("r1", 2, REASON))
         assert req.state == RequestState.PREFILLING and req.attempt == 0
         r.handle(FirstToken("r1", 5, 10))
@@ -144,7 +143,7 @@ def test_a_request_preempted_too_often_fails_naming_the_reason():
         r.handle(Preempted("r1", 1, REASON))
         await answer_reserve(r, 2)
         r.handle(FirstToken("r1~1", 6, 11))
-        r.handle(Tokens("r1~1", [7]))
+        r.handle(tokens("r1~1", [7]))
         r.handle(Preempted("r1~1", 2, REASON))
         events = drain(req)
         assert tokens_of(events) == [5, 6, 7]
@@ -174,7 +173,7 @@ def test_a_preempted_request_waits_for_room_then_goes_on():
         await reserves_sent(r, 4)  # asked again (a heartbeat interval later at most)
         await answer_reserve(r, 4)
         r.handle(FirstToken("r1~1", 6, 11))
-        r.handle(Tokens("r1~1", [EOS], "stop"))
+        r.handle(tokens("r1~1", [EOS], "stop"))
         events = drain(req)
         assert tokens_of(events) == [5, 6, EOS] and events[-1].finish_reason == "stop"
 

@@ -9,7 +9,7 @@ import json
 import httpx
 import openai
 import pytest
-from router_fakes import FakeCluster, RouterServer, assert_invalid_value, fake_config
+from router_fakes import FakeCluster, RouterServer, assert_invalid_value, fake_config, tokens
 
 from engine.protocol import Prefill, Reserve, sampling_from_dict
 from engine.structured import MAX_SPEC_CHARS
@@ -181,7 +181,7 @@ def test_a_preempted_structured_request_resumes_its_grammar():
     from test_migration import answer_reserve
     from test_preemption_router import REASON, make_router
 
-    from engine.protocol import FirstToken, Preempted, Tokens
+    from engine.protocol import FirstToken, Preempted
 
     async def main():
         r = make_router(num_decode=2)
@@ -191,7 +191,7 @@ def test_a_preempted_structured_request_resumes_its_grammar():
         assert sampling_from_dict(first_reserve.sampling).structured_resume == 0
         assert first_reserve.prompt_ids == []  # nothing to replay: the ids are not needed
         r.handle(FirstToken("r1", 5, 10))
-        r.handle(Tokens("r1", [6, 7]))
+        r.handle(tokens("r1", [6, 7]))
         r.handle(Preempted("r1", 3, REASON))
         _, reserve = await answer_reserve(r, 2)
         (prefill,) = [m for _, m in r.transport.of(Prefill) if m.request_id == "r1~1"]
@@ -200,7 +200,7 @@ def test_a_preempted_structured_request_resumes_its_grammar():
             assert params.structured == structured and params.structured_resume == 3
         assert reserve.prompt_ids == prefill.token_ids == [*range(2, 12), 5, 6, 7]
         r.handle(FirstToken("r1~1", 8, 13))
-        r.handle(Tokens("r1~1", [EOS], "stop"))
+        r.handle(tokens("r1~1", [EOS], "stop"))
         assert req.output_ids == [5, 6, 7, 8, EOS]
 
     asyncio.run(main())

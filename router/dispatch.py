@@ -1,0 +1,159 @@
+"""Reserving a request's KV on a decode node, then sending its prompt to a prefill node.
+
+Steps 2 and 3 of `router.core`: the ready decode nodes are asked in the pairing policy's order
+(`router.policy`) to reserve pages; a refusal moves on to the next node, a node that refuses
+because it drains is marked so, a silent one fails the request (stage "reserve") rather than
+letting a late reply be taken for the next node's. A yes that comes after the router gave up
+is answered with an Abort, so the node frees those pages at once. Then the prefill node is
+picked among SLA admission's candidates (`router.admission`) and sent the prompt with the
+decode node's KV endpoint.
+
+A mixin of `router.core.Router`, whose state it uses (nodes, policy, admission, transport,
+metrics, timeouts, `_reserve_waiters`) and whose request endings it calls (`_reject`,
+`_abort_on_nodes`, `_forget`, `_wait_for_nodes`, `_wait_for_room`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from engine.protocol import Abort, Prefill, Reserve, ReserveReply, sampling_to_dict
+from router.nodes import NodeState
+from router.state import RETRY_AFTER_S, ErrorEvent, RequestState, RouterError, RouterRequest
+
+
+class RequestDispatch:
+    """Reserves decode KV and dispatches the prefill (see the module docstring)."""
+
+    async def _reserve_somewhere(self, req: RouterRequest, wait_for_room_s: float = 0.0) -> None:
+        """Asks the ready decode nodes in the policy's order. A node that refuses because it is
+        draining is marked so at once; when no decode node is ready at all (draining or
+        restarting), waits for one up to the reserve timeout and asks again. With
+        `wait_for_room_s` (a preempted request), refusals for want of room are retried as
+        decode holds end, for up to that long."""
+        num_prompt = len(req.attempt_prompt_ids)
+        max_new, n = req.attempt_sampling.max_new_tokens, req.attempt_sampling.n
+        shape = (num_prompt, max_new, self.max_positions, n)
+        deadline = time.monotonic() + max(self.t.reserve_s, wait_for_room_s)
+        refusals = []
+        while True:
+            # A node never admits what could not finish in its whole pool; each reserves by its
+            # own rule (on_demand or worst_case): the policy ranks by the smallest (the nodes
+            # normally share one), and each node is held for its own.
+            ready = [
+                node
+                for node in self.nodes.ready("decode")
+                if node.pages_for(node.worst_case_tokens(*shape)) <= node.total_pages
+            ]
+            num_tokens = min(
+                (node.reservation_tokens(*shape) for node in ready),
+                default=min(num_prompt + max_new, self.max_positions),
+            )
+            candidates = self.policy.rank_decode(ready, num_tokens)
+            refusals = []
+            for node in candidates:
+                if not node.is_ready:  # died or began draining while we asked another
+                    continue
+                need = node.reservation_tokens(*shape)
+                reply = await self._reserve_on(req, node, need)
+                if req.is_done:  # failed meanwhile (node death, router shutdown)
+                    break
+                if reply is not None and reply.ok:
+                    req.timings.reserved = time.monotonic()
+                    self.metrics.stage.labels("reserve").observe(
+                        req.timings.reserved - req.timings.arrival
+                    )
+                    return
+                if reply is not None and reply.draining:
+                    self.nodes.mark_draining(node)
+                refusals.append(f"{node.name}: {reply.reason if reply else 'no answer'}")
+            left = deadline - time.monotonic()
+            if req.is_done or left <= 0:
+                break
+            if self.nodes.ready("decode"):
+                if not wait_for_room_s:
+                    break
+                await self._wait_for_room(left)  # a preempted request: room comes back
+            else:
+                await self._wait_for_nodes(left)  # none ready: one is draining or restarting
+        if req.is_done:
+            error = req.error or ErrorEvent("reserve", "the request ended during reservation")
+            self._forget(req)
+            raise RouterError(503, error.message, "reserve_failed", RETRY_AFTER_S)
+        self.metrics.rejections.labels("no_decode_room").inc()
+        why = "; ".join(refusals) or "no decode node has enough free KV pages"
+        self._reject(req, f"no decode node admitted the request ({why})", "no_decode_room")
+
+    async def _reserve_on(self, req: RouterRequest, node: NodeState, num_tokens: int):
+        """Reserve on one decode node: the reply, None for a refusal to send; a silent node
+        fails the request (stage reserve) rather than trying another, so a late reply can never
+        be mistaken for the next node's."""
+        self.nodes.hold_decode(req, node, node.pages_for(num_tokens))
+        sampling = req.attempt_sampling
+        msg = Reserve(
+            req.wire_id, req.room, len(req.attempt_prompt_ids), sampling_to_dict(sampling),
+            timeout_s=self.t.transfer_s,
+            prompt_ids=list(req.attempt_prompt_ids) if sampling.uses_prompt else [],
+            priority=req.timings.arrival,  # the first arrival: a restart keeps its place
+            fork_ids=[fork.wire_id for fork in req.pending_forks],
+        )  # fmt: skip
+        waiter = asyncio.get_running_loop().create_future()
+        self._reserve_waiters[req.wire_id] = waiter
+        try:
+            if not self.transport.send(node.name, msg):
+                self.nodes.release_decode(req)
+                return None
+            reply = await asyncio.wait_for(waiter, self.t.reserve_s)
+        except asyncio.TimeoutError:  # not the builtin before Python 3.11
+            self.metrics.failures.labels("reserve").inc()
+            self._abort_on_nodes(req, "reserve timed out")
+            message = (
+                f"decode node {node.name} did not answer the reservation within "
+                f"{self.t.reserve_s:g} s (stage reserve)"
+            )
+            self._reject(req, message, "reserve_timeout")
+        finally:
+            self._reserve_waiters.pop(req.wire_id, None)
+        if reply is None or not reply.ok:
+            self.nodes.release_decode(req)
+        return reply
+
+    def _dispatch_prefill(self, req: RouterRequest) -> None:
+        candidates = self.admission.candidates(req, self.nodes.ready("prefill"))
+        # What each node is expected to serve from its prefix cache, before the pick records
+        # this prompt as cached on the chosen one.
+        cached = {n.name: self.admission.cached_len(n, req.attempt_prompt_ids) for n in candidates}
+        node = self.policy.pick_prefill(candidates, req.attempt_prompt_ids)
+        if node is None:
+            self._abort_on_nodes(req, "no prefill node")
+            self.metrics.rejections.labels("no_node").inc()
+            self._reject(req, "no prefill node is ready", "no_node_ready")
+        self.nodes.hold_prefill(req, node)
+        seq = self.admission.next_seq(node.name)
+        msg = Prefill(
+            req.wire_id, req.room, req.attempt_prompt_ids, sampling_to_dict(req.attempt_sampling),
+            kv_endpoint=req.kv_endpoint, timeout_s=self.t.prefill_queue_s, seq=seq,
+        )  # fmt: skip
+        if not self.transport.send(node.name, msg):
+            self._abort_on_nodes(req, "prefill node unreachable")
+            self.metrics.rejections.labels("unreachable").inc()
+            self._reject(req, f"prefill node {node.name} is not accepting requests", "unreachable")
+        req.timings.dispatched = time.monotonic()
+        self.admission.dispatched(req, node, cached[node.name], seq)
+        req.advance(RequestState.PREFILLING)
+        self.metrics.dispatched.labels(node.name, "prefill").inc()
+        self.metrics.dispatched.labels(req.decode_node, "decode").inc()
+        if req.attempt == 0:
+            self.metrics.prompt_tokens.inc(req.prompt_len)
+
+    def _on_reserve_reply(self, msg: ReserveReply) -> None:
+        waiter = self._reserve_waiters.get(msg.request_id)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(msg)
+            if msg.ok:
+                self.requests[msg.request_id].kv_endpoint = msg.kv_endpoint
+            return
+        if msg.ok:  # a late yes to a request we gave up on: make the node free its pages
+            for node in self.nodes.of_role("decode"):
+                self.transport.send(node.name, Abort(msg.request_id, "reservation came too late"))

@@ -1,0 +1,101 @@
+"""Node health as the router hears it: NodeReady, NodeFailed and heartbeats, and whether the
+cluster serves (a ready prefill node and a ready decode node).
+
+A node that reports another model than the router's (its fingerprint) is marked dead at
+NodeReady and stays out until it restarts; a NodeReady from a node that held requests means it
+restarted, and a NodeFailed that it failed: either way its requests move (`router.recovery`).
+Heartbeats feed the node's load (`router.nodes`), the pairing policy and SLA admission's cost
+models. Finding nodes that went silent or lost their connection is the watchdog's
+(`router.watchdog`).
+
+A mixin of `router.core.Router`, whose state it uses (nodes, policy, admission, fingerprint,
+`_nodes_changed`, `_closing`) and whose recovery it calls (`_fail_node_requests`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from engine.protocol import Heartbeat, NodeFailed, NodeReady
+
+log = logging.getLogger("router")
+
+
+class NodeHealth:
+    """Applies the nodes' lifecycle messages (see the module docstring)."""
+
+    @property
+    def is_serving(self) -> bool:
+        return bool(self.nodes.ready("prefill")) and bool(self.nodes.ready("decode"))
+
+    def _on_heartbeat(self, msg: Heartbeat) -> None:
+        node = self.nodes.get(msg.node, msg.role)
+        if node is None:
+            return
+        if node.status == "dead" and node.error.startswith("incompatible"):
+            return  # a node refused at NodeReady stays out until it restarts
+        if self.nodes.on_heartbeat(node, msg):
+            self._nodes_changed.set()
+            log.info("node %s (%s) is alive", node.name, node.role)
+        self.policy.observe_heartbeat(node)
+        self.admission.on_heartbeat(node, msg)
+
+    def _on_node_ready(self, msg: NodeReady) -> None:
+        node = self.nodes.get(msg.node, msg.role)
+        if node is None:
+            log.warning(
+                "NodeReady from %r (%s), which is not in the cluster config", msg.node, msg.role
+            )
+            return
+        if node.num_active:  # it restarted: whatever it held is gone
+            self._fail_node_requests(node, "restarted")
+        mismatch = _fingerprint_mismatch(self.fingerprint, msg.info.get("fingerprint"))
+        if mismatch:
+            self.nodes.mark_dead(node, f"incompatible model: {mismatch}")
+            log.error(
+                "node %s serves another model; it gets no requests (%s)", node.name, node.error
+            )
+            return
+        self.nodes.mark_ready(node, msg.info)
+        self._nodes_changed.set()
+        log.info("node %s (%s) is ready", node.name, node.role)
+
+    def _on_node_failed(self, msg: NodeFailed) -> None:
+        node = self.nodes.get(msg.node, msg.role)
+        if node is None:
+            return
+        log.error("node %s (%s) failed: %s", node.name, node.role, msg.error)
+        self.nodes.mark_dead(node, msg.error)
+        self._fail_node_requests(node, f"failed: {msg.error}")
+
+    async def _wait_for_nodes(self, timeout_s: float) -> bool:
+        """Waits up to `timeout_s` for a ready prefill and a ready decode node (one may be
+        restarting or draining); True if the cluster serves."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.is_serving and not self._closing:
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            self._nodes_changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._nodes_changed.wait(), left)
+        return self.is_serving and not self._closing
+
+
+def _fingerprint_mismatch(mine: dict[str, Any] | None, theirs: Any) -> str | None:
+    """One line naming the first model field a node's fingerprint disagrees on, else None.
+
+    A node's fingerprint may add fields (KV layout) and may prefix the model's with "model."
+    (kvtransfer's form); fields it does not report are not checked here (the prefill/decode
+    handshake checks the full layout)."""
+    if not mine or not isinstance(theirs, dict):
+        return None
+    for key, value in mine.items():
+        for name in (key, f"model.{key}"):
+            if name in theirs and theirs[name] != value:
+                return f"'{key}' is {theirs[name]!r} on the node, {value!r} here"
+    return None
