@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from engine.config import ModelConfig
 from engine.tiny_model import BOS, EOS, _tokenizer_config, train_tokenizer
-from engine.weight_names import checkpoint_shapes
+from engine.weight_names import checkpoint_shapes, mtp_shapes
 from engine.weights import INDEX_FILE, keeps_fp32
 
 BENCH_VOCAB = 32000
@@ -150,6 +150,7 @@ def make_bench_model(
     dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: bool = True,
+    mtp: bool = False,
 ) -> Path:
     """Write the bench model to `out` (created if needed) and return its path.
 
@@ -160,6 +161,8 @@ def make_bench_model(
         max_shard_bytes: the largest shard. Peak host memory is about twice that (safetensors
             serializes a shard in memory before writing it) plus torch itself.
         progress: a tqdm bar (bytes written) on stderr.
+        mtp: add a DeepSeek-V3 MTP layer (an MoE layer plus its norms and projection; random,
+            so its drafts are almost never accepted: `bench.decode_step --accept` forces them).
     """
     if layers < 1:
         raise ValueError(f"layers must be >= 1, got {layers}")
@@ -170,7 +173,12 @@ def make_bench_model(
     clean_ids = clean_token_mask(tok, vocab)
     raw = bench_config(layers, vocab, tok.token_to_id(BOS), tok.token_to_id(EOS))
     raw["torch_dtype"] = str(dtype).removeprefix("torch.")
-    shapes = checkpoint_shapes(ModelConfig.from_dict(raw))
+    if mtp:
+        raw["num_nextn_predict_layers"] = 1
+    cfg = ModelConfig.from_dict(raw)
+    shapes = checkpoint_shapes(cfg)
+    if mtp:  # (without V3's copies of the embedding and head: the layer shares the main ones)
+        shapes.update(mtp_shapes(cfg))
 
     plan = _plan_shards(shapes, dtype, max_shard_bytes)
     total = sum(math.prod(s) * (4 if keeps_fp32(n) else dtype.itemsize) for n, s in shapes.items())
@@ -216,8 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4: ~2 B params)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--mtp", action="store_true", help="add an MTP layer (random weights)")
     args = p.parse_args(argv)
     if args.layers < 1:
         p.error("--layers must be >= 1")
-    print(make_bench_model(args.out, args.layers, args.seed, getattr(torch, args.dtype)))
+    dtype = getattr(torch, args.dtype)
+    print(make_bench_model(args.out, args.layers, args.seed, dtype, mtp=args.mtp))
     return 0

@@ -21,6 +21,7 @@ StepTokens replaced the per-request Tokens message of earlier versions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -414,6 +415,14 @@ def _type_ok(value: Any, annotation: Any) -> bool:
     return isinstance(value, annotation)
 
 
+@functools.cache
+def _schema(cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field]]:
+    """A message type's field annotations and fields, resolved once: typing.get_type_hints
+    compiles the annotations' strings anew on every call (the router decodes a message per
+    step per decode node)."""
+    return typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
+
+
 def decode(frame: bytes) -> Any:
     """bytes -> message dataclass; ProtocolError for anything malformed."""
     if len(frame) > MAX_MESSAGE_BYTES:
@@ -429,8 +438,7 @@ def decode(frame: bytes) -> Any:
         raise ProtocolError("unknown message type")
     if not all(isinstance(k, str) for k in raw):  # bytes keys too (and unsortable with str)
         raise ProtocolError(f"{cls.__name__}: field names must be strings")
-    hints = typing.get_type_hints(cls)
-    fields_ = {f.name: f for f in dataclasses.fields(cls)}
+    hints, fields_ = _schema(cls)
     if set(raw) - set(fields_):
         raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(set(raw) - set(fields_))}")
     for name, f in fields_.items():

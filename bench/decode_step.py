@@ -1,0 +1,184 @@
+"""The decode node's step, profiled: how much of it is Python (issue 12).
+
+A real `DecodeNode` (in-process queues and KV receiver, no sockets) holds B running requests of
+`--context` cached tokens each (the KV rows are whatever the pool holds: the timing does not
+depend on them); `--steps` calls of `node.step()` run under cProfile after warm-up. Reported per
+batch size: the step's wall time (median of the steps, timed without the profiler) and, from
+the profile, the share of the step spent in Python (function bodies, not inside any C call),
+the share inside this project's kernels (`native._C`), and inside torch's C functions.
+
+With `--mtp-tokens K` the node speculates (the model needs an MTP layer: `duet
+make-bench-model --mtp`); `--accept P` replaces the drafts by the right tokens with
+probability P (the MTP layer still runs: its cost is in the figures), so TPOT can be measured
+at a stated acceptance on a random-weight model, whose own drafts are almost never right.
+
+    python -m bench.decode_step --model DIR [--batches 1,8,32 --context 256 --threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import random
+import statistics
+import time
+
+import torch
+
+import decode_node.speculative_step as speculative_step
+from decode_node.node import DecodeNode
+from decode_node.scheduler import DecodeState
+from engine.cluster_config import DecodeNodeConfig, TimeoutConfig
+from engine.messaging import QueueInbox, QueueOutbox
+from engine.model import DeepseekModel
+from engine.sampling import SamplingParams
+from kvtransfer import InprocReceiver, make_fingerprint
+from native import ops
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.decode_step", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--model", required=True, help="checkpoint dir (e.g. duet make-bench-model)")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--context", type=int, default=256, help="cached tokens per request")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per batch size")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--mtp-tokens", type=int, default=0, help="speculate with K drafts (0: off)")
+    p.add_argument("--accept", type=float, default=None, help="forced draft acceptance in [0, 1]")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--json", action="store_true")
+    return p.parse_args(argv)
+
+
+def make_node(model: DeepseekModel, batch: int, context: int, steps: int, mtp_tokens: int):
+    page_size = 16
+    need = batch * (-(-(context + 4 * steps + 64) // page_size) + 1)
+    pool = model.new_kv_pool(need, page_size)
+    fp = make_fingerprint(model.cfg.fingerprint(), model.num_kv_layers, model.cfg.kv_row_width,
+                          model.dtype)  # fmt: skip
+    cfg = DecodeNodeConfig(
+        "bench", max_batch=batch, num_pages=need, page_size=page_size,
+        kv_reservation="worst_case", mtp=mtp_tokens > 0, mtp_tokens=max(1, mtp_tokens),
+    )  # fmt: skip
+    return DecodeNode(
+        "bench", model, cfg, TimeoutConfig(decode_s=3600), QueueInbox(), QueueOutbox(),
+        InprocReceiver(pool, fp),
+    )  # fmt: skip
+
+
+def add_requests(node: DecodeNode, batch: int, context: int, max_new: int, temperature: float):
+    """B requests straight into the scheduler, KV 'received' (the pool's rows as they are)."""
+    now = time.monotonic()
+    for i in range(batch):
+        params = SamplingParams(
+            temperature=temperature, max_new_tokens=max_new, ignore_eos=True, seed=i
+        )
+        request, why = node.scheduler.reserve(f"r{i}", i, context, params, now)
+        if request is None:
+            raise RuntimeError(why)
+        node.scheduler.kv_ready(f"r{i}", 5 + i, now, 3600.0, (), (7 + i,))
+
+
+def force_acceptance(p: float, vocab: int) -> None:
+    """Drafts become the token the main model will pick with probability p: greedy decoding
+    of a random model is deterministic but unknown ahead, so 'right' is emulated by replacing
+    the verify step's target instead: the acceptance test sees the draft as the target's
+    argmax with probability p."""
+    rng = random.Random(0)
+    real = speculative_step.accept_tokens
+
+    def accept(logits, drafts, params, generator):
+        logits = logits.clone()
+        for j, d in enumerate(drafts):
+            if rng.random() < p:
+                logits[j, d] = logits[j].max() + 10.0
+            else:
+                break
+        return real(logits, drafts, params, generator)
+
+    speculative_step.accept_tokens = accept
+
+
+def run_batch(model, batch, args) -> dict:
+    node = make_node(model, batch, args.context, args.steps, args.mtp_tokens)
+    max_new = 2 + 4 * (args.steps + 3) * (args.mtp_tokens + 1)
+    add_requests(node, batch, args.context, max_new, args.temperature)
+    for _ in range(3):  # warm-up
+        node.step()
+        node.outbox.take()
+    walls = []
+    tokens_before = sum(len(r.output_ids) for r in node.scheduler.requests)
+    for _ in range(args.steps):
+        started = time.perf_counter()
+        node.step()
+        walls.append(time.perf_counter() - started)
+        node.outbox.take()
+    tokens = sum(len(r.output_ids) for r in node.scheduler.requests) - tokens_before
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(args.steps):
+        node.step()
+        node.outbox.take()
+    profile.disable()
+    assert all(r.state == DecodeState.RUNNING for r in node.scheduler.requests)
+    shares = split_profile(pstats.Stats(profile))
+    out = {
+        "batch": batch,
+        "step_ms": statistics.median(walls) * 1000,
+        "tpot_ms": sum(walls) * 1000 / (tokens / batch),
+        "tokens_per_step": tokens / (batch * args.steps),
+        **shares,
+    }
+    if node.speculative is not None:
+        out["acceptance"] = node.speculative.stats.acceptance_rate
+    node.close("bench over")
+    return out
+
+
+def split_profile(stats: pstats.Stats) -> dict:
+    """Shares of the profiled time: Python bodies, our kernels (native._C), other C calls."""
+    total = python = ours = 0.0
+    for (filename, _, name), (_, _, tottime, _, _) in stats.stats.items():  # type: ignore[attr-defined]
+        total += tottime
+        if filename != "~":
+            python += tottime
+        elif "native._C" in name or "_C." in name and "torch" not in name:
+            ours += tottime
+    return {
+        "python_share": python / total,
+        "native_kernel_share": ours / total,
+        "torch_c_share": (total - python - ours) / total,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ops.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = DeepseekModel.from_pretrained(
+        args.model, torch.bfloat16, progress=False, mtp=args.mtp_tokens > 0
+    )
+    if args.accept is not None:
+        force_acceptance(args.accept, model.cfg.vocab_size)
+    rows = [run_batch(model, int(b), args) for b in args.batches.split(",")]
+    if args.json:
+        print(json.dumps({"args": vars(args), "rows": rows}))
+        return 0
+    print(f"context {args.context}, {args.threads} threads, mtp_tokens {args.mtp_tokens}, "
+          f"accept {args.accept}")  # fmt: skip
+    print("batch  step ms  TPOT ms  tok/step  python  kernels  torch-C  acceptance")
+    for r in rows:
+        print(
+            f"{r['batch']:5d}  {r['step_ms']:7.2f}  {r['tpot_ms']:7.2f}  {r['tokens_per_step']:8.2f}"
+            f"  {r['python_share']:6.1%}  {r['native_kernel_share']:7.1%}"
+            f"  {r['torch_c_share']:7.1%}  {r.get('acceptance', float('nan')):.2f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
