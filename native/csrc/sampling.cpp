@@ -16,8 +16,9 @@
 // NOTE: exactness. Every fp32 step is one IEEE-rounded +, *, / or an exact one (frexp, the
 // int -> float of a 24-bit integer, negation), in the same order as the torch twin, and never a
 // fused multiply-add: the AVX-512 path uses the explicitly rounded *_round_ps intrinsics (GCC
-// would contract plain _mm512_mul_ps + _mm512_add_ps into vfmadd), the portable path is compiled
-// with fp-contract off. So every ISA and the twin give the same E bits, hence the same tokens.
+// would contract plain _mm512_mul_ps + _mm512_add_ps into vfmadd), the AVX2 path is compiled for
+// AVX2 without FMA, the portable path with fp-contract off. So every ISA and the twin give the
+// same E bits, hence the same tokens.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -215,6 +216,119 @@ DUET_TARGET_AVX512 void exponentials_avx512(uint64_t key, int64_t begin, int64_t
   }
 }
 
+// ---- AVX2: 8 tokens a step (two 4-lane halves of 64-bit hashes) -------------------------------
+//
+// Targeted at plain AVX2, without FMA, so the compiler cannot contract the polynomial's steps.
+// AVX2 has no 64-bit multiply: lo * c + ((hi * c_lo + lo * c_hi) << 32) from 32-bit products.
+#define DUET_TARGET_AVX2_NO_FMA __attribute__((target("avx2")))
+
+DUET_TARGET_AVX2_NO_FMA inline __m256i mul64x4(__m256i a, uint64_t c) {
+  const __m256i c_lo = _mm256_set1_epi64x(static_cast<int64_t>(c & 0xffffffffu));
+  const __m256i c_hi = _mm256_set1_epi64x(static_cast<int64_t>(c >> 32));
+  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), c_lo),
+                                         _mm256_mul_epu32(a, c_hi));
+  return _mm256_add_epi64(_mm256_mul_epu32(a, c_lo), _mm256_slli_epi64(cross, 32));
+}
+
+DUET_TARGET_AVX2_NO_FMA inline __m256i mix64x4(__m256i z) {
+  z = mul64x4(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)), kMix1);
+  z = mul64x4(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)), kMix2);
+  return _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
+}
+
+struct Weyl8 {
+  __m256i lo, hi, step;
+};
+
+DUET_TARGET_AVX2_NO_FMA inline Weyl8 weyl8_at(uint64_t key, int64_t index) {
+  alignas(32) uint64_t lanes[8];
+  for (int i = 0; i < 8; ++i) lanes[i] = key + static_cast<uint64_t>(index + i) * kGolden;
+  return {_mm256_load_si256(reinterpret_cast<const __m256i*>(lanes)),
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes + 4)),
+          _mm256_set1_epi64x(static_cast<int64_t>(8 * kGolden))};
+}
+
+DUET_TARGET_AVX2_NO_FMA inline __m256 next_uniforms8(Weyl8* w) {
+  const __m256i lo = _mm256_srli_epi64(mix64x4(w->lo), kUniformShift);
+  const __m256i hi = _mm256_srli_epi64(mix64x4(w->hi), kUniformShift);
+  w->lo = _mm256_add_epi64(w->lo, w->step);
+  w->hi = _mm256_add_epi64(w->hi, w->step);
+  // The low 32 bits of the 8 lanes, in order: (lo0 lo1 hi0 hi1 | lo2 lo3 hi2 hi3), then sorted.
+  const __m256 mixed = _mm256_shuffle_ps(_mm256_castsi256_ps(lo), _mm256_castsi256_ps(hi),
+                                         _MM_SHUFFLE(2, 0, 2, 0));
+  __m256i k = _mm256_permute4x64_epi64(_mm256_castps_si256(mixed), _MM_SHUFFLE(3, 1, 2, 0));
+  k = _mm256_or_si256(_mm256_slli_epi32(k, 1), _mm256_set1_epi32(1));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(k), _mm256_set1_ps(kTwoPowMinus24));
+}
+
+DUET_TARGET_AVX2_NO_FMA inline __m256 neg_log8(__m256 u) {
+  const __m256i bits = _mm256_castps_si256(u);  // frexp from the bits, as neg_log
+  const __m256i biased = _mm256_and_si256(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(0xff));
+  const __m256i exponent = _mm256_sub_epi32(biased, _mm256_set1_epi32(126));
+  __m256 e = _mm256_cvtepi32_ps(exponent);
+  const __m256 m = _mm256_castsi256_ps(
+      _mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x807fffffu))),
+                      _mm256_set1_epi32(0x3f000000)));
+  const __m256 low = _mm256_cmp_ps(m, _mm256_set1_ps(kSqrtHalf), _CMP_LT_OQ);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  e = _mm256_sub_ps(e, _mm256_and_ps(low, one));
+  const __m256 x = _mm256_sub_ps(_mm256_add_ps(m, _mm256_and_ps(low, m)), one);  // exact
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(kLogPoly[0]);
+  for (int i = 1; i < 9; ++i) y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(kLogPoly[i]));
+  y = _mm256_mul_ps(_mm256_mul_ps(y, x), z);
+  y = _mm256_add_ps(y, _mm256_mul_ps(_mm256_set1_ps(kLn2Lo), e));
+  y = _mm256_sub_ps(y, _mm256_mul_ps(_mm256_set1_ps(0.5f), z));
+  const __m256 r = _mm256_add_ps(_mm256_add_ps(x, y), _mm256_mul_ps(_mm256_set1_ps(kLn2Hi), e));
+  return _mm256_sub_ps(_mm256_setzero_ps(), r);
+}
+
+// Lanes [0, n) of 8 set (all for n >= 8).
+DUET_TARGET_AVX2_NO_FMA inline __m256i live8(int64_t n) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(n, 8))),
+                            lane);
+}
+
+DUET_TARGET_AVX2_NO_FMA Best race_avx2(const float* probs, uint64_t key, int64_t begin,
+                                       int64_t end) {
+  Weyl8 w = weyl8_at(key, begin);
+  __m256 best = _mm256_setzero_ps();
+  __m256i best_index = _mm256_set1_epi32(-1);
+  __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(begin)),
+                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (int64_t v = begin; v < end; v += 8) {
+    const __m256i live = live8(end - v);
+    const __m256 e = neg_log8(next_uniforms8(&w));
+    const __m256 ratio = _mm256_div_ps(_mm256_maskload_ps(probs + v, live), e);
+    const __m256 wins =
+        _mm256_and_ps(_mm256_castsi256_ps(live), _mm256_cmp_ps(ratio, best, _CMP_GT_OQ));
+    best = _mm256_blendv_ps(best, ratio, wins);
+    best_index = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(best_index),
+                                                      _mm256_castsi256_ps(index), wins));
+    index = _mm256_add_epi32(index, _mm256_set1_epi32(8));
+  }
+  alignas(32) float ratios[8];
+  alignas(32) int32_t ids[8];
+  _mm256_store_ps(ratios, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(ids), best_index);
+  Best out;
+  for (int i = 0; i < 8; ++i) {  // the largest ratio, then the lowest index holding it
+    if (ratios[i] > out.ratio || (ratios[i] == out.ratio && out.index >= 0 && ids[i] < out.index)) {
+      out = {ratios[i], ids[i]};
+    }
+  }
+  return out;
+}
+
+DUET_TARGET_AVX2_NO_FMA void exponentials_avx2(uint64_t key, int64_t begin, int64_t end,
+                                               float* out) {
+  Weyl8 w = weyl8_at(key, begin);
+  for (int64_t v = begin; v < end; v += 8) {
+    _mm256_maskstore_ps(out + v, live8(end - v), neg_log8(next_uniforms8(&w)));
+  }
+}
+
 // ---- batch drivers ----------------------------------------------------------------------------
 
 // Calls f(row, begin, end) for every chunk of every row, in parallel when the batch is large
@@ -230,13 +344,19 @@ void for_each_chunk(int64_t rows, int64_t vocab, const F& f) {
 
 void race_sample_impl(const float* probs, const int64_t* seeds, const int64_t* draws,
                       int64_t* tokens, int64_t rows, int64_t vocab) {
-  const bool simd = active_isa() >= Isa::kAvx512;
+  const Isa isa = active_isa();
   const int64_t chunks = (vocab + kChunk - 1) / kChunk;
   std::vector<Best> partial(static_cast<size_t>(rows * chunks));
   for_each_chunk(rows, vocab, [&](int64_t row, int64_t task, int64_t begin, int64_t end) {
     const uint64_t key = row_key(seeds[row], draws[row]);
     const float* p = probs + row * vocab;
-    partial[task] = simd ? race_avx512(p, key, begin, end) : race_portable(p, key, begin, end);
+    if (isa >= Isa::kAvx512) {
+      partial[task] = race_avx512(p, key, begin, end);
+    } else if (isa >= Isa::kAvx2) {
+      partial[task] = race_avx2(p, key, begin, end);
+    } else {
+      partial[task] = race_portable(p, key, begin, end);
+    }
   });
   for (int64_t row = 0; row < rows; ++row) {
     Best best;
@@ -288,12 +408,14 @@ void register_sampling(py::module_& m) {
         const auto* s = reinterpret_cast<const int64_t*>(seeds);
         const auto* d = reinterpret_cast<const int64_t*>(draws);
         auto* o = reinterpret_cast<float*>(out);
-        const bool simd = active_isa() >= Isa::kAvx512;
+        const Isa isa = active_isa();
         for_each_chunk(rows, vocab, [&](int64_t row, int64_t, int64_t begin, int64_t end) {
           const uint64_t key = row_key(s[row], d[row]);
           float* row_out = o + row * vocab;
-          if (simd) {
+          if (isa >= Isa::kAvx512) {
             exponentials_avx512(key, begin, end, row_out);
+          } else if (isa >= Isa::kAvx2) {
+            exponentials_avx2(key, begin, end, row_out);
           } else {
             exponentials_portable(key, begin, end, row_out);
           }
