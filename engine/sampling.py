@@ -25,7 +25,6 @@ from engine.errors import InvalidRequestError
 from engine.logprobs import MAX_LOGPROBS
 from engine.penalties import PastTokens, process_logits
 from engine.structured import StructuredOutput
-from native import ops
 
 MAX_PENALTY = 2.0  # presence and frequency penalties, as OpenAI bounds them
 MAX_BIAS = 100.0  # logit_bias values, as OpenAI bounds them
@@ -232,7 +231,9 @@ def sample(
     seeds[i], draws[i]: row i's stream (`request_seed`; None is allowed for a greedy row) and
     its draw index (the tokens its request sampled before this one). `past` (rows aligned with
     `logits`) is what the penalties and min_tokens read; it may be None when no row uses them.
-    Everything is tensor ops over all rows at once, the random draw one native call."""
+    Everything is tensor ops over all rows at once, the random draw one native call. A random
+    row left with no probability (a temperature so small that logits / T overflows, NaN
+    logits) takes the argmax, the temperature -> 0 limit."""
     logits = process_logits(logits.float(), params, past)  # [B, V]
     out = torch.empty(len(params), dtype=torch.long)
     greedy = [i for i, p in enumerate(params) if p.is_greedy]
@@ -241,14 +242,23 @@ def sample(
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if rows:
         probs = filter_probs(_take_rows(logits, rows), [params[i] for i in rows])  # [R, V]
-        out[rows] = draw(probs, [seeds[i] for i in rows], [draws[i] for i in rows])
+        tokens = draw(probs, [seeds[i] for i in rows], [draws[i] for i in rows])  # [R]
+        out[rows] = tokens
+        if bool((tokens < 0).any()):
+            empty = [i for i, token in zip(rows, tokens.tolist(), strict=True) if token < 0]
+            out[empty] = logits[empty].argmax(-1)
     return out.tolist()
 
 
 def draw(probs: torch.Tensor, seeds: Sequence[int | None], draws: Sequence[int]) -> torch.Tensor:
     """probs [R, V] (unnormalized, >= 0) -> [R] token ids, row r drawn with probability
     proportional to probs[r] from the stream (seeds[r], draws[r]): the exponential race
-    argmax(p / E), E ~ Exp(1) per token (`ops.race_sample`)."""
+    argmax(p / E), E ~ Exp(1) per token (`ops.race_sample`); -1 for a row with no positive
+    probability."""
+    # Imported here: the router imports this module for SamplingParams and never samples, so
+    # the kernels load only in the processes that do.
+    from native import ops
+
     if any(seed is None for seed in seeds):
         raise ValueError("a random row needs a seed (engine.sampling.request_seed)")
     seed_t = torch.tensor(seeds, dtype=torch.int64)

@@ -30,7 +30,8 @@ def _int64_rows(t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
 def race_sample(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     """probs fp32 [R, V] (unnormalized, >= 0); seeds, counters int64 [R] -> tokens int64 [R]:
     row r's token is v with probability probs[r, v] / sum(probs[r]), a pure function of
-    (seeds[r], counters[r], probs[r]). ValueError for a row with no positive probability."""
+    (seeds[r], counters[r], probs[r]); -1 for a row with no positive probability (all zero,
+    negative or NaN: the caller decides what such a row means)."""
     if probs.dim() != 2 or probs.dtype != torch.float32:
         raise ValueError(f"probs must be fp32 [R, V], got {probs.dtype} {list(probs.shape)}")
     rows = probs.shape[0]

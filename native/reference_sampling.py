@@ -7,7 +7,7 @@ the request sampled before (its counter), `index` is the token id whose race num
     bits            = mix64(key + index * GOLDEN)               splitmix64's output #index
     U               = (2 * (bits >> 41) + 1) * 2^-24            23 bits, exact in fp32, in (0, 1)
     E               = -log(U) by the Cephes logf polynomial, fp32, no fused multiply-add
-    token           = the first argmax over v of probs[v] / E_v (a positive ratio)
+    token           = the first argmax over v of probs[v] / E_v (a positive ratio; else -1)
 
 mix64 is the splitmix64 finalizer, integer arithmetic is mod 2^64. The race reads indices
 [0, V); negative indices are reserved for other draws of the same (seed, draw), such as the
@@ -102,14 +102,12 @@ def race_exponentials(seeds: torch.Tensor, draws: torch.Tensor, vocab_size: int)
 def race_sample(probs: torch.Tensor, seeds: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     """probs fp32 [R, V] (unnormalized, >= 0); seeds, draws int64 [R] -> tokens int64 [R]:
     token r = the first argmax of probs[r] / E(seeds[r], draws[r]), which is v with
-    probability probs[r, v] / sum(probs[r]). ValueError for a row with no positive probability
-    (all zero, or NaN)."""
+    probability probs[r, v] / sum(probs[r]); -1 for a row with no positive probability (all
+    zero, negative or NaN)."""
     ratio = probs.float() / race_exponentials(seeds, draws, probs.shape[1])  # [R, V]
     ratio = torch.where(ratio > 0, ratio, 0.0)  # only a positive ratio wins (NaN does not)
-    empty = (ratio.amax(-1) <= 0).nonzero().flatten()
-    if empty.numel():
-        raise ValueError(f"race_sample: row {int(empty[0])} has no positive probability")
-    return ratio.argmax(-1)  # the first maximum
+    tokens = ratio.argmax(-1)  # the first maximum
+    return tokens.masked_fill_(ratio.amax(-1) <= 0, -1) if len(tokens) else tokens
 
 
 def random_uniform(seeds: torch.Tensor, draws: torch.Tensor, index: int) -> torch.Tensor:

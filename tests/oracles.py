@@ -39,7 +39,8 @@ def sample_rows_one_by_one(
             tokens.append(int(row.argmax(-1)))
             continue
         seed, draw = torch.tensor([seeds[i]]), torch.tensor([draws[i]])
-        tokens.append(int(reference_sampling.race_sample(filter_probs(row, [p]), seed, draw)))
+        token = int(reference_sampling.race_sample(filter_probs(row, [p]), seed, draw))
+        tokens.append(token if token >= 0 else int(row.argmax(-1)))  # nothing left: greedy
     return tokens
 
 

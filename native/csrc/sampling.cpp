@@ -6,7 +6,7 @@
 //   bits            = mix64(key + index * kGolden)                  splitmix64's output #index
 //   U               = (2 * (bits >> 41) + 1) * 2^-24                23 bits, exact fp32, in (0, 1)
 //   E               = -log(U), the Cephes logf polynomial in fp32
-//   token           = the first v maximizing probs[v] / E_v, among positive ratios
+//   token           = the first v maximizing probs[v] / E_v, among positive ratios (else -1)
 // with mix64 the splitmix64 finalizer (Stafford's variant 13) and all integer arithmetic mod 2^64.
 // probs[v] / E_v with E_v ~ Exp(1) independent is the exponential race: the winner is v with
 // probability probs[v] / sum(probs) (torch.multinomial draws one sample the same way). The race
@@ -364,11 +364,7 @@ void race_sample_impl(const float* probs, const int64_t* seeds, const int64_t* d
       const Best& b = partial[row * chunks + c];
       if (b.ratio > best.ratio) best = b;
     }
-    if (best.index < 0) {
-      throw std::invalid_argument("race_sample: row " + std::to_string(row) +
-                                  " has no positive probability");
-    }
-    tokens[row] = best.index;
+    tokens[row] = best.index;  // -1: no positive ratio (all zero, negative or NaN)
   }
 }
 
@@ -396,7 +392,7 @@ void register_sampling(py::module_& m) {
       },
       py::call_guard<py::gil_scoped_release>(),
       "probs fp32 [R, V] contiguous, seeds, counters int64 [R] -> tokens int64 [R]: the first "
-      "argmax of probs / E(seed, counter, v); ValueError for a row with no positive ratio.");
+      "argmax of probs / E(seed, counter, v), -1 for a row with no positive ratio.");
   m.def(
       "race_exponentials",
       [](uintptr_t seeds, uintptr_t draws, uintptr_t out, int64_t rows, int64_t vocab,

@@ -75,6 +75,16 @@ def test_draw_is_the_race_of_the_native_twin():
         draw(probs, [1, None, 2, 3], draws)
 
 
+def test_a_row_left_with_no_probability_takes_the_argmax():
+    """temperature 1e-50 is 0 in fp32: logits / T overflow and the softmax is NaN. Such a row
+    takes the temperature -> 0 limit, the argmax (as greedy rows), instead of failing the step."""
+    logits = torch.randn(3, 70)
+    params = [SamplingParams(temperature=1e-50), SamplingParams(seed=1), SamplingParams()]
+    tokens = sample(logits, params, [5, 1, 2], [0, 0, 0])
+    assert tokens[0] == int(logits[0].argmax())
+    assert tokens == sample_rows_one_by_one(logits, params, [5, 1, 2], [0, 0, 0])
+
+
 # ---- batched == one row at a time ------------------------------------------------------------
 MIXED = [
     SamplingParams(temperature=0.0),
