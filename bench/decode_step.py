@@ -91,14 +91,14 @@ def force_acceptance(p: float, vocab: int) -> None:
     rng = random.Random(0)
     real = speculative_step.accept_tokens
 
-    def accept(logits, drafts, params, generator):
+    def accept(logits, drafts, params, *stream):
         logits = logits.clone()
         for j, d in enumerate(drafts):
             if rng.random() < p:
                 logits[j, d] = logits[j].max() + 10.0
             else:
                 break
-        return real(logits, drafts, params, generator)
+        return real(logits, drafts, params, *stream)
 
     speculative_step.accept_tokens = accept
 

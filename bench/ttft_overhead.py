@@ -57,7 +57,7 @@ def time_prefill_alone(model_dir: str, ids: list[int], args) -> list[float]:
         table = gen.pool.new_table()
         start = time.perf_counter()
         logits = gen.prefill(table, ids)
-        sample(logits[None], [greedy], [None])
+        sample(logits[None], [greedy], [None], [0])
         times.append(time.perf_counter() - start)
         gen.pool.release(table)
     del model, gen

@@ -52,7 +52,7 @@ from engine.protocol import (
     sampling_from_dict,
     step_tokens_messages,
 )
-from engine.sampling import SamplingParams, sample, skip_draw
+from engine.sampling import SamplingParams, request_seed, sample
 from engine.structured import GrammarMatcher, Grammars, TokenMasks
 from engine.version import package_version
 from kvtransfer import KVReceiver, Rendezvous, TransferEvent, make_fingerprint
@@ -247,7 +247,7 @@ class DecodeNode:
         if request is None:
             return refuse(reason)
         for sequence in (request, *request.forks):  # n > 1: each sequence its own stream
-            sequence.generator = _continued_generator(sequence.params, self.model.cfg.vocab_size)
+            sequence.seed = request_seed(sequence.params)  # P drew its draw 0, D continues at 1
             sequence.prompt_ids = list(msg.prompt_ids)
         # Structured output: each sequence walks the grammar on its own copy.
         request.grammar = grammar
@@ -439,7 +439,8 @@ class DecodeNode:
         num_generated = [len(r.output_ids) for r in batch]
         past = counts.past(slots, params, num_generated, [r.stop_ids for r in batch])
         allowed = logits if masks is None else masks.apply(logits)
-        tokens = sample(allowed, params, [r.generator for r in batch], past)
+        # The draw index of a row is its tokens so far (P's first one included).
+        tokens = sample(allowed, params, [r.seed for r in batch], num_generated, past)
         counts.add(slots, tokens)
         return tokens
 
@@ -538,12 +539,3 @@ class DecodeNode:
 
 def _rendezvous(request: DecodeRequest) -> Rendezvous:
     return Rendezvous(request.request_id, request.room)
-
-
-def _continued_generator(params: SamplingParams, vocab_size: int) -> torch.Generator | None:
-    """The request's random stream as it stands after P drew the first token: seeded the same
-    way and advanced past one draw over the vocabulary (a draw consumes the same amount of the
-    stream whatever the probabilities), so seeded sampling reproduces offline generation."""
-    generator = params.make_generator()
-    skip_draw(generator, vocab_size)
-    return generator

@@ -76,7 +76,7 @@ class DecodeRequest:
     num_reserved: int  # tokens reserved at admission (`engine.kv_reservation`); pages may grow
     arrival: float
     stop_ids: frozenset[int]
-    generator: Any = None  # torch.Generator for seeded/random sampling; None when greedy
+    seed: int = 0  # the random stream (engine.sampling.request_seed), resolved at reservation
     prompt_ids: list[int] = field(default_factory=list)  # only when the sampling reads them
     priority: float = 0.0  # the router's arrival time of the request: larger is preempted first
     # Structured output: the grammar's matcher (engine.structured), past every output token

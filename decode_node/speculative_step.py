@@ -99,7 +99,9 @@ class SpeculativeStep:
             stats.steps += 1
         for i, r in enumerate(batch):
             if spec[i]:
-                emitted[i] = accept_tokens(logits[rows_of[i]], r.drafts, r.params, r.generator)
+                emitted[i] = accept_tokens(
+                    logits[rows_of[i]], r.drafts, r.params, r.seed, len(r.output_ids)
+                )
                 stats.drafted += len(r.drafts)
                 stats.accepted += len(emitted[i]) - 1
                 stats.emitted += len(emitted[i])

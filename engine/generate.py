@@ -12,7 +12,7 @@ from engine.errors import InvalidRequestError
 from engine.kv_pool import PageTable
 from engine.model import DeepseekModel
 from engine.penalties import PastTokens, TokenCounts
-from engine.sampling import SamplingParams, sample
+from engine.sampling import SamplingParams, request_seed, sample
 from engine.structured import Grammars
 
 
@@ -81,15 +81,16 @@ class OfflineGenerator:
         return self.decode_model.forward(batch, self.pool)[0]
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
-        """The first token as the prefill node samples it (the prompt is all its past), the
-        rest as the decode node does (output counts kept in a one-slot TokenCounts; with
-        structured output, each token masked to the grammar first)."""
+        """The first token as the prefill node samples it (the prompt is all its past, draw
+        index 0), the rest as the decode node does (output counts kept in a one-slot
+        TokenCounts, token k drawn with index k; with structured output, each token masked to
+        the grammar first)."""
         cfg = self.model.cfg
         validate_prompt(prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
         params.check_vocab(cfg.vocab_size)
         grammar = self.grammars.matcher_for(params.structured, params.resumed_output(prompt_ids))
         stop_ids = params.stop_ids(cfg.eos_token_id)
-        generator = params.make_generator()
+        seed = request_seed(params)
         counts = TokenCounts(1, cfg.vocab_size)
         table = self.pool.new_table()
         try:
@@ -100,7 +101,7 @@ class OfflineGenerator:
                 logits = logits[None]  # [1, V]
                 if grammar is not None:
                     logits = self.grammars.compute_masks([grammar]).apply(logits)
-                token = sample(logits, [params], [generator], past)[0]
+                token = sample(logits, [params], [seed], [len(tokens)], past)[0]
                 if grammar is not None and not grammar.consume(token):
                     raise InvalidRequestError(f"structured output failed: {grammar.error}")
                 tokens.append(token)

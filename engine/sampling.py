@@ -3,13 +3,20 @@
 One step's rows go through, as vLLM orders it: logit_bias and min_tokens, then the penalties
 (`engine.penalties`); greedy rows take the argmax there, the others divide by their temperature,
 keep their top-k, top-p and min-p tokens and draw from their own random stream.
+
+Random streams are counter-based (`native.reference_sampling`): the random numbers of a
+request's k-th token (its draw index: the tokens it sampled before) are a pure function of
+(seed, k), so all rows of a step draw in one native call, a fixed seed gives the same tokens in
+any batch and on any node, and the decode node continues the prefill node's stream by passing
+k = the tokens already sampled (P draws the first token with k = 0).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+import secrets
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -168,13 +175,12 @@ class SamplingParams:
         ignore_eos = self.ignore_eos and self.structured is None
         return frozenset(self.stop_token_ids) | (frozenset() if ignore_eos else set(eos_ids))
 
-    def make_generator(self) -> torch.Generator | None:
-        """The request's own random stream: a fixed seed gives the same tokens in any batch."""
-        if self.is_greedy:
-            return None
-        gen = torch.Generator()
-        gen.manual_seed(self.seed if self.seed is not None else torch.seed())
-        return gen
+
+def request_seed(params: SamplingParams) -> int:
+    """The seed of a request's random stream, resolved once per request: its own seed, or for
+    an unseeded request a fresh random one (the prefill and decode nodes then draw theirs
+    independently: nothing to reproduce)."""
+    return params.seed if params.seed is not None else secrets.randbits(63)
 
 
 def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -216,14 +222,18 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    seeds: Sequence[int | None],
+    draws: Sequence[int],
     past: PastTokens | None = None,
 ) -> list[int]:
     """logits: [B, V] fp32 -> one token id per row.
 
-    `past` (rows aligned with `logits`) is what the penalties and min_tokens read; it may be
-    None when no row uses them. The math is tensor ops over all rows at once; only the random
-    numbers are drawn row by row, since each row has its own generator (its seed's stream)."""
+    seeds[i], draws[i]: row i's stream (`request_seed`; None is allowed for a greedy row) and
+    its draw index (the tokens its request sampled before this one). `past` (rows aligned with
+    `logits`) is what the penalties and min_tokens read; it may be None when no row uses them.
+    Everything is tensor ops over all rows at once, the random draw one native call. A random
+    row left with no probability (a temperature so small that logits / T overflows, NaN
+    logits) takes the argmax, the temperature -> 0 limit."""
     logits = process_logits(logits.float(), params, past)  # [B, V]
     out = torch.empty(len(params), dtype=torch.long)
     greedy = [i for i, p in enumerate(params) if p.is_greedy]
@@ -232,27 +242,27 @@ def sample(
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if rows:
         probs = filter_probs(_take_rows(logits, rows), [params[i] for i in rows])  # [R, V]
-        out[rows] = draw(probs, [generators[i] for i in rows])
+        tokens = draw(probs, [seeds[i] for i in rows], [draws[i] for i in rows])  # [R]
+        out[rows] = tokens
+        if bool((tokens < 0).any()):
+            empty = [i for i, token in zip(rows, tokens.tolist(), strict=True) if token < 0]
+            out[empty] = logits[empty].argmax(-1)
     return out.tolist()
 
 
-def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def draw(probs: torch.Tensor, seeds: Sequence[int | None], draws: Sequence[int]) -> torch.Tensor:
     """probs [R, V] (unnormalized, >= 0) -> [R] token ids, row r drawn with probability
-    proportional to probs[r] from generators[r]: the exponential race argmax(p / E), E ~ Exp(1)
-    per token, which is also how torch.multinomial draws one sample (the same tokens from the
-    same stream), without its per-call checks. Each row consumes V draws of its stream, whatever
-    its probabilities (`skip_draw`)."""
-    race = torch.empty_like(probs)
-    for row, generator in enumerate(generators):
-        race[row].exponential_(generator=generator)
-    return torch.div(probs, race, out=race).argmax(-1)
+    proportional to probs[r] from the stream (seeds[r], draws[r]): the exponential race
+    argmax(p / E), E ~ Exp(1) per token (`ops.race_sample`); -1 for a row with no positive
+    probability."""
+    # Imported here: the router imports this module for SamplingParams and never samples, so
+    # the kernels load only in the processes that do.
+    from native import ops
 
-
-def skip_draw(generator: torch.Generator | None, vocab_size: int) -> None:
-    """Advances `generator` past one `draw` over `vocab_size` tokens (the decode node continues
-    the stream the prefill node drew the first token from)."""
-    if generator is not None:
-        torch.empty(vocab_size).exponential_(generator=generator)
+    if any(seed is None for seed in seeds):
+        raise ValueError("a random row needs a seed (engine.sampling.request_seed)")
+    seed_t = torch.tensor(seeds, dtype=torch.int64)
+    return ops.race_sample(probs, seed_t, torch.tensor(draws, dtype=torch.int64))
 
 
 def _take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:

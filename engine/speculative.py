@@ -71,15 +71,24 @@ def rows_batch(
     return ForwardBatch.decode_rows(row_tables, row_tokens, row_positions, page_table)
 
 
+ACCEPT_INDEX = -1  # the acceptance test's uniform: a token index the race never uses
+
+
 def accept_tokens(
     logits: torch.Tensor,
     drafts: Sequence[int],
     params: SamplingParams,
-    generator: torch.Generator | None,
+    seed: int | None,
+    num_drawn: int,
 ) -> list[int]:
     """logits [k+1, V] fp32: the verify rows of one request (row j: after t_p, d_1..d_j);
     drafts: d_1..d_k. Returns the emitted tokens: the accepted drafts, then one token of the
-    target's (the correction at the first rejection, or the bonus after all k)."""
+    target's (the correction at the first rejection, or the bonus after all k).
+
+    The random numbers come from the request's stream (`seed`; `engine.sampling`): the j-th
+    emitted token is draw `num_drawn + j` (num_drawn: the tokens the request sampled before),
+    its acceptance test that draw's uniform at ACCEPT_INDEX, a correction or bonus token that
+    draw's race, so a token's randomness does not depend on how many drafts came before it."""
     k = len(drafts)
     if logits.shape[0] != k + 1:
         raise ValueError(f"{k} drafts need {k + 1} verify rows, got {logits.shape[0]}")
@@ -91,13 +100,16 @@ def accept_tokens(
             out.append(targets[j])
             if j == k or targets[j] != drafts[j]:
                 return out
+    from native import ops  # (the router imports this package's schemas, never the kernels)
+
     probs = filter_probs(rows, [params] * (k + 1))  # [k+1, V], unnormalized
+    counters = torch.arange(num_drawn, num_drawn + k + 1, dtype=torch.int64)
+    seeds = torch.full((k + 1,), seed, dtype=torch.int64)
+    uniforms = ops.random_uniform(seeds, counters, ACCEPT_INDEX).tolist()
     out = []
     for j, d in enumerate(drafts):
         p = probs[j]
-        total = float(p.sum())
-        u = float(torch.rand((), dtype=torch.float64, generator=generator))
-        if u * total < float(p[d]):
+        if uniforms[j] * float(p.sum()) < float(p[d]):
             out.append(d)
             continue
         residual = p.clone()
@@ -105,10 +117,17 @@ def accept_tokens(
         if float(residual.sum()) <= 0.0:  # p is all on d: rounding, not a rejection
             out.append(d)
             continue
-        out.append(int(draw(residual[None], [generator])[0]))
+        out.append(_drawn(residual, seed, num_drawn + j, rows[j]))
         return out
-    out.append(int(draw(probs[k][None], [generator])[0]))
+    out.append(_drawn(probs[k], seed, num_drawn + k, rows[k]))
     return out
+
+
+def _drawn(probs: torch.Tensor, seed: int, index: int, logits: torch.Tensor) -> int:
+    """One token of `probs` [V] by draw `index` of the stream; the argmax when nothing is
+    left to draw from (what `engine.sampling.sample` does: the temperature -> 0 limit)."""
+    token = int(draw(probs[None], [seed], [index])[0])
+    return token if token >= 0 else int(logits.argmax())
 
 
 def ahead_tokens(prompt_ids: Sequence[int], start: int, end: int, first_token: int) -> list[int]:

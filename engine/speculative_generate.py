@@ -14,7 +14,7 @@ from engine.errors import InvalidRequestError
 from engine.generate import GenerationResult, OfflineGenerator, validate_prompt
 from engine.kv_pool import KVPool, PageTable
 from engine.model import DeepseekModel
-from engine.sampling import SamplingParams, sample
+from engine.sampling import SamplingParams, request_seed, sample
 from engine.speculative import (
     accept_tokens,
     ahead_tokens,
@@ -75,7 +75,7 @@ class SpeculativeGenerator(OfflineGenerator):
         validate_prompt(prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
         params.check_vocab(cfg.vocab_size)
         stop_ids = params.stop_ids(cfg.eos_token_id)
-        generator = params.make_generator()
+        seed = request_seed(params)
         max_pos = cfg.max_position_embeddings
         table = pool.new_table()
         try:
@@ -85,7 +85,7 @@ class SpeculativeGenerator(OfflineGenerator):
                 table,
                 prompt_ids,
                 self.chunk_size,
-                lambda logits: sample(logits[None], [params], [generator])[0],
+                lambda logits: sample(logits[None], [params], [seed], [0])[0],
             )
             tokens = [first]
             if first in stop_ids:
@@ -100,7 +100,7 @@ class SpeculativeGenerator(OfflineGenerator):
                 pool.reserve(table, position + len(drafts) + 1)
                 batch = rows_batch(pool, [table], [[tokens[-1], *drafts]], [position])
                 logits, hidden = self.model.forward_with_hidden(batch, pool)
-                emitted = accept_tokens(logits, drafts, params, generator)
+                emitted = accept_tokens(logits, drafts, params, seed, len(tokens))
                 self.num_steps += 1
                 self.num_drafted += len(drafts)
                 self.num_accepted += len(emitted) - 1

@@ -19,6 +19,7 @@ from native import (
     _moe_fp8_ops,
     _moe_int8_ops,
     _quant_ops,
+    _sampling_ops,
     _small_ops,
     reference,
 )
@@ -75,3 +76,6 @@ mla_decode = _attention_ops.mla_decode
 store_kv_rows = reference.store_kv_rows
 gather_kv_rows = reference.gather_kv_rows
 page_slots = reference.page_slots
+race_sample = _sampling_ops.race_sample
+race_exponentials = _sampling_ops.race_exponentials
+random_uniform = _sampling_ops.random_uniform

@@ -13,6 +13,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+# The counter-based sampling twins (race_sample, race_exponentials, random_uniform) live in
+# native/reference_sampling.py with the definition of the random stream.
+from native.reference_sampling import race_exponentials, race_sample, random_uniform  # noqa: F401
+
 # ---- norms -----------------------------------------------------------------------------------
 
 

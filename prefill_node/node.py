@@ -43,7 +43,7 @@ from engine.protocol import (
     Shutdown,
     sampling_from_dict,
 )
-from engine.sampling import SamplingParams, sample
+from engine.sampling import SamplingParams, request_seed, sample
 from engine.speculative import ahead_tokens
 from engine.structured import GrammarMatcher, Grammars
 from engine.version import package_version
@@ -223,7 +223,6 @@ class PrefillNode:
                 msg.kv_endpoint,
                 arrival=now,
                 queue_deadline=now + queue_s,
-                generator=params.make_generator(),
                 grammar=self.grammar_for(params, msg.token_ids),
             )
             self.scheduler.add(request)
@@ -324,10 +323,7 @@ class PrefillNode:
         owner = [j for j, r in enumerate(finished) for _ in range(r.params.n)]
         index = [i for r in finished for i in range(r.params.n)]
         params = [finished[j].params.for_sequence(i) for j, i in zip(owner, index, strict=True)]
-        generators = [
-            finished[j].generator if i == 0 else p.make_generator()
-            for j, i, p in zip(owner, index, params, strict=True)
-        ]
+        seeds = [request_seed(p) for p in params]  # resolved once: this is the request's only draw
         prompts = [finished[j].token_ids for j in owner]
         cfg = self.model.cfg
         past = PastTokens.of_prompts(prompts, params, cfg.eos_token_id, cfg.vocab_size)
@@ -336,7 +332,7 @@ class PrefillNode:
         # its sequences), ~0.05 ms a row next to the forward, so in line.
         masks = self.grammars.compute_masks([finished[j].grammar for j in owner])
         allowed = rows if masks is None else masks.apply(rows)
-        tokens = sample(allowed, params, generators, past)
+        tokens = sample(allowed, params, seeds, [0] * len(params), past)  # the first draw: 0
         logprobs = token_logprobs(rows, tokens, [p.logprobs for p in params])
         out = [([], []) for _ in finished]
         for j, token, lp in zip(owner, tokens, logprobs, strict=True):

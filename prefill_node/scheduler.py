@@ -47,7 +47,6 @@ class PrefillRequest:
     kv_endpoint: str
     arrival: float  # time.monotonic() when it arrived
     queue_deadline: float  # must start before this (stage "prefill_queue")
-    generator: Any = None  # the request's torch.Generator (None when greedy)
     state: PrefillState = PrefillState.WAITING
     num_computed: int = 0  # prompt tokens whose KV is in the cache
     table: PageTable | None = None

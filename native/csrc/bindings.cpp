@@ -22,6 +22,7 @@ void register_moe_fp8(py::module_& m);  // moe_fp8.cpp (fused_moe_fp8)
 void register_bmm(py::module_& m);   // bmm.cpp (bmm_bf16)
 void register_extend_attention(py::module_& m);  // extend_attention.cpp
 void register_mla_decode(py::module_& m);        // mla_decode.cpp
+void register_sampling(py::module_& m);  // sampling.cpp (race_sample, random_uniform)
 }  // namespace duet
 
 PYBIND11_MODULE(_C, m) {
@@ -42,4 +43,5 @@ PYBIND11_MODULE(_C, m) {
   duet::register_bmm(m);
   duet::register_extend_attention(m);
   duet::register_mla_decode(m);
+  duet::register_sampling(m);
 }

@@ -203,7 +203,7 @@ def test_greedy_rows_take_the_argmax_after_bias_penalties_and_min_tokens():
         SamplingParams(temperature=0.0),
     ]
     past = PastTokens.of_prompts([[1], [1], [3], [1]], params, EOS, V)
-    assert sample(logits, params, [None] * 4, past) == [30, 20, 20, 3]
+    assert sample(logits, params, [None] * 4, [0] * 4, past) == [30, 20, 20, 3]
 
 
 # ---- the incremental counts -----------------------------------------------------------------
@@ -251,13 +251,12 @@ def test_nothing_is_allocated_without_penalties():
 
 
 # ---- random sampling, over many seeds -------------------------------------------------------
-def draws(logits_row, params: SamplingParams, num_seeds: int, past=None) -> torch.Tensor:
-    """One token per seed, each from a fresh seeded stream (the first token of a request)."""
-    out = []
-    for seed in range(num_seeds):
-        p = SamplingParams(**{**params.__dict__, "seed": seed})
-        out.append(sample(logits_row[None], [p], [p.make_generator()], past)[0])
-    return torch.tensor(out)
+def draws(logits_row, params: SamplingParams, num_seeds: int) -> torch.Tensor:
+    """One token per seed 0 .. num_seeds - 1, each its stream's first draw (the first token of
+    a request), in one batch."""
+    logits = logits_row[None].expand(num_seeds, -1)
+    rows = [params] * num_seeds
+    return torch.tensor(sample(logits, rows, range(num_seeds), [0] * num_seeds))
 
 
 def test_min_p_never_samples_below_the_threshold():
@@ -298,9 +297,8 @@ def test_penalized_distribution_matches_the_oracle_probabilities():
     want = presence_frequency_oracle(want, output, 0.4, 0.2)
     want = MinPLogitsWarper(0.02)(None, TemperatureLogitsWarper(0.8)(None, want[None]))[0]
     want = want.softmax(-1)
-    n = 20000
-    gen = p.make_generator()
-    tokens = torch.tensor([sample(logits[None], [p], [gen], past)[0] for _ in range(n)])
+    n = 20000  # one request's draws 0 .. n-1 (seed 0) on the same logits and past
+    tokens = torch.tensor([sample(logits[None], [p], [0], [k], past)[0] for k in range(n)])
     freq = torch.bincount(tokens, minlength=small).float() / n
     sigma = (want * (1 - want) / n).sqrt()
     assert torch.all((freq - want).abs() <= 5 * sigma + 1e-4), (freq, want)
@@ -312,12 +310,10 @@ def test_seeded_rows_with_penalties_give_the_same_stream_in_any_batch():
     p = SamplingParams(temperature=1.0, seed=77, repetition_penalty=1.3, frequency_penalty=0.5)
     others = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.5, seed=3, min_p=0.1)]
     alone_past = history([p], prompts[1:2], outputs[1:2])
-    gen = p.make_generator()
-    alone = [sample(logits[1:2], [p], [gen], alone_past)[0] for _ in range(20)]
+    alone = [sample(logits[1:2], [p], [77], [k], alone_past)[0] for k in range(20)]
     params = [others[0], p, others[1]]
     past = history(params, prompts, outputs)
-    gens = [None, p.make_generator(), others[1].make_generator()]
-    assert alone == [sample(logits, params, gens, past)[1] for _ in range(20)]
+    assert alone == [sample(logits, params, [None, 77, 3], [k, k, k], past)[1] for k in range(20)]
 
 
 # ---- parameters and their wire form ---------------------------------------------------------

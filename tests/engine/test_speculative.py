@@ -182,7 +182,7 @@ def test_rejection_sampling_emits_the_target_distribution(top_k):
     params = SamplingParams(temperature=0.8, top_k=top_k, max_new_tokens=8)
     first, second = torch.zeros(vocab), torch.zeros(vocab)
     for seed in range(draws):
-        out = accept_tokens(logits, drafts, params, torch.Generator().manual_seed(seed))
+        out = accept_tokens(logits, drafts, params, seed, 5)
         first[out[0]] += 1
         if out[0] == drafts[0]:
             second[out[1]] += 1
@@ -198,11 +198,11 @@ def test_greedy_acceptance_takes_drafts_up_to_the_first_miss():
     for row, token in enumerate([2, 3, 1, 4]):
         logits[row, token] = 1.0
     params = greedy()
-    assert accept_tokens(logits, [2, 3, 1], params, None) == [2, 3, 1, 4]
-    assert accept_tokens(logits, [2, 0, 1], params, None) == [2, 3]
-    assert accept_tokens(logits, [0, 3, 1], params, None) == [2]
+    assert accept_tokens(logits, [2, 3, 1], params, None, 0) == [2, 3, 1, 4]
+    assert accept_tokens(logits, [2, 0, 1], params, None, 0) == [2, 3]
+    assert accept_tokens(logits, [0, 3, 1], params, None, 0) == [2]
     with pytest.raises(ValueError):
-        accept_tokens(logits, [2], params, None)
+        accept_tokens(logits, [2], params, None, 0)
 
 
 def test_sampled_generation_with_mtp_matches_plain_decoding_in_distribution(mtp_model, monkeypatch):
