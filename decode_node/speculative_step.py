@@ -57,12 +57,14 @@ class SpeculativeStep:
         self.node = node
         self.num_draft = num_draft
         self.stats = MtpStats()
+        self._floor = 0  # free pages draft rows must leave: one per running request
 
     def run(self, batch: list[DecodeRequest]) -> tuple[list, dict, int] | None:
         """Steps 1-4 for `batch`. Returns (outputs, logprobs by request id, rows run) for the
         node to emit, or None when the forward failed (the node failed the batch)."""
         node = self.node
         spec = [draftable(r.params) for r in batch]
+        self._floor = len(batch)
         for r, s in zip(batch, spec, strict=True):
             r.drafts = self._room_for_drafts(r) if s else []
         tokens = [[r.output_ids[-1], *r.drafts] for r in batch]
@@ -122,8 +124,14 @@ class SpeculativeStep:
         return drafts if self._reserve(request, pos + len(drafts) + 1) else []
 
     def _reserve(self, request: DecodeRequest, num_tokens: int) -> bool:
+        """Pages for a request's draft rows, only while a page per running request stays free
+        after them: drafts never make the next steps' growth preempt anyone."""
+        pool = self.node.pool
+        need = request.table.pages_needed(num_tokens)
+        if need and pool.allocator.num_free - need < self._floor:
+            return False
         try:
-            self.node.pool.reserve(request.table, num_tokens)
+            pool.reserve(request.table, num_tokens)
         except OutOfPagesError:
             return False
         return True

@@ -169,3 +169,32 @@ def test_a_node_with_mtp_needs_the_mtp_layer(tiny_dir):
     model = DeepseekModel.from_pretrained(tiny_dir, dtype=torch.float32, progress=False)
     with pytest.raises(ConfigError, match="MTP layer"):
         Pair(model, mtp_tokens=1)
+
+
+def test_drafts_never_take_the_pages_others_need(mtp_model, plain_output, monkeypatch):
+    """On-demand KV with no headroom and a pool of exactly the requests' worst case: draft rows
+    take their pages as they go (never past max_tokens, and only while a page per running
+    request stays free), so no request is preempted and the outputs stay plain decoding's."""
+    requests = {"a": (PROMPTS[0], greedy(12)), "b": (PROMPTS[2], greedy(12))}
+    expected = {rid: plain_output(p, s) for rid, (p, s) in requests.items()}
+    page_size = 5
+    pages = sum(-(-(len(p) + s.max_new_tokens) // page_size) for p, s in requests.values())
+    pair = Pair(
+        mtp_model, mtp_tokens=4, d_page_size=page_size, d_num_pages=pages,
+        kv_reservation="on_demand", kv_headroom_tokens=0,
+    )  # fmt: skip
+    continuations = {}
+    original = pair.decode.scheduler.kv_ready
+
+    def kv_ready(request_id, *args, **kwargs):
+        prompt = requests[request_id][0]
+        table = pair.decode.scheduler.get(request_id).table
+        continuations[id(table)] = prompt + expected[request_id]
+        return original(request_id, *args, **kwargs)
+
+    pair.decode.scheduler.kv_ready = kv_ready
+    _true_drafts(monkeypatch, continuations)
+    assert _serve(pair, requests) == expected
+    assert pair.decode.scheduler.num_preempted == 0
+    assert pair.decode.speculative.stats.accepted > 0
+    pair.close()
