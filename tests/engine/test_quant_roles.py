@@ -57,12 +57,16 @@ def test_up_overrides_every_node_of_a_role():
     args = SimpleNamespace(
         config=None, prefill=2, decode=1, port=8123, threads=1, decode_ranks=None,
         dtype=None, model=str(ensure_tiny_model()), prefill_quant=None, decode_quant="fp8",
+        mtp_tokens=None,
     )  # fmt: skip
     raw = resolve_config(args)
     assert [n.get("quant", "none") for n in raw["prefill"]] == ["none", "none"]
     assert [n["quant"] for n in raw["decode"]] == ["fp8"]
     cfg = ClusterConfig.from_dict(raw)
-    assert cfg.decode[0].quant == "fp8"
+    assert cfg.decode[0].quant == "fp8" and not cfg.uses_mtp
+    args.mtp_tokens = 3  # `duet up --mtp-tokens 3`: every decode node speculates (issue 12)
+    cfg = ClusterConfig.from_dict(resolve_config(args))
+    assert cfg.uses_mtp and [(n.mtp, n.mtp_tokens) for n in cfg.decode] == [(True, 3)]
 
 
 def test_a_node_loads_its_scheme():
