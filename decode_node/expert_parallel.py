@@ -71,6 +71,7 @@ class ExpertParallel:
         self.comm_seconds = 0.0
         for moe in self.moe_layers:
             moe.routed_experts = self._hook(moe)
+            moe.routed_adds_shared = True  # overlapped with the dispatch (dispatch_combine)
 
     def _hook(self, moe: MoE):
         return lambda x, weights, ids: self.dispatch_combine(moe, x, weights, ids)
@@ -90,7 +91,9 @@ class ExpertParallel:
         self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
         """x [T, D], weights [T, K] fp32, ids [T, K] int32 (global ids) -> [T, D] in x.dtype:
-        the routed experts' weighted sum, computed by the ranks that own them."""
+        the routed experts' weighted sum, computed by the ranks that own them, plus the shared
+        experts' output, computed here while the dispatch exchange is in flight (the same sum,
+        in the same order, as `MoE.__call__` without expert parallelism)."""
         num_tokens, hidden = x.shape
         top_k = ids.shape[1]
         # Which ranks each token needs; rows sorted rank-major so the splits are contiguous.
@@ -107,8 +110,15 @@ class ExpertParallel:
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
         received = packed.new_empty(sum(recv_splits), packed.shape[1])
-        dist.all_to_all_single(received, packed, recv_splits, send_splits, group=self.group)
-        self.comm_seconds += time.perf_counter() - started
+        exchange = dist.all_to_all_single(
+            received, packed, recv_splits, send_splits, group=self.group, async_op=True
+        )
+        issued = time.perf_counter()
+        shared = moe.shared(x) if moe.shared is not None and num_tokens else None
+        computing = time.perf_counter() - issued
+        exchange.wait()
+        # Communication time: the exchange's wall time less the shared experts' compute.
+        self.comm_seconds += max(0.0, time.perf_counter() - started - computing)
 
         rx, rids, rweights = _unpack(received, hidden, top_k, x.dtype)
         partial = moe.local_experts(rx, rweights, rids) if rx.shape[0] else rx  # [N_recv, D]
@@ -120,7 +130,8 @@ class ExpertParallel:
         self.comm_seconds += time.perf_counter() - started
         out = torch.zeros(num_tokens, hidden, dtype=torch.float32)
         out.index_add_(0, token, back.float())
-        return out.to(x.dtype)
+        out = out.to(x.dtype)
+        return out if shared is None else out + shared
 
 
 def _pack(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -70,8 +70,11 @@ class MoE:
             MLP(weights, f"{prefix}.shared_experts", quant) if cfg.n_shared_experts else None
         )
         self.experts = quant.experts(w13, w2)
-        # Expert parallelism replaces this with a dispatch/combine around the local experts.
+        # Expert parallelism replaces this with a dispatch/combine around the local experts;
+        # `routed_adds_shared` then says its hook adds the shared experts itself (computed
+        # while the dispatch is in flight).
         self.routed_experts: RoutedExperts = self.local_experts
+        self.routed_adds_shared = False
 
     def local_experts(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
@@ -97,7 +100,7 @@ class MoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         out = self.routed_experts(x, weights, ids)
-        if self.shared is not None:
+        if self.shared is not None and not self.routed_adds_shared:
             out = out + self.shared(x)
         return out
 
