@@ -4,7 +4,6 @@ server's usage matching the prompts sent, the cluster gone afterwards."""
 
 import json
 import re
-import socket
 import time
 from pathlib import Path
 
@@ -15,16 +14,12 @@ from test_bench_serve import check_png
 from bench import sweep
 
 pytest.importorskip("deploy.local_cluster")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from deploy.local_cluster import free_ports  # noqa: E402
 
 
 def test_sweep_against_tiny_cluster(tmp_path):
-    ports = [free_port() for _ in range(5)]
+    # Five distinct ports (picked one at a time, two of them once came out equal).
+    ports = free_ports(5)
     config = tmp_path / "1p1d.toml"
     config.write_text(f"""
 [sla]
