@@ -100,6 +100,9 @@ class ModelConfig:
     eos_token_id: tuple[int, ...] = ()
     tie_word_embeddings: bool = False
     quant: QuantConfig | None = None
+    # MTP (DeepSeek-V3 multi-token prediction): extra layers after the main ones, layer index
+    # num_hidden_layers onwards; 0 = none.
+    num_nextn_predict_layers: int = 0
 
     # ---- derived values -------------------------------------------------------------------
     @property
@@ -296,6 +299,8 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         eos_token_id=_parse_eos(raw),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         quant=_parse_quant(raw),
+        # MTP layers
+        num_nextn_predict_layers=_optional(raw, "num_nextn_predict_layers", int, 0),
     )
     _validate(cfg)
     return cfg
@@ -328,5 +333,7 @@ def _validate(cfg: ModelConfig) -> None:
         per_group = cfg.n_routed_experts // cfg.n_group
         if cfg.num_experts_per_tok > per_group * cfg.topk_group:
             raise ConfigError("'num_experts_per_tok' exceeds the experts of the selected groups")
+    if cfg.num_nextn_predict_layers < 0:  # MTP layers
+        raise ConfigError("field 'num_nextn_predict_layers' must not be negative")
     if not 0 <= cfg.first_k_dense_replace <= cfg.num_hidden_layers:
         raise ConfigError("'first_k_dense_replace' must be in [0, num_hidden_layers]")

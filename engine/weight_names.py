@@ -79,6 +79,34 @@ def checkpoint_shapes(
     return shapes
 
 
+def mtp_shapes(
+    cfg: ModelConfig, keep_expert: Callable[[int], bool] | None = None
+) -> dict[str, Shape]:
+    """The MTP layers' tensors (DeepSeek-V3 layout, layer N = num_hidden_layers onwards): enorm,
+    hnorm, eh_proj, a full decoder layer and the shared head's norm. Not the embedding and head
+    copies each MTP layer also carries (`mtp_copy_names`): they equal the main ones."""
+    d = cfg.hidden_size
+    shapes: dict[str, Shape] = {}
+    for n in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
+        prefix = f"model.layers.{n}"
+        shapes[f"{prefix}.enorm.weight"] = (d,)
+        shapes[f"{prefix}.hnorm.weight"] = (d,)
+        shapes[f"{prefix}.eh_proj.weight"] = (d, 2 * d)
+        shapes.update(layer_shapes(cfg, n, keep_expert))
+        shapes[f"{prefix}.shared_head.norm.weight"] = (d,)
+    return shapes
+
+
+def mtp_copy_names(cfg: ModelConfig) -> dict[str, str]:
+    """The MTP layers' copies of shared tensors: copy name -> the main tensor it equals."""
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    copies: dict[str, str] = {}
+    for n in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
+        copies[f"model.layers.{n}.embed_tokens.weight"] = "model.embed_tokens.weight"
+        copies[f"model.layers.{n}.shared_head.head.weight"] = head
+    return copies
+
+
 def is_norm_or_bias(name: str) -> bool:
     """Tensors kept in full precision and never quantized (norm weights, router bias, gate)."""
     return (
