@@ -18,37 +18,20 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.rope import rope_cos_sin
+from engine.tiny_train_model import TRAIN_VERSION, TrainSettings  # noqa: F401 (re-exported)
 from engine.weight_names import checkpoint_shapes, mtp_shapes
 from native.reference import grouped_topk
 
 Params = dict[str, torch.Tensor]
 
-# Bump when the training math, data or schedule changes: it is part of the cached model's key.
-TRAIN_VERSION = 1
 MTP_LOSS_WEIGHT = 0.3  # DeepSeek-V3's lambda for the first 10T tokens
 BIAS_UPDATE = 1e-3  # aux-loss-free balancing: the router bias step per training step
-
-
-@dataclass(frozen=True)
-class TrainSettings:
-    steps: int = 400
-    batch: int = 16
-    seq_len: int = 128
-    lr: float = 1e-2
-    min_lr_ratio: float = 0.1
-    warmup: int = 20
-    weight_decay: float = 0.01
-    threads: int = 2
-
-    def key(self) -> dict:
-        return self.__dict__.copy()
 
 
 # ---- the network ---------------------------------------------------------------------------------
@@ -129,7 +112,7 @@ def moe(p: Params, cfg: ModelConfig, prefix: str, x: torch.Tensor, loads: dict |
     for e in range(cfg.n_routed_experts):
         token_idx, slot = torch.nonzero(ids == e, as_tuple=True)
         if token_idx.numel():
-            y = mlp(p, f"{prefix}.experts.{e}", flat[token_idx])
+            y = mlp(p, f"{prefix}.experts.{e}", flat.index_select(0, token_idx))
             out = out.index_add(0, token_idx, y * weights[token_idx, slot, None])
     if cfg.n_shared_experts:
         out = out + mlp(p, f"{prefix}.shared_experts", flat)
@@ -154,7 +137,9 @@ def _cos_sin(cfg: ModelConfig, length: int) -> torch.Tensor:
 def main_forward(p: Params, cfg: ModelConfig, ids: torch.Tensor, loads=None):
     """ids: [B, T] -> (logits [B, T, V], h [B, T, D]: the residual stream before the final norm)."""
     cos_sin = _cos_sin(cfg, ids.shape[1])
-    h = p["model.embed_tokens.weight"][ids]
+    # F.embedding, not indexing: its backward sums in a fixed order (indexing's index_put_
+    # accumulates in thread order, and two trainings of one seed would differ).
+    h = F.embedding(ids, p["model.embed_tokens.weight"])
     for i in range(cfg.num_hidden_layers):
         h = decoder_layer(p, cfg, i, h, cos_sin, loads)
     out = rms_norm(h, p["model.norm.weight"], cfg.rms_norm_eps)
@@ -165,7 +150,8 @@ def mtp_forward(p: Params, cfg: ModelConfig, ids: torch.Tensor, h: torch.Tensor,
     """MTP logits [B, T-1, V]: position i (rope position i) sees h_i and t_{i+1}, predicts t_{i+2}."""
     n, eps = cfg.num_hidden_layers, cfg.rms_norm_eps
     prefix = f"model.layers.{n}"
-    emb = rms_norm(p["model.embed_tokens.weight"][ids[:, 1:]], p[f"{prefix}.enorm.weight"], eps)
+    emb = F.embedding(ids[:, 1:], p["model.embed_tokens.weight"])
+    emb = rms_norm(emb, p[f"{prefix}.enorm.weight"], eps)
     hid = rms_norm(h[:, :-1], p[f"{prefix}.hnorm.weight"], eps)
     x = torch.cat((emb, hid), dim=-1) @ p[f"{prefix}.eh_proj.weight"].T
     x = decoder_layer(p, cfg, n, x, _cos_sin(cfg, x.shape[1]), loads)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,25 @@ from engine.weight_names import mtp_copy_names
 from engine.weights import save_checkpoint
 
 DEFAULT_SEED = 0
+# Bump when the training math, data or schedule changes: it is part of the cached model's key.
+TRAIN_VERSION = 2
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The schedule of `engine.tiny_train.train` (here so the key needs no training code)."""
+
+    steps: int = 400
+    batch: int = 16
+    seq_len: int = 128
+    lr: float = 1e-2
+    min_lr_ratio: float = 0.1
+    warmup: int = 20
+    weight_decay: float = 0.01
+    threads: int = 2
+
+    def key(self) -> dict:
+        return self.__dict__.copy()
 
 
 def trained_config(vocab_size: int, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
@@ -32,16 +52,13 @@ def trained_config(vocab_size: int, bos_id: int | None, eos_id: int | None) -> d
     return raw
 
 
-def default_settings():
-    from engine.tiny_train import TrainSettings
-
+def default_settings() -> TrainSettings:
     return TrainSettings()
 
 
 def training_key(seed: int = DEFAULT_SEED, settings=None) -> str:
     """sha256 of what the trained files depend on; reads the corpus (a few MB), trains nothing."""
     from engine.tiny_model import CORPUS, TINY_MODEL_VERSION
-    from engine.tiny_train import TRAIN_VERSION
     from engine.tiny_train_data import TRAINED_VOCAB, load_corpus
 
     settings = settings or default_settings()

@@ -89,7 +89,7 @@ def test_held_out_loss_and_mtp_accuracy(trained_params, prepared):
     guessing the most frequent token."""
     _, cfg, _, _, held_out = prepared
     figures = tiny_train.evaluate(trained_params, cfg, held_out[:64])
-    # Measured (seed 0, Python 3.11): loss 3.6, MTP accuracy 0.25.
+    # Measured (seed 0, Python 3.11.7): loss 3.95, MTP accuracy 0.236, most frequent token 0.085.
     assert figures["loss"] < 4.2 < math.log(cfg.vocab_size) - 3
     after_next = held_out[:64, 2:]
     majority = torch.bincount(after_next.flatten()).max().item() / after_next.numel()
@@ -127,8 +127,8 @@ def test_greedy_continuations_read_as_python(trained, tmp_path):
     builtins among the tokens, far above the random model's (the chance baseline)."""
     ours = _python_share("\n".join(_continuations(trained)))
     chance = _python_share("\n".join(_continuations(make_tiny_model(tmp_path, seed=0))))
-    # Measured: 0.3 trained vs 0.0 random.
-    assert ours[1] >= 40 and ours[0] > 0.2
+    # Measured: 0.48 of 82 tokens trained, 0.0 of 15 random.
+    assert ours[1] >= 40 and ours[0] > 0.3
     assert ours[0] > 3 * chance[0] + 0.1
 
 
@@ -142,8 +142,8 @@ def test_short_training_learns_and_is_deterministic(prepared):
         assert torch.equal(a[name], b[name]), name
     c, _ = tiny_train.train(cfg, data, seed=4, settings=SMALL, progress=False)
     assert not torch.equal(a["lm_head.weight"], c["lm_head.weight"])
-    # Measured: step 0 at ln(vocab) = 7.6, 40 steps reach 5.6 on held-out text.
-    assert abs(history[0] - math.log(cfg.vocab_size)) < 0.5
+    # Measured: step 0 at 8.06 (ln(vocab) = 7.62), 40 steps reach 5.79 on held-out text.
+    assert history[0] > math.log(cfg.vocab_size) - 0.5
     assert tiny_train.evaluate(a, cfg, held_out)["loss"] < 6.2
 
 
