@@ -110,8 +110,17 @@ def test_manifests_carry_the_computed_requests(request, model_name):
         assert container["resources"] == node_resources(model, cluster.dtype, node).k8s()
 
 
+@pytest.fixture(scope="module")
+def random_tiny_dir(tmp_path_factory):
+    """The random tiny model (512 tokens): its projections and experts are most of its bytes,
+    as in a real checkpoint; the trained default's 2048-token embedding and head are not."""
+    from engine.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
 @pytest.mark.parametrize("quant", ["int8", "fp8"])
-def test_a_quantized_node_asks_for_its_quantized_weights(tiny, quant):
+def test_a_quantized_node_asks_for_its_quantized_weights(random_tiny_dir, quant):
     """A node with `quant` holds its projections and experts at about a byte a weight: the
     estimate is checked against the bytes the model loaded in that scheme really holds (every
     tensor storage reachable from it, bench/e2e_worker.held_tensor_bytes). The estimate counts
@@ -124,8 +133,9 @@ def test_a_quantized_node_asks_for_its_quantized_weights(tiny, quant):
     from bench.e2e_worker import held_tensor_bytes
     from engine.model import DeepseekModel
 
+    tiny = ModelConfig.from_model_dir(random_tiny_dir)
     model = DeepseekModel.from_pretrained(
-        ensure_tiny_model(), torch.bfloat16, progress=False, quant=quant
+        random_tiny_dir, torch.bfloat16, progress=False, quant=quant
     )
     estimate = weight_bytes(tiny, "bfloat16", quant=quant)
     held = held_tensor_bytes(model)
