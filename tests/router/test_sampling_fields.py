@@ -37,7 +37,7 @@ class Recording(FakeCluster):
 def model_dir(tmp_path_factory):
     """The random tiny model: the vocabulary bounds asserted below are its 512 tokens (the
     default, trained model has 2048)."""
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0))
+    return str(make_tiny_model(tmp_path_factory.mktemp("random") / "tiny-model", seed=0))
 
 
 @pytest.fixture(scope="module")
