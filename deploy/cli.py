@@ -165,16 +165,22 @@ def _run_generate(args) -> int:
 
 
 def _add_make_tiny_model(sub) -> None:
-    p = sub.add_parser("make-tiny-model", help="write a small random deepseek_v3 checkpoint")
+    p = sub.add_parser(
+        "make-tiny-model",
+        help="train a small deepseek_v3 checkpoint (with an MTP layer) on the Python stdlib",
+    )
     p.add_argument("out", help="output directory")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--random", action="store_true", help="random weights instead (instant, no MTP layer)"
+    )
     p.set_defaults(func=_run_make_tiny_model)
 
 
 def _run_make_tiny_model(args) -> int:
     from engine.tiny_model import make_tiny_model
 
-    print(make_tiny_model(args.out, seed=args.seed))
+    print(make_tiny_model(args.out, seed=args.seed, random=args.random))
     return 0
 
 

@@ -1,28 +1,32 @@
-"""A tiny random-weight DeepSeek checkpoint, written on the spot: for tests, demos and benches.
+"""A tiny DeepSeek checkpoint, written on the spot: for tests, demos and benches.
 
 `make_tiny_model` writes a complete Hugging Face model directory (config.json in the original
 DeepSeek key style, safetensors weights, a byte-level BPE tokenizer trained here on a built-in
 corpus, tokenizer_config.json with a chat template) that both this engine and `transformers`
-load. Everything is seed-deterministic. `ensure_tiny_model` keeps one copy in the user cache.
+load: random weights by default, or (`random=False`) weights trained on the Python standard
+library with one MTP layer (`engine.tiny_train_model`). Everything is seed-deterministic.
+`ensure_tiny_model` keeps one trained copy in the user cache, keyed by what it was trained from.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.config import ModelConfig
-from engine.weight_names import checkpoint_shapes, mtp_copy_names, mtp_prefix, mtp_shapes
+from engine.weight_names import checkpoint_shapes, mtp_copy_names, mtp_shapes
 from engine.weights import quantize_fp8_blockwise, save_checkpoint
 
 # Bump when the generated files change, so a cached copy from an older version is rebuilt.
-TINY_MODEL_VERSION = 1
+TINY_MODEL_VERSION = 2
 VERSION_FILE = "duet_tiny_model.json"
 FP8_BLOCK = (128, 128)
 
@@ -190,8 +194,10 @@ def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
+    # The MTP layer (if any) is drawn last, so the main tensors are those of the same seed
+    # without MTP.
     shapes = checkpoint_shapes(cfg)
-    if cfg.num_nextn_predict_layers:  # the MTP layer after the main ones (engine.mtp)
+    if cfg.num_nextn_predict_layers:
         shapes.update(mtp_shapes(cfg))
     for name, shape in shapes.items():
         noise = torch.randn(shape, generator=gen, dtype=torch.float32)
@@ -209,14 +215,9 @@ def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
         else:
             w = _std(name) * noise
         out[name] = w.to(torch.bfloat16).to(torch.float32)
-    if cfg.num_nextn_predict_layers:  # V3 stores copies of the shared embedding and head
-        copies = mtp_copy_names(cfg)
-        embed, head = (
-            f"{mtp_prefix(cfg)}.{n}" for n in ("embed_tokens.weight", "shared_head.head.weight")
-        )
-        assert set(copies) == {embed, head}
-        out[embed] = out["model.embed_tokens.weight"].clone()
-        out[head] = out["lm_head.weight"].clone()
+    if cfg.num_nextn_predict_layers:  # DeepSeek-V3 stores these copies
+        for copy, source in mtp_copy_names(cfg).items():
+            out[copy] = out[source].clone()
     return out
 
 
@@ -243,6 +244,11 @@ def _quantize_fp8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 # ---- tokenizer ----------------------------------------------------------------------------------
 def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
     """A byte-level BPE (`tokenizers.Tokenizer`) trained on CORPUS; special tokens get ids 0-4."""
+    return bpe_tokenizer(CORPUS.splitlines(keepends=True), vocab_size)
+
+
+def bpe_tokenizer(lines: list[str], vocab_size: int):
+    """A byte-level BPE trained on `lines` (the random model's and the trained model's setup)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -255,7 +261,7 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
+    tok.train_from_iterator(lines, trainer=trainer)
     bos_id = tok.token_to_id(BOS)
     # The post-processor adds bos like Llama-style tokenizers, so transformers' tokenizer and
     # ours agree on `encode(prompt)`.
@@ -287,8 +293,13 @@ def make_tiny_model(
     dtype: torch.dtype = torch.float32,
     fp8: bool = False,
     max_shard_bytes: int | None = None,
+    random: bool = True,
 ) -> Path:
     """Write a tiny random deepseek_v3 model directory to `out_dir` and return its path.
+
+    `random=False` trains it instead (`engine.tiny_train_model.make_trained_tiny_model`: the
+    tiny config with one MTP layer, float32, a tokenizer of its own); the other options are
+    random mode's.
 
     Args:
         seed: the weights are a function of (seed, config); the tokenizer is always the same.
@@ -299,6 +310,12 @@ def make_tiny_model(
             and add the matching `quantization_config`.
         max_shard_bytes: shard the weights (with an index) above this many bytes.
     """
+    if not random:
+        if overrides or fp8 or max_shard_bytes is not None or dtype != torch.float32:
+            raise ValueError("the trained tiny model takes only a seed")
+        from engine.tiny_train_model import make_trained_tiny_model
+
+        return make_trained_tiny_model(out_dir, seed=seed)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
@@ -324,7 +341,13 @@ def make_tiny_model(
     if fp8:
         weights = _quantize_fp8(weights)
     save_checkpoint(out_dir, weights, max_shard_bytes=max_shard_bytes)
+    write_model_files(out_dir, tok, raw)
+    _write_json(out_dir / VERSION_FILE, {"version": TINY_MODEL_VERSION, "seed": seed})
+    return out_dir
 
+
+def write_model_files(out_dir: Path, tok, raw: dict[str, Any]) -> None:
+    """Everything but the weights: tokenizer, its config, generation config, config.json."""
     tok.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", _tokenizer_config())
     _write_json(
@@ -332,8 +355,6 @@ def make_tiny_model(
         {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"]},
     )
     _write_json(out_dir / "config.json", raw)
-    _write_json(out_dir / VERSION_FILE, {"version": TINY_MODEL_VERSION, "seed": seed})
-    return out_dir
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -347,41 +368,101 @@ def default_tiny_model_dir() -> Path:
     return Path(cache) / "tiny-model"
 
 
-def _is_current(model_dir: Path) -> bool:
+# A second process waits this long for the first one's training before giving up.
+LOCK_TIMEOUT_S = 900.0
+
+
+def _is_current(model_dir: Path, key: str) -> bool:
     try:
         info = json.loads((model_dir / VERSION_FILE).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(info, dict) and info.get("version") == TINY_MODEL_VERSION
+    return (
+        isinstance(info, dict)
+        and info.get("version") == TINY_MODEL_VERSION
+        and info.get("key") == key
+    )
+
+
+def _default_key() -> str:
+    from engine.tiny_train_model import training_key
+
+    return training_key()
+
+
+def _build_default(out_dir: Path) -> None:
+    """Writes the default model (trained, seed 0) into `out_dir`."""
+    from engine.tiny_train_model import make_trained_tiny_model
+
+    make_trained_tiny_model(out_dir)
 
 
 def ensure_tiny_model() -> Path:
-    """The default tiny model (seed 0, float32), written once into the cache and reused.
+    """The default tiny model (trained, seed 0, float32), trained once into the cache and reused
+    while its key (`engine.tiny_train_model.training_key`) is unchanged.
 
-    Safe under concurrency: each writer builds in its own temporary folder and renames it into
-    place; rename is atomic, so a reader sees either nothing or a complete model, and the loser
-    of a race discards its copy.
+    Safe under concurrency: an exclusive file lock makes one process train while the others wait
+    (at most LOCK_TIMEOUT_S); the model is built in a temporary folder and renamed into place
+    (atomic), so a reader without the lock sees either nothing or a complete model.
     """
     final = default_tiny_model_dir()
-    if _is_current(final):
+    key = _default_key()
+    if _is_current(final, key):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(final.parent / ".tiny-model.lock"):
+        if not _is_current(final, key):  # another process may have built it meanwhile
+            _publish(final, key)
+    return final
+
+
+class TinyModelLockTimeout(RuntimeError):
+    pass
+
+
+class _locked:
+    """An exclusive flock on `path`, waited for at most LOCK_TIMEOUT_S."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(self.fd)
+                    raise TinyModelLockTimeout(
+                        f"waited {LOCK_TIMEOUT_S:.0f} s for another process to build the tiny "
+                        f"model (lock {self.path}); remove the lock's holder or the cache"
+                    ) from None
+                time.sleep(0.2)
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def _publish(final: Path, key: str) -> None:
+    """Builds the model in a temporary folder next to `final` and renames it into place."""
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-model-", dir=final.parent))
     try:
-        make_tiny_model(tmp)
-        if final.exists() and not _is_current(final):
-            # An older version: move it aside first (rename is atomic; losing the race is fine).
+        _build_default(tmp)
+        info = json.loads((tmp / VERSION_FILE).read_text())
+        info.update(version=TINY_MODEL_VERSION, key=key)
+        _write_json(tmp / VERSION_FILE, info)
+        if final.exists():
+            # An older version: move it aside first (rename is atomic).
             stale = Path(tempfile.mkdtemp(prefix=".tiny-model-stale-", dir=final.parent))
             try:
                 os.rename(final, stale / "old")
             except OSError:
                 pass
             shutil.rmtree(stale, ignore_errors=True)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not _is_current(final):  # not a lost race: a real failure
-                raise
+        os.rename(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return final

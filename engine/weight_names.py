@@ -87,10 +87,11 @@ def mtp_prefix(cfg: ModelConfig) -> str:
 def mtp_shapes(
     cfg: ModelConfig, keep_expert: Callable[[int], bool] | None = None
 ) -> dict[str, Shape]:
-    """The MTP layer's own tensors (DeepSeek-V3 layout): the two input norms, the projection of
-    [embedding | hidden] back to the hidden size, one decoder layer and the head's norm. The
-    checkpoint's copies of the embedding and the head (`mtp_copy_names`) are not listed: the
-    layer shares the main model's."""
+    """The MTP layer's own tensors (DeepSeek-V3 layout; the first MTP layer, the one the engine
+    loads: V3 has exactly one): the two input norms, the projection of [embedding | hidden]
+    back to the hidden size, one decoder layer and the head's norm. Not the copies of the
+    embedding and the head the checkpoint also stores (`mtp_copy_names`): the layer shares the
+    main model's."""
     prefix, d = mtp_prefix(cfg), cfg.hidden_size
     shapes: dict[str, Shape] = {
         f"{prefix}.enorm.weight": (d,),
@@ -102,10 +103,14 @@ def mtp_shapes(
     return shapes
 
 
-def mtp_copy_names(cfg: ModelConfig) -> dict[str, Shape]:
-    """The copies of the embedding and the head that DeepSeek-V3 stores with its MTP layer."""
-    prefix, shape = mtp_prefix(cfg), (cfg.vocab_size, cfg.hidden_size)
-    return {f"{prefix}.embed_tokens.weight": shape, f"{prefix}.shared_head.head.weight": shape}
+def mtp_copy_names(cfg: ModelConfig) -> dict[str, str]:
+    """The MTP layer's copies of shared tensors: copy name -> the main tensor it equals."""
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    prefix = mtp_prefix(cfg)
+    return {
+        f"{prefix}.embed_tokens.weight": "model.embed_tokens.weight",
+        f"{prefix}.shared_head.head.weight": head,
+    }
 
 
 def is_norm_or_bias(name: str) -> bool:

@@ -179,12 +179,16 @@ def generate_reference(
     prompt: str | None = None,
     prompt_ids: list[int] | None = None,
     extra: tuple[str, ...] = (),
+    model: str | None = None,
 ) -> dict:
-    """`duet generate --json` (greedy unless `extra` says otherwise), run in this process through
-    the CLI's own main: {"token_ids": [...], "text": "..."}."""
+    """`duet generate --json` (greedy unless `extra` says otherwise; `model`: the checkpoint,
+    default the built-in tiny model), run in this process through the CLI's own main:
+    {"token_ids": [...], "text": "..."}."""
     from deploy.cli import main
 
     args = ["generate", "--json", "--dtype", dtype, "--max-new-tokens", str(max_new), *extra]
+    if model is not None:
+        args += ["--model", model]
     if prompt is not None:
         args += ["--prompt", prompt]
     else:

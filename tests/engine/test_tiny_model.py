@@ -1,6 +1,7 @@
 """The built-in tiny model: determinism, config contents, variants, FP8, the cached copy, and
 loadability by Hugging Face transformers (the oracle for what a valid checkpoint is)."""
 
+import fcntl
 import json
 import threading
 
@@ -138,23 +139,45 @@ def test_transformers_loads_and_runs(tmp_path, overrides):
 
 
 # ---- the cached copy ----------------------------------------------------------------------------
-def test_ensure_tiny_model_once_and_rebuilds_stale(tmp_path, monkeypatch):
+# The cache machinery runs on a fast builder (random weights) under a fixed key; the trained
+# default itself is tested in test_tiny_train.py.
+@pytest.fixture
+def fast_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path))
+    builds = []
+
+    def build(out_dir):
+        builds.append(out_dir)
+        make_tiny_model(out_dir)
+
+    monkeypatch.setattr(tiny, "_build_default", build)
+    monkeypatch.setattr(tiny, "_default_key", lambda: "key-1")
+    return builds
+
+
+LEFT_IN_CACHE = [".tiny-model.lock", "tiny-model"]
+
+
+def test_ensure_tiny_model_once_and_rebuilds_stale(tmp_path, monkeypatch, fast_cache):
     assert default_tiny_model_dir() == tmp_path / "tiny-model"
     first = ensure_tiny_model()
     assert first == tmp_path / "tiny-model"
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     assert ensure_tiny_model() == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp  # not rewritten
+    assert len(fast_cache) == 1
 
     monkeypatch.setattr(tiny, "TINY_MODEL_VERSION", tiny.TINY_MODEL_VERSION + 1)
     again = ensure_tiny_model()
     assert json.loads((again / tiny.VERSION_FILE).read_text())["version"] == tiny.TINY_MODEL_VERSION
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-model"]  # no leftovers
+    assert len(fast_cache) == 2
+    monkeypatch.setattr(tiny, "_default_key", lambda: "key-2")  # new corpus, seed or code
+    assert json.loads((ensure_tiny_model() / tiny.VERSION_FILE).read_text())["key"] == "key-2"
+    assert len(fast_cache) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == LEFT_IN_CACHE  # no leftovers
 
 
-def test_ensure_tiny_model_race(tmp_path, monkeypatch):
-    monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path))
+def test_ensure_tiny_model_race(tmp_path, fast_cache):
     results, errors = [], []
 
     def worker():
@@ -169,6 +192,22 @@ def test_ensure_tiny_model_race(tmp_path, monkeypatch):
     for t in threads:
         t.join(timeout=60)
     assert not errors and len(results) == 3 and len(set(results)) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-model"]
+    assert len(fast_cache) == 1  # the lock: one builds, the others wait and reuse it
+    assert sorted(p.name for p in tmp_path.iterdir()) == LEFT_IN_CACHE
     cfg = ModelConfig.from_model_dir(results[0])
     assert len(load_checkpoint(results[0], checkpoint_shapes(cfg), torch.float32, False)) > 0
+
+
+def test_ensure_tiny_model_lock_wait_is_bounded(tmp_path, monkeypatch, fast_cache):
+    monkeypatch.setattr(tiny, "LOCK_TIMEOUT_S", 0.5)
+    with open(tmp_path / ".tiny-model.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process is building
+        with pytest.raises(tiny.TinyModelLockTimeout, match="waited"):
+            ensure_tiny_model()
+    assert not fast_cache
+    assert ensure_tiny_model() == tmp_path / "tiny-model"  # released: builds
+
+
+def test_trained_mode_takes_only_a_seed(tmp_path):
+    with pytest.raises(ValueError, match="only a seed"):
+        make_tiny_model(tmp_path, random=False, fp8=True)

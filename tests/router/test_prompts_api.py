@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from router_fakes import FakeCluster, fake_config, start_cluster, stop_all, wait_for
 
 from engine.protocol import RequestError
+from engine.tiny_model import make_tiny_model
 
 SCRIPT_TEXT = "The quick brown fox jumps over the lazy dog. 日本語 🚀 done."
 CONTEXT = 512  # the tiny model's max_position_embeddings
@@ -50,6 +51,13 @@ class OneFails(FakeCluster):
                 self._send(run.node, RequestError(rid, "decode", "fake decode failure"))
                 self._end(rid, run)
         super()._tick_decode(now, only)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The random tiny model: the vocabulary bounds asserted below are its 512 tokens (the
+    default, trained model has 2048)."""
+    return str(make_tiny_model(tmp_path_factory.mktemp("random") / "tiny-model", seed=0))
 
 
 @pytest.fixture

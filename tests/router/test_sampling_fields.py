@@ -10,10 +10,10 @@ from router_fakes import FakeCluster, RouterServer, assert_invalid_value, fake_c
 
 from engine.protocol import Prefill, Reserve, sampling_from_dict
 from engine.sampling import SamplingParams
-from engine.tiny_model import ensure_tiny_model
+from engine.tiny_model import make_tiny_model
 from engine.tokenizer import Tokenizer
 
-VOCAB = 512  # the tiny model's
+VOCAB = 512  # the random tiny model's (`model_dir`)
 SCRIPT = "one two three four five six seven eight"
 
 
@@ -34,16 +34,23 @@ class Recording(FakeCluster):
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return Tokenizer(ensure_tiny_model())
+def model_dir(tmp_path_factory):
+    """The random tiny model: the vocabulary bounds asserted below are its 512 tokens (the
+    default, trained model has 2048)."""
+    return str(make_tiny_model(tmp_path_factory.mktemp("random") / "tiny-model", seed=0))
 
 
 @pytest.fixture(scope="module")
-def cluster(tok):
+def tok(model_dir):
+    return Tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def cluster(tok, model_dir):
     cfg = fake_config()
     fakes = Recording(cfg, tok.encode(SCRIPT), eos_id=tok.eos_token_ids[0])
     fakes.start()
-    server = RouterServer(cfg, str(ensure_tiny_model()))
+    server = RouterServer(cfg, model_dir)
     server.start()
     yield fakes, server
     server.stop()
