@@ -341,19 +341,25 @@ class DeepseekModel:
 
     @torch.inference_mode()
     def forward_mtp(
-        self, batch: ForwardBatch, main_hidden: torch.Tensor, pool: KVPool
+        self,
+        batch: ForwardBatch,
+        main_hidden: torch.Tensor,
+        pool: KVPool,
+        logit_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP layer over `batch`, whose input_ids are the tokens t_{i+1} after the
         positions i it runs at, and `main_hidden` [T, D] the main model's h_i (or, for a
         chained draft, this layer's own output). Writes its KV into the pool's last layer.
         Returns the logits (rows as `forward`'s: each sequence's last token, then
-        `extra_logit_index`) and the output hidden states [T, D]."""
+        `extra_logit_index`; or, with `logit_rows`, those packed rows only: a draft needs
+        one request's last) and the output hidden states [T, D]."""
         if self.mtp is None:
             raise RuntimeError("the model was loaded without its MTP layer (mtp=True)")
         embedded = self.embed_tokens.index_select(0, batch.input_ids)
         kv_cache = pool.layer(self.cfg.num_hidden_layers)
         hidden = self.mtp.hidden(embedded, main_hidden, batch, kv_cache)
-        x = self.mtp.head_input(hidden[self._logit_rows(batch)])
+        rows = self._logit_rows(batch) if logit_rows is None else logit_rows
+        x = self.mtp.head_input(hidden[rows])
         return self.lm_head(x).float(), hidden
 
     @staticmethod

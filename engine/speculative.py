@@ -167,10 +167,11 @@ def draft(
     table must hold positions[r] + len(tokens[r]) + num_drafts[r] - 1 positions. `block_table`
     and `slots`: as for `rows_batch`."""
     batch = rows_batch(pool, tables, tokens, positions, block_table, slots)
-    logits, hidden = model.forward_mtp(batch, main_hidden, pool)
-    # One kernel row per token, each its own "sequence": logits has a row per token too.
+    # One kernel row per token; only each request's last row drafts (the others fill the
+    # layer's cache), so the head runs on those rows only.
     ends = torch.cumsum(torch.tensor([len(t) for t in tokens]), 0) - 1
-    drafts = [[t] for t in logits[ends].argmax(-1).tolist()]
+    logits, hidden = model.forward_mtp(batch, main_hidden, pool, logit_rows=ends)
+    drafts = [[t] for t in logits.argmax(-1).tolist()]
     hidden = hidden[ends]
     next_pos = [p + len(t) for p, t in zip(positions, tokens, strict=True)]
     for step in range(1, max(num_drafts, default=0)):
