@@ -92,6 +92,7 @@ class FakeCluster(threading.Thread):
         self.page_size = {d.name: d.page_size for d in self.cfg.decode}
         self.reserved: dict[str, dict[str, int]] = {d.name: {} for d in self.cfg.decode}
         self.reserve_sampling: dict[str, dict] = {}
+        self.fork_ids: dict[str, list[str]] = {}  # n > 1: each request's forks (Reserve)
         self.prefills: list[tuple[float, str, Prefill]] = []  # (due, node, msg)
         self.running: dict[str, _Running] = {}
         self.aborts: list[tuple[str, str]] = []  # (node, request_id)
@@ -151,13 +152,14 @@ class FakeCluster(threading.Thread):
     def _handle(self, node: str, msg) -> None:
         if isinstance(msg, Reserve):
             num_tokens = msg.prompt_len + msg.sampling["max_new_tokens"]
-            pages = -(-num_tokens // self.page_size[node])
+            pages = -(-num_tokens // self.page_size[node]) * (1 + len(msg.fork_ids))
             free = self.total_pages[node] - sum(self.reserved[node].values())
             if node in self.refuse or pages > free:
                 self._send(node, ReserveReply(msg.request_id, False, reason="no free KV pages"))
                 return
             self.reserved[node][msg.request_id] = pages
             self.reserve_sampling[msg.request_id] = msg.sampling
+            self.fork_ids[msg.request_id] = list(msg.fork_ids)
             self._send(node, ReserveReply(msg.request_id, True, self.kv_endpoint[node]))
         elif isinstance(msg, Prefill):
             self.prefill_count[node] += 1
@@ -187,10 +189,15 @@ class FakeCluster(threading.Thread):
                 continue
             run = _Running(decode, msg.sampling, len(msg.token_ids), next_at=now)
             first = self.script[0]
+            forks = self.fork_ids.pop(msg.request_id, [])
+            for fork in forks:  # n > 1: each fork decodes as a request of its own (the same
+                # script), its pages counted with the request's
+                self.reserved[decode][fork] = 0
+                self.running[fork] = _Running(decode, msg.sampling, len(msg.token_ids), next_at=now)
             if self.tokens_before_first:
                 self.running[msg.request_id] = run
                 self._tick_decode(now, only=msg.request_id)
-            self._send(node, _first_token(msg, first))
+            self._send(node, _first_token(msg, first, len(forks)))
             if not self.tokens_before_first:
                 self.running[msg.request_id] = run
 
@@ -300,12 +307,17 @@ def fake_logprobs(token: int, k: int) -> tuple[float, list[int], list[float]]:
     return -0.25, [(token + j) % 256 for j in range(k)], [-0.25 - j for j in range(k)]
 
 
-def _first_token(msg: Prefill, token: int) -> FirstToken:
+def _first_token(msg: Prefill, token: int, num_forks: int = 0) -> FirstToken:
     k, prompt_k = msg.sampling.get("logprobs"), msg.sampling.get("prompt_logprobs")
-    extra = {}
+    extra: dict = {"fork_tokens": [token] * num_forks}
     if k is not None:
         lp, ids, lps = fake_logprobs(token, k)
         extra.update(logprob=[lp], top_ids=ids, top_logprobs=lps)
+        extra.update(
+            fork_logprobs=[lp] * num_forks,
+            fork_top_ids=[ids] * num_forks,
+            fork_top_logprobs=[lps] * num_forks,
+        )
     if prompt_k is not None:
         entries = [fake_logprobs(t, prompt_k) for t in msg.token_ids[1:]]
         extra.update(

@@ -94,6 +94,19 @@ def _assert_still_serving(cluster) -> None:
     assert not server.router.requests  # nothing left unfinished in the router
 
 
+def test_a_valid_n_2_request_completes_over_the_fakes(cluster):
+    """n = 2 is a valid value the fuzzer also sends: the fakes fork it (FirstToken with the
+    fork's first token, each fork decoding on its own), so it ends with two choices, not a
+    5xx (which, before the fakes forked, only a 429 from the concurrency limit could hide)."""
+    _, _, client = cluster
+    headers = {"authorization": f"Bearer {KEYS[0]}"}
+    body = {"messages": [{"role": "user", "content": ""}], "n": 2, "max_tokens": 3}
+    r = client.post("/v1/chat/completions", json=body, headers=headers)
+    assert r.status_code == 200, r.text
+    assert sorted(c["index"] for c in r.json()["choices"]) == [0, 1]
+    _assert_still_serving(cluster)
+
+
 def test_fuzz_raw_requests(cluster):
     @_settings("raw")
     @given(req=raw_requests(KEYS))
