@@ -352,11 +352,15 @@ class DeepseekModel:
         chained draft, this layer's own output). Writes its KV into the pool's last layer.
         Returns the logits (rows as `forward`'s: each sequence's last token, then
         `extra_logit_index`; or, with `logit_rows`, those packed rows only: a draft needs
-        one request's last) and the output hidden states [T, D]."""
+        one request's last) and the output hidden states: [T, D], or with `logit_rows` of a
+        decode-path batch those rows' only (the other rows stop after writing their KV)."""
         if self.mtp is None:
             raise RuntimeError("the model was loaded without its MTP layer (mtp=True)")
         embedded = self.embed_tokens.index_select(0, batch.input_ids)
         kv_cache = pool.layer(self.cfg.num_hidden_layers)
+        if logit_rows is not None and batch.is_decode:
+            hidden = self.mtp.hidden(embedded, main_hidden, batch, kv_cache, keep=logit_rows)
+            return self.lm_head(self.mtp.head_input(hidden)).float(), hidden
         hidden = self.mtp.hidden(embedded, main_hidden, batch, kv_cache)
         rows = self._logit_rows(batch) if logit_rows is None else logit_rows
         x = self.mtp.head_input(hidden[rows])

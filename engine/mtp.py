@@ -45,15 +45,27 @@ class MTPLayer:
         main_hidden: torch.Tensor,
         batch: ForwardBatch,
         kv_cache: torch.Tensor,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """embedded [T, D] (the embeddings of t_{i+1}), main_hidden [T, D] (h_i, before the
         main model's final norm), `batch` at the positions i -> the layer's output [T, D]
-        before the head's norm (what a chained draft feeds back as its h)."""
+        before the head's norm (what a chained draft feeds back as its h).
+
+        `keep` [N]: the rows whose output is wanted (a request's last, which drafts); the
+        others only write their KV rows, so they stop after attention: the MoE (most of the
+        layer's cost) runs on N rows instead of T. Returns [N, D] then."""
         e = ops.rms_norm(embedded, self.enorm, self.eps)
         h = ops.rms_norm(main_hidden.to(embedded.dtype), self.hnorm, self.eps)
         x = self.eh_proj(torch.cat((e, h), dim=-1))
-        y, residual = self.layer(x, None, batch, kv_cache)
-        return y + residual
+        if keep is None:
+            y, residual = self.layer(x, None, batch, kv_cache)
+            return y + residual
+        layer = self.layer
+        attn = layer.attn(ops.rms_norm(x, layer.input_norm, layer.eps), batch, kv_cache)
+        x, residual = ops.fused_add_rms_norm(
+            attn[keep], x[keep], layer.post_attention_norm, layer.eps
+        )
+        return layer.mlp(x) + residual
 
     def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """The layer's output [N, D] -> what the shared head multiplies."""

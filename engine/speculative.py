@@ -171,8 +171,7 @@ def draft(
     # layer's cache), so the head runs on those rows only.
     ends = torch.cumsum(torch.tensor([len(t) for t in tokens]), 0) - 1
     logits, hidden = model.forward_mtp(batch, main_hidden, pool, logit_rows=ends)
-    drafts = [[t] for t in logits.argmax(-1).tolist()]
-    hidden = hidden[ends]
+    drafts = [[t] for t in logits.argmax(-1).tolist()]  # hidden: the `ends` rows' only
     next_pos = [p + len(t) for p, t in zip(positions, tokens, strict=True)]
     for step in range(1, max(num_drafts, default=0)):
         live = [r for r, n in enumerate(num_drafts) if n > step]

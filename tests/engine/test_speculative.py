@@ -269,3 +269,31 @@ def test_sampled_generation_with_mtp_matches_plain_decoding_in_distribution(mtp_
     # Wilson-Hilferty 0.999 quantile of chi-square(dof): z = 3.09.
     limit = dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3
     assert stat < limit
+
+
+def test_mtp_rows_that_only_fill_the_cache_stop_after_attention(mtp_model):
+    """forward_mtp with `logit_rows` (a draft pass: only each request's last row continues past
+    attention) gives those rows' logits and hidden states as the full layer does, and writes
+    the same KV rows."""
+    from engine.speculative import rows_batch
+
+    if mtp_model.dtype != torch.float32:
+        pytest.skip("fp32: the MoE over fewer rows rounds alike only there")
+    outs = []
+    for keep in (False, True):
+        pool = mtp_model.new_kv_pool(num_pages=16, page_size=4)
+        tables = [pool.new_table(), pool.new_table()]
+        for table in tables:
+            pool.reserve(table, 12)
+        gen = torch.Generator().manual_seed(0)
+        batch = rows_batch(pool, tables, [[5, 6, 7], [9, 10]], [4, 8])
+        hidden = torch.randn(5, mtp_model.cfg.hidden_size, generator=gen)
+        rows = torch.tensor([2, 4]) if keep else None
+        logits, out = mtp_model.forward_mtp(batch, hidden, pool, logit_rows=rows)
+        if not keep:
+            logits, out = logits[[2, 4]], out[[2, 4]]
+        layer = pool.layer(mtp_model.cfg.num_hidden_layers)
+        kv = layer.reshape(-1, layer.shape[-1])[batch.slots]  # the rows this pass wrote
+        outs.append((logits, out, kv))
+    for a, b in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
