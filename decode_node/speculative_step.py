@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from decode_node.scheduler import DecodeState
 from engine.kv_pool import OutOfPagesError
 from engine.logprobs import token_logprobs
 from engine.speculative import accept_tokens, draft, draftable, rows_batch
@@ -36,7 +37,6 @@ log = logging.getLogger(__name__)
 class MtpStats:
     """Cumulative counters (heartbeats carry them to the router's /metrics)."""
 
-    steps: int = 0  # verify forwards with at least one speculating request
     drafted: int = 0  # draft tokens verified
     accepted: int = 0  # of those, accepted
     emitted: int = 0  # tokens the speculating requests emitted (accepted + one per request-step)
@@ -97,8 +97,6 @@ class SpeculativeStep:
                 if lp and emitted[i]:
                     logprobs_of[r.request_id] = [lp]  # one per emitted token
         stats = self.stats
-        if any(spec):
-            stats.steps += 1
         for i, r in enumerate(batch):
             if spec[i]:
                 emitted[i] = accept_tokens(
@@ -139,8 +137,6 @@ class SpeculativeStep:
     def _draft_next(self, batch, spec, emitted, positions, rows_of, hidden: torch.Tensor) -> None:
         """Step 4: the MTP layer over each still-running speculating request's accepted
         positions; their next drafts (fewer when the context ends, or the pool is short)."""
-        from decode_node.scheduler import DecodeState
-
         max_pos = self.node.model.cfg.max_position_embeddings
         live, num_next = [], []
         for i, r in enumerate(batch):

@@ -30,6 +30,7 @@ from engine.block_table import BlockTable
 from engine.kv_pool import KVPool, PageTable
 from engine.penalties import process_logits
 from engine.sampling import SamplingParams, draw, filter_probs
+from native import ops
 
 
 def draftable(params: SamplingParams) -> bool:
@@ -100,8 +101,6 @@ def accept_tokens(
             out.append(targets[j])
             if j == k or targets[j] != drafts[j]:
                 return out
-    from native import ops  # (the router imports this package's schemas, never the kernels)
-
     probs = filter_probs(rows, [params] * (k + 1))  # [k+1, V], unnormalized
     counters = torch.arange(num_drawn, num_drawn + k + 1, dtype=torch.int64)
     seeds = torch.full((k + 1,), seed, dtype=torch.int64)
