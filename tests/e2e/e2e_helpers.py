@@ -23,6 +23,8 @@ import httpx
 import openai
 import pytest
 
+from deploy.local_cluster import shorthand_config
+
 READY_TIMEOUT_S = 240.0  # three to four processes load torch and the model on 2 shared cores
 STOP_TIMEOUT_S = 30.0
 
@@ -40,6 +42,24 @@ def free_port() -> int:
         if port not in _HANDED_OUT and port + 1 not in _HANDED_OUT and port - 1 not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port
+
+
+def _ports_of(raw: dict) -> list[int]:
+    return [v for section in (raw["router"], *raw["prefill"], *raw["decode"])
+            for k, v in section.items() if k.endswith("port")]  # fmt: skip
+
+
+def cluster_shorthand(num_prefill: int, num_decode: int) -> dict:
+    """`shorthand_config` (one thread a node) on ports no other config of this test process
+    holds, all of them registered as handed out: its ports are free when picked but then
+    released, so a later `free_port()` (`UpProcess`'s own `--port`) could otherwise get one."""
+    for _ in range(50):
+        raw = shorthand_config(num_prefill, num_decode, port=free_port(), threads=1)
+        ports = _ports_of(raw)[1:]  # the router's HTTP port came from free_port()
+        if not any(p + d in _HANDED_OUT for p in ports for d in (-1, 0, 1)):
+            _HANDED_OUT.update(ports)
+            return raw
+    raise RuntimeError("no free ports for a shorthand config")
 
 
 def free_port_pair() -> int:

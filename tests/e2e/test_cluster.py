@@ -21,6 +21,7 @@ import openai
 import pytest
 from e2e_helpers import (
     alive,
+    cluster_shorthand,
     free_port,
     free_port_pair,
     generate_reference,
@@ -31,7 +32,7 @@ from e2e_helpers import (
     wait_until as _wait,
 )
 
-from deploy.local_cluster import dump_toml, shorthand_config
+from deploy.local_cluster import dump_toml
 from engine.tiny_model import make_tiny_model
 from engine.tokenizer import Tokenizer
 
@@ -71,7 +72,7 @@ def _2p1d_config(path):
 
 def _1p1d_config(path):
     """What `duet up --prefill 1 --decode 1` builds, with this module's timeouts."""
-    raw = shorthand_config(1, 1, port=free_port(), threads=1)
+    raw = cluster_shorthand(1, 1)
     raw["timeouts"] = TIMEOUTS
     path.write_text(dump_toml(raw))
     return path

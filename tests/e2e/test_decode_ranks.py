@@ -16,7 +16,7 @@ import httpx
 import pytest
 from e2e_helpers import (
     alive,
-    free_port,
+    cluster_shorthand,
     generate_reference,
     processes_mentioning,
     start_cluster,
@@ -25,7 +25,7 @@ from e2e_helpers import (
     wait_until as _wait,
 )
 
-from deploy.local_cluster import dump_toml, shorthand_config
+from deploy.local_cluster import dump_toml
 
 ARGS = ["--prefill", "1", "--decode", "1", "--decode-ranks", "2", "--dtype", "float32"]
 MAX_NEW = 16
@@ -135,7 +135,7 @@ def test_killing_a_rank_restarts_the_node_and_its_requests_move(tmp_path_factory
     the launcher restarts it, and every stream goes on on the restarted node (the router holds
     the moved requests until it is back) with exactly `duet generate`'s greedy text."""
     path = tmp_path_factory.mktemp("cfg") / "ranks.toml"
-    raw = shorthand_config(1, 1, port=free_port(), threads=1)
+    raw = cluster_shorthand(1, 1)
     raw["dtype"] = "float32"
     raw["decode"][0]["ranks"] = 2
     raw["timeouts"] = {"reserve_s": 90.0, "heartbeat_s": 0.25, "node_timeout_s": 5.0}

@@ -7,7 +7,7 @@ import time
 import httpx
 import openai
 import pytest
-from e2e_helpers import free_port, start_cluster
+from e2e_helpers import cluster_shorthand, start_cluster
 from http_fuzz import (
     check_response,
     fuzz_settings,
@@ -19,7 +19,7 @@ from http_fuzz import (
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deploy.local_cluster import dump_toml, shorthand_config
+from deploy.local_cluster import dump_toml
 
 KEY = "sk-e2e-right-key"
 NUM_FUZZ = 200
@@ -30,7 +30,7 @@ def cluster(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("keys")
     key_file = workdir / "api_keys.txt"
     key_file.write_text(f"# the e2e client's key\n\n{KEY}\n")
-    raw = shorthand_config(1, 1, port=free_port(), threads=1)
+    raw = cluster_shorthand(1, 1)
     raw["router"].update(max_tokens_limit=16, max_prompt_tokens=128, max_body_bytes=1 << 20)
     raw["security"] = {"api_key_file": str(key_file)}
     config = workdir / "cluster.toml"

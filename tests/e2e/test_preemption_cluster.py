@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from e2e_helpers import free_port, generate_reference, start_cluster, wait_until
+from e2e_helpers import cluster_shorthand, generate_reference, start_cluster, wait_until
 
-from deploy.local_cluster import dump_toml, shorthand_config
+from deploy.local_cluster import dump_toml
 
 PROMPTS = ["Hello world", "Once upon a time", "A B C"]
 MAX_NEW = 48
@@ -25,7 +25,7 @@ MAX_NEW = 48
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
 def cluster(request, tmp_path_factory):
-    raw = shorthand_config(1, 1, port=free_port(), threads=1)
+    raw = cluster_shorthand(1, 1)
     raw["decode"][0].update(
         num_pages=4, page_size=16, kv_reservation="on_demand", kv_headroom_tokens=8,
         max_batch=4, ranks=request.param,

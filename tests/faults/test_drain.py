@@ -11,8 +11,8 @@ import threading
 
 import openai
 
-from deploy.local_cluster import dump_toml, shorthand_config
-from tests.e2e.e2e_helpers import free_port, start_cluster
+from deploy.local_cluster import dump_toml
+from tests.e2e.e2e_helpers import cluster_shorthand, start_cluster
 from tests.faults.test_node_faults import _all_ready, _decode_pages_used, _pids, _wait
 
 TIMEOUTS = {"heartbeat_s": 0.25, "node_timeout_s": 5.0, "reserve_s": 90.0, "drain_s": 30.0}
@@ -78,7 +78,7 @@ def _drain_and_restart(up, load: Load, name: str) -> None:
 
 def test_rolling_restart_under_load_fails_no_request(tmp_path_factory):
     path = tmp_path_factory.mktemp("cfg") / "2p1d.toml"
-    raw = shorthand_config(2, 1, port=free_port(), threads=1)
+    raw = cluster_shorthand(2, 1)
     raw["dtype"] = "float32"
     raw["timeouts"] = TIMEOUTS
     path.write_text(dump_toml(raw))

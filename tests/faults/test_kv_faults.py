@@ -25,7 +25,7 @@ import openai
 import pytest
 import torch
 
-from deploy.local_cluster import dump_toml, shorthand_config
+from deploy.local_cluster import dump_toml
 from engine.generate import OfflineGenerator
 from engine.model import DeepseekModel
 from engine.sampling import SamplingParams
@@ -34,7 +34,7 @@ from kvtransfer.faults import ENV_VAR, KVFaultPlan, inject
 from tests.decode_node.pd_harness import TIMEOUT, Pair
 from tests.e2e.e2e_helpers import (
     alive,
-    free_port,
+    cluster_shorthand,
     generate_reference,
     processes_mentioning,
     start_cluster,
@@ -328,7 +328,7 @@ PAGES_USED = ("duet_kv_pages_used", {"node": "decode-0", "role": "decode"})
 
 @pytest.fixture(scope="module")
 def faulty_cluster(tmp_path_factory):
-    raw = shorthand_config(1, 1, port=free_port(), threads=1)
+    raw = cluster_shorthand(1, 1)
     raw["timeouts"] = E2E_TIMEOUTS
     config = tmp_path_factory.mktemp("cfg") / "faults.toml"
     config.write_text(dump_toml(raw))

@@ -26,11 +26,11 @@ import httpx
 import openai
 import pytest
 
-from deploy.local_cluster import dump_toml, shorthand_config
+from deploy.local_cluster import dump_toml
 from engine.tiny_model import make_tiny_model
 from tests.e2e.e2e_helpers import (
     alive,
-    free_port,
+    cluster_shorthand,
     generate_reference,
     processes_mentioning,
     start_cluster,
@@ -47,7 +47,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
 def _config(path, num_prefill: int, num_decode: int):
-    raw = shorthand_config(num_prefill, num_decode, port=free_port(), threads=1)
+    raw = cluster_shorthand(num_prefill, num_decode)
     raw["dtype"] = "float32"
     raw["timeouts"] = TIMEOUTS
     path.write_text(dump_toml(raw))
