@@ -12,7 +12,11 @@ make-bench-model --mtp`); `--accept P` replaces the drafts by the right tokens w
 probability P (the MTP layer still runs: its cost is in the figures), so TPOT can be measured
 at a stated acceptance on a random-weight model, whose own drafts are almost never right.
 
+With `--overlap on|both` the node's forward runs on its worker thread (`decode_node.forward_
+runner`): only the step time is reported then (the profiler sees one thread).
+
     python -m bench.decode_step --model DIR [--batches 1,8,32 --context 256 --threads 2]
+        [--overlap off|on|both]
 """
 
 from __future__ import annotations
@@ -50,11 +54,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mtp-tokens", type=int, default=0, help="speculate with K drafts (0: off)")
     p.add_argument("--accept", type=float, default=None, help="forced draft acceptance in [0, 1]")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--overlap", choices=("off", "on", "both"), default="off",
+        help="the overlapped step (forward on a worker thread); 'both' runs each batch size "
+        "in order, then overlapped, then in order again (the host's DRAM rate drifts)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
 
-def make_node(model: DeepseekModel, batch: int, context: int, steps: int, mtp_tokens: int):
+def make_node(
+    model: DeepseekModel, batch: int, context: int, steps: int, mtp_tokens: int, overlap: bool
+):
     page_size = 16
     need = batch * (-(-(context + 4 * steps + 64) // page_size) + 1)
     pool = model.new_kv_pool(need, page_size)
@@ -63,6 +74,7 @@ def make_node(model: DeepseekModel, batch: int, context: int, steps: int, mtp_to
     cfg = DecodeNodeConfig(
         "bench", max_batch=batch, num_pages=need, page_size=page_size,
         kv_reservation="worst_case", mtp=mtp_tokens > 0, mtp_tokens=max(1, mtp_tokens),
+        overlap=overlap,
     )  # fmt: skip
     return DecodeNode(
         "bench", model, cfg, TimeoutConfig(decode_s=3600), QueueInbox(), QueueOutbox(),
@@ -103,8 +115,10 @@ def force_acceptance(p: float, vocab: int) -> None:
     speculative_step.accept_tokens = accept
 
 
-def run_batch(model, batch, args) -> dict:
-    node = make_node(model, batch, args.context, args.steps, args.mtp_tokens)
+def run_batch(model, batch, args, overlap: bool) -> dict:
+    """One batch size's figures; with `overlap`, no profile (cProfile sees only the loop's
+    thread, not the forward's worker)."""
+    node = make_node(model, batch, args.context, args.steps, args.mtp_tokens, overlap)
     max_new = 2 + 4 * (args.steps + 3) * (args.mtp_tokens + 1)
     add_requests(node, batch, args.context, max_new, args.temperature)
     for _ in range(3):  # warm-up
@@ -118,16 +132,19 @@ def run_batch(model, batch, args) -> dict:
         walls.append(time.perf_counter() - started)
         node.outbox.take()
     tokens = sum(len(r.output_ids) for r in node.scheduler.requests) - tokens_before
-    profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(args.steps):
-        node.step()
-        node.outbox.take()
-    profile.disable()
+    shares = dict.fromkeys(("python_share", "native_kernel_share", "torch_c_share"), float("nan"))
+    if not overlap:
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(args.steps):
+            node.step()
+            node.outbox.take()
+        profile.disable()
+        shares = split_profile(pstats.Stats(profile))
     assert all(r.state == DecodeState.RUNNING for r in node.scheduler.requests)
-    shares = split_profile(pstats.Stats(profile))
     out = {
         "batch": batch,
+        "overlap": overlap,
         "step_ms": statistics.median(walls) * 1000,
         "tpot_ms": sum(walls) * 1000 / (tokens / batch),
         "tokens_per_step": tokens / (batch * args.steps),
@@ -164,16 +181,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.accept is not None:
         force_acceptance(args.accept, model.cfg.vocab_size)
-    rows = [run_batch(model, int(b), args) for b in args.batches.split(",")]
+    modes = {"off": [False], "on": [True], "both": [False, True, False]}[args.overlap]
+    rows = [run_batch(model, int(b), args, o) for b in args.batches.split(",") for o in modes]
     if args.json:
         print(json.dumps({"args": vars(args), "rows": rows}))
         return 0
     print(f"context {args.context}, {args.threads} threads, mtp_tokens {args.mtp_tokens}, "
           f"accept {args.accept}")  # fmt: skip
-    print("batch  step ms  TPOT ms  tok/step  python  kernels  torch-C  acceptance")
+    print("batch  overlap  step ms  TPOT ms  tok/step  python  kernels  torch-C  acceptance")
     for r in rows:
         print(
-            f"{r['batch']:5d}  {r['step_ms']:7.2f}  {r['tpot_ms']:7.2f}  {r['tokens_per_step']:8.2f}"
+            f"{r['batch']:5d}  {'on' if r['overlap'] else 'off':>7}  {r['step_ms']:7.2f}  {r['tpot_ms']:7.2f}  {r['tokens_per_step']:8.2f}"
             f"  {r['python_share']:6.1%}  {r['native_kernel_share']:7.1%}"
             f"  {r['torch_c_share']:7.1%}  {r.get('acceptance', float('nan')):.2f}"
         )

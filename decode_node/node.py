@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from decode_node.forward_runner import ForwardRunner, InFlight
 from decode_node.scheduler import DecodeRequest, DecodeScheduler, DecodeState, StepOutput
 from decode_node.speculative_step import SpeculativeStep
 from engine.batch import ForwardBatch
@@ -68,6 +69,7 @@ class DecodeNode:
     rank = 0
     num_ranks = 1
     forward_errors_are_fatal = False
+    supports_overlap = True  # a multi-rank node's steps run in lockstep, one after another
 
     def __init__(
         self,
@@ -119,6 +121,10 @@ class DecodeNode:
             if model.mtp is None:
                 raise ConfigError(f"node {name}: mtp = true needs the model's MTP layer loaded")
             self.speculative = SpeculativeStep(self, cfg.mtp_tokens)
+        # The overlapped step (issue 12): the forward beside the loop (decode_node.forward_runner).
+        overlap = cfg.overlap and self.supports_overlap and self.speculative is None
+        self.runner = ForwardRunner(model, self.pool, background=overlap)
+        self._in_flight: InFlight | None = None  # the step whose forward runs (overlap only)
         self.lease = RouterLease()
         self.is_stopping = False
         self.is_draining = False
@@ -167,9 +173,12 @@ class DecodeNode:
         self.outbox.send(NodeFailed(self.name, "decode", f"{type(exc).__name__}: {exc}"))
 
     def step(self) -> None:
+        """One turn of the loop. With overlap, steps 2-4 and the emission of step n's tokens
+        run while step n + 1's forward computes; without, in this order, one after another."""
+        in_flight, self._in_flight = self._in_flight, None
         # 1. Block when idle: wait for a control message only if there is nothing to decode;
         #    wait briefly while KV is in flight so a finished transfer is seen soon.
-        if self.scheduler.has_runnable():
+        if in_flight is not None or self.scheduler.has_runnable():
             wait = 0.0
         elif self.scheduler.count(DecodeState.AWAITING_KV):
             wait = 0.001
@@ -193,10 +202,19 @@ class DecodeNode:
         if self.is_draining and (not self.scheduler.requests or now >= self._drain_deadline):
             self.is_stopping = True  # close() fails what is left; the router moves it
         # 5. One decode step over the running batch (requests join and leave at every step).
-        batch = self.scheduler.schedule(self.batch_cap())
-        self._report_preempted()
-        if batch:
-            self._decode(batch)
+        if not self.runner.background:
+            batch = self.scheduler.schedule(self.batch_cap())
+            self._report_preempted()
+            if batch:
+                self._decode(batch)
+        else:  # the tokens of the step that ran, then the next one's forward, then emission
+            done = self._finish_step(in_flight) if in_flight is not None else None
+            batch = self.scheduler.schedule(self.batch_cap())
+            if batch and not self.is_stopping:
+                self._in_flight = self._start_step(batch)
+            if done is not None:
+                self._emit(*done)
+            self._report_preempted()  # after the StepTokens of the victims' last tokens
         # 6. Heartbeat with the free pages the router admits by.
         self._maybe_heartbeat()
 
@@ -364,6 +382,9 @@ class DecodeNode:
                 self._record_step(batch, time.monotonic() - started)
                 self._emit(outputs, logprobs_of)
             return
+        self._emit(*self._finish_step(self._start_step(batch)))
+
+    def _start_step(self, batch: list[DecodeRequest]) -> InFlight:
         tables = [r.table for r in batch]
         fb = ForwardBatch.decode_rows(
             tables,
@@ -371,24 +392,31 @@ class DecodeNode:
             [r.next_position for r in batch],
             self.block_table.rows([r.slot for r in batch], tables),
         )
-        started = time.monotonic()
         # The structured rows' masks: on a helper thread while the forward runs (both release
         # the GIL), taken before the matchers move again.
         pending_masks = self.grammars.start_masks([r.grammar for r in batch])
-        try:
-            logits = self.model.forward(fb, self.pool)  # [B, vocab] fp32
-        except Exception as exc:
-            self._fail_forward(batch, exc)
-            return
-        finally:
-            masks = pending_masks.result()
+        return self.runner.start(fb, batch, pending_masks)
+
+    def _finish_step(
+        self, step: InFlight
+    ) -> tuple[list[StepOutput], dict[str, list[TokenLogprobs]] | None]:
+        """The step's outputs and logprobs once its forward is done. Rows whose request left
+        while it ran (aborted, expired: overlap only) are dropped before sampling."""
+        logits, error, masks = self.runner.wait(step)
+        batch = [r for r in step.batch if r.state == DecodeState.RUNNING]
+        if error is not None:
+            self._fail_forward(batch, error)
+            return [], None
+        if len(batch) < len(step.batch):
+            keep = [i for i, r in enumerate(step.batch) if r.state == DecodeState.RUNNING]
+            logits, masks = logits[keep], (None if masks is None else masks.select(keep))
         tokens = self._sample(logits, batch, masks)
         for request, token in zip(batch, tokens, strict=True):
             self._advance_grammar(request, token)
         logprobs = token_logprobs(logits, tokens, [r.params.logprobs for r in batch])
         logprobs_of = {r.request_id: [lp] for r, lp in zip(batch, logprobs, strict=True) if lp}
-        self._record_step(batch, time.monotonic() - started)
-        self._emit(self.scheduler.update(batch, tokens), logprobs_of)
+        self._record_step(batch, time.monotonic() - step.started)
+        return self.scheduler.update(batch, tokens), logprobs_of
 
     def _fail_forward(self, batch: list[DecodeRequest], exc: Exception) -> None:
         """Fails the batch's requests loudly and keeps serving the others (fatal on a
@@ -530,6 +558,11 @@ class DecodeNode:
     def close(self, reason: str) -> None:
         """Fails whatever is still held (the router hears of each), frees it, closes the
         receiver."""
+        if self._in_flight is not None:  # its tokens are dropped (all fail below), but no
+            # row of it may be written after the pages are freed
+            self.runner.wait(self._in_flight)
+            self._in_flight = None
+        self.runner.close()
         for request in self.scheduler.requests:
             self._abort(request.request_id, reason)
             self._error(request.request_id, "decode", reason)

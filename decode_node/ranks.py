@@ -119,6 +119,7 @@ class RankDecodeNode(DecodeNode):
     """One rank of a multi-rank decode node (rank 0 also holds the router's inbox)."""
 
     forward_errors_are_fatal = True
+    supports_overlap = False
 
     def __init__(self, name, model, cfg, timeouts, inbox, outbox, receiver, group: RankGroup,
                  ep: ExpertParallel, children: list[subprocess.Popen] | None = None,

@@ -13,7 +13,7 @@
                 device, prefix_cache, quant
     [[decode]]  name, host, bind_host, control_port, kv_port, threads, page_size, num_pages,
                 max_batch, ranks, replicas, device, kv_reservation, kv_headroom_tokens, quant,
-                mtp, mtp_tokens
+                mtp, mtp_tokens, overlap
 
 `quant` ("none", "int8", "fp8"; engine.quant) is each node's own weight scheme: the KV it
 produces or consumes is the same whatever the scheme, so any prefill node feeds any decode node.
@@ -168,6 +168,10 @@ class DecodeNodeConfig(_Addresses):
     # mtp_tokens drafts per step.
     mtp: bool = False
     mtp_tokens: int = 1
+    # The overlapped step (issue 12, `decode_node.forward_runner`): the forward runs on a worker
+    # thread while the loop emits the last step's tokens and takes in the next one's inputs.
+    # Single-rank nodes without MTP; elsewhere the step runs in order.
+    overlap: bool = True
 
     @property
     def kv_endpoint(self) -> str:

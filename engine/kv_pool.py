@@ -34,6 +34,7 @@ class PageAllocator:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._in_use: set[int] = set()
         self._extra_holders: dict[int, int] = {}  # shared pages: holders beyond the first
+        self._held: list[int] | None = None  # freed while held back (`hold_frees`)
 
     @property
     def num_free(self) -> int:
@@ -42,6 +43,23 @@ class PageAllocator:
     @property
     def num_used(self) -> int:
         return len(self._in_use)
+
+    @property
+    def num_held(self) -> int:
+        """Pages freed since `hold_frees`, neither in use nor free yet."""
+        return len(self._held or ())
+
+    def hold_frees(self) -> None:
+        """From now on a freed page is held back, not handed out again, until `release_held`:
+        a forward running beside the loop (the decode node's overlap) may still write a row of
+        a request aborted meanwhile, and that row must not land in another request's page."""
+        if self._held is None:
+            self._held = []
+
+    def release_held(self) -> None:
+        """The pages held back since `hold_frees` become free; frees are immediate again."""
+        held, self._held = self._held or [], None
+        self._free.extend(reversed(held))
 
     def allocate(self, count: int) -> list[int]:
         """Takes `count` pages, or none at all if fewer are free (raises OutOfPagesError)."""
@@ -80,7 +98,7 @@ class PageAllocator:
                     self._extra_holders[page] = extra - 1
                 continue
             self._in_use.remove(page)
-            self._free.append(page)
+            (self._free if self._held is None else self._held).append(page)
 
 
 @dataclass

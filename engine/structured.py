@@ -191,6 +191,15 @@ class TokenMasks:
         out[self.rows] += self.bias
         return out
 
+    def select(self, keep: list[int]) -> TokenMasks | None:
+        """The masks of the batch rows `keep` (indices, in the new batch's order), renumbered
+        to that batch; None when none of them is constrained."""
+        new_row = {old: new for new, old in enumerate(keep)}
+        picked = [(new_row[row], i) for i, row in enumerate(self.rows) if row in new_row]
+        if not picked:
+            return None
+        return TokenMasks([row for row, _ in picked], self.bias[[i for _, i in picked]])
+
 
 def bitmask_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bitmask [R, W] int32 (bit t % 32 of word t // 32: token t allowed) -> [R, vocab_size]

@@ -1,6 +1,7 @@
 """A prefill node and a decode node wired in-process: queues for the control plane, the in-process
 kvtransfer for KV. `Pair` plays the router: it reserves, sends prefills and aborts, and steps
-both loops on the test's thread (deterministic: no sockets, no threads)."""
+both loops on the test's thread (deterministic: no sockets; D's overlapped forward runs on a
+thread, but the loop always waits for it in its next step, before it looks at the result)."""
 
 from __future__ import annotations
 
@@ -70,8 +71,11 @@ class Pair:
         prefix_cache=True,
         sla=None,
         mtp_tokens=0,
+        overlap=True,
     ):
-        """`mtp_tokens` > 0: D speculates with the model's MTP layer (which must be loaded)."""
+        """`mtp_tokens` > 0: D speculates with the model's MTP layer (which must be loaded).
+        `overlap`: D's forward runs on its worker thread (`decode_node.forward_runner`) while
+        the loop goes on; the outcome is the same as without, only one step later."""
         self.model = model
         self.timeouts = timeouts or TimeoutConfig(heartbeat_s=0.05)
         cfg = model.cfg
@@ -89,7 +93,7 @@ class Pair:
         d_cfg = DecodeNodeConfig(
             "d", page_size=d_page_size, max_batch=max_batch, kv_reservation=kv_reservation,
             kv_headroom_tokens=kv_headroom_tokens, mtp=mtp_tokens > 0,
-            mtp_tokens=max(1, mtp_tokens),
+            mtp_tokens=max(1, mtp_tokens), overlap=overlap,
         )  # fmt: skip
         self.prefill = PrefillNode(
             "p", model, p_cfg, self.timeouts, self.p_in, self.p_out, sender_factory
@@ -198,7 +202,9 @@ class Pair:
 
     @property
     def decode_pages_used(self) -> int:
-        return self.decode.pool.allocator.num_used
+        """Pages D's requests hold, and those an overlapped forward still holds back."""
+        allocator = self.decode.pool.allocator
+        return allocator.num_used + allocator.num_held
 
     @property
     def prefill_pages_used(self) -> int:

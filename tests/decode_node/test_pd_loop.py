@@ -29,9 +29,9 @@ def greedy(max_new=6, **kw):
     return SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True, **kw)
 
 
-@pytest.fixture
-def pair(model):
-    pair = Pair(model)
+@pytest.fixture(params=[True, False], ids=["overlap", "in-order"])
+def pair(model, request):
+    pair = Pair(model, overlap=request.param)
     yield pair
     pair.close()
 
@@ -52,11 +52,11 @@ def test_one_request_matches_offline_greedy(tiny_dir, dtype):
 
 def test_concurrent_requests_with_continuous_batching(pair, model, offline):
     batches = []
-    original = pair.decode._decode
-    pair.decode._decode = lambda batch: (
+    original = pair.decode._start_step  # every step's forward starts here, overlapped or not
+    pair.decode._start_step = lambda batch: (
         batches.append([r.request_id for r in batch]),
         original(batch),
-    )
+    )[1]
     lengths = [6, 3, 8, 5, 4]
     for i in range(3):
         assert pair.submit(f"r{i}", PROMPTS[i], greedy(lengths[i])).ok

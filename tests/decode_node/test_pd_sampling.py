@@ -42,8 +42,8 @@ def mixed_params() -> list[SamplingParams]:
 def test_penalties_in_mixed_batches_match_offline(model32, offline32):
     pair = Pair(model32, max_batch=3)  # six requests: slots are given back and reused
     batches = []
-    original = pair.decode._decode
-    pair.decode._decode = lambda batch: (batches.append(len(batch)), original(batch))
+    original = pair.decode._start_step
+    pair.decode._start_step = lambda batch: (batches.append(len(batch)), original(batch))[1]
     params = mixed_params()
     for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
         assert pair.submit(f"r{i}", prompt, p).ok

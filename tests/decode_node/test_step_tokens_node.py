@@ -28,16 +28,24 @@ def pair(model32):  # float32: a batch of four decodes exactly as offline (bf16 
 
 
 def record_steps(pair):
-    """[(ids of the step's batch, the StepTokens the step sent)] for every decode step."""
-    steps, original = [], pair.decode._decode
+    """[(ids of the step's batch, the StepTokens its tokens went out in)] for every decode step
+    (with overlap, a step's tokens go out while the next step's forward runs)."""
+    steps, finish, emit = [], pair.decode._finish_step, pair.decode._emit
+    finished = []  # (batch ids, outputs) of the steps whose tokens are not out yet
 
-    def decode(batch):
+    def finish_step(step):
+        result = finish(step)
+        finished.append(([r.request_id for r in step.batch], result[0]))
+        return result
+
+    def emit_and_record(outputs, logprobs_of=None):
         before = len(pair.d_out.messages)
-        original(batch)
-        sent = [m for m in pair.d_out.messages[before:] if isinstance(m, StepTokens)]
-        steps.append(([r.request_id for r in batch], sent))
+        emit(outputs, logprobs_of)
+        if finished and outputs is finished[0][1]:
+            sent = [m for m in pair.d_out.messages[before:] if isinstance(m, StepTokens)]
+            steps.append((finished.pop(0)[0], sent))
 
-    pair.decode._decode = decode
+    pair.decode._finish_step, pair.decode._emit = finish_step, emit_and_record
     return steps
 
 

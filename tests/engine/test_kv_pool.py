@@ -19,6 +19,23 @@ def test_allocator_all_or_nothing_and_double_free():
         alloc.free(first)
 
 
+def test_held_frees_are_handed_out_only_after_release():
+    alloc = PageAllocator(4)
+    first = alloc.allocate(2)
+    alloc.hold_frees()  # a forward may still write these
+    alloc.free(first)
+    assert alloc.num_held == 2 and alloc.num_free == 2 and alloc.num_used == 0
+    assert not set(alloc.allocate(2)) & set(first)  # only the pages never freed
+    with pytest.raises(OutOfPagesError):
+        alloc.allocate(1)
+    with pytest.raises(ValueError):
+        alloc.free(first)  # held is not in use: a second free is still a bug
+    alloc.release_held()
+    assert alloc.num_held == 0 and sorted(alloc.allocate(2)) == sorted(first)
+    alloc.free(first)
+    assert alloc.num_free == 2  # frees are immediate again
+
+
 @pytest.mark.parametrize("page_size", [1, 3, 16])
 def test_rows_round_trip_and_neighbours_untouched(page_size):
     pool = KVPool(num_layers=2, num_pages=40, page_size=page_size, row_width=5, dtype=torch.float32)

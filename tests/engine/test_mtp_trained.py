@@ -29,9 +29,10 @@ def model32(trained):
 
 @pytest.fixture(scope="module")
 def held_out_prompts(trained):
-    """The first 300 characters of held-out stdlib files, as prompts."""
+    """The first 300 characters of every held-out stdlib file (16), as prompts: fewer make
+    the acceptance below a draw of a few dozen drafts (4 files gave 0.38 where 16 give 0.45)."""
     tok = Tokenizer(trained)
-    return [tok.encode_prompt(text[:300]) for text in load_corpus().held_out[:4]]
+    return [tok.encode_prompt(text[:300]) for text in load_corpus().held_out]
 
 
 def test_inference_mtp_layer_equals_the_training_twin(trained, model32):
@@ -60,14 +61,17 @@ def test_speculating_on_held_out_python_is_lossless_and_accepts(
 ):
     """fp32 greedy: identical outputs. (In bf16 a verify forward of k + 1 rows rounds unlike a
     one-row step, as a batch of several requests does: a near-tie may then flip, as it may
-    between a request decoded alone and in a batch.) Measured acceptance per draft: 0.49
-    (k = 1) and 0.43 (k = 2); the random model's MTP layer accepts 0.01-0.04."""
+    between a request decoded alone and in a batch.) Acceptance per draft over the 16 files:
+    0.45 (k = 1) and 0.34 (k = 2) measured on an Intel Xeon host; the random model's MTP layer
+    accepts 0.01-0.04. The trained weights are not bit-identical across CPUs (torch's matmuls
+    round by ISA, and 400 steps of training carry the difference on), so the floors leave room
+    for another host's model: about ten times the random model's, still."""
     plain = OfflineGenerator(model32)
     spec = SpeculativeGenerator(model32, num_draft)
     params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
     for ids in held_out_prompts:
         assert spec.generate(ids, params).token_ids == plain.generate(ids, params).token_ids
-    floor = {1: 0.4, 2: 0.32}[num_draft]
+    floor = {1: 0.38, 2: 0.28}[num_draft]
     assert spec.acceptance_rate > floor, spec.acceptance_rate
     tokens_per_step = (spec.num_accepted + spec.num_steps) / spec.num_steps
     assert tokens_per_step > 1 + num_draft * floor

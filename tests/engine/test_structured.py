@@ -184,6 +184,21 @@ def test_apply_masks_equals_a_plain_loop(grammars, tok):
     assert apply_masks(logits, [None] * len(batch)) is logits
 
 
+def test_masks_of_a_subset_of_the_batch_apply_as_the_whole_ones_do(grammars, tok):
+    """`select`: the rows still wanted after some left the batch (the overlapped step)."""
+    states = walk(grammars, tok, *CASES["array"], '{"xs": [1, 2], "tag": "a"}')
+    batch = [states[0], None, states[5], None, states[-1]]
+    masks = grammars.compute_masks(batch)
+    logits = torch.randn(len(batch), PADDED_VOCAB, generator=torch.Generator().manual_seed(1))
+    whole = masks.apply(logits)
+    for keep in ([0, 1, 2, 3, 4], [4, 1, 0], [1, 3], [2]):
+        picked = masks.select(keep)
+        if all(batch[i] is None for i in keep):
+            assert picked is None
+        else:
+            assert torch.equal(picked.apply(logits[keep]), whole[keep]), keep
+
+
 def test_bitmask_bias_reads_bits_little_endian():
     bitmask = torch.tensor([[0b101, -(2**31)], [-1, 1]], dtype=torch.int32)
     bias = bitmask_bias(bitmask, 64)
