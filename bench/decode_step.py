@@ -12,8 +12,9 @@ make-bench-model --mtp`); `--accept P` replaces the drafts by the right tokens w
 probability P (the MTP layer still runs: its cost is in the figures), so TPOT can be measured
 at a stated acceptance on a random-weight model, whose own drafts are almost never right.
 
-With `--overlap on|both` the node's forward runs on its worker thread (`decode_node.forward_
-runner`): only the step time is reported then (the profiler sees one thread).
+With `--overlap on|both` the node's side work runs on its helper thread beside the forward
+(`decode_node.step_overlap`): only the step time is reported then (the profiler sees one
+thread).
 
     python -m bench.decode_step --model DIR [--batches 1,8,32 --context 256 --threads 2]
         [--overlap off|on|both]
@@ -56,7 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument(
         "--overlap", choices=("off", "on", "both"), default="off",
-        help="the overlapped step (forward on a worker thread); 'both' runs each batch size "
+        help="the overlapped step (the loop's work on a helper thread); 'both' runs each batch size "
         "in order, then overlapped, then in order again (the host's DRAM rate drifts)",
     )  # fmt: skip
     p.add_argument("--json", action="store_true")
@@ -116,8 +117,7 @@ def force_acceptance(p: float, vocab: int) -> None:
 
 
 def run_batch(model, batch, args, overlap: bool) -> dict:
-    """One batch size's figures; with `overlap`, no profile (cProfile sees only the loop's
-    thread, not the forward's worker)."""
+    """One batch size's figures; with `overlap`, no profile (cProfile sees only one thread)."""
     node = make_node(model, batch, args.context, args.steps, args.mtp_tokens, overlap)
     max_new = 2 + 4 * (args.steps + 3) * (args.mtp_tokens + 1)
     add_requests(node, batch, args.context, max_new, args.temperature)

@@ -18,15 +18,17 @@ receiver's kv_cancel, so P stops computing it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from decode_node.forward_runner import ForwardRunner, InFlight
 from decode_node.scheduler import DecodeRequest, DecodeScheduler, DecodeState, StepOutput
 from decode_node.speculative_step import SpeculativeStep
+from decode_node.step_overlap import StepOverlap
 from engine.batch import ForwardBatch
 from engine.block_table import BlockTable
 from engine.cluster_config import DecodeNodeConfig, SlaConfig, TimeoutConfig
@@ -61,6 +63,19 @@ from kvtransfer import KVReceiver, Rendezvous, TransferEvent, make_fingerprint
 log = logging.getLogger(__name__)
 
 MAX_DRAIN = 256  # control messages handled per step at most
+
+Outputs = tuple[list[StepOutput], "dict[str, list[TokenLogprobs]] | None"]  # a step's, to emit
+
+
+@dataclass
+class StartedStep:
+    """A decode step whose batch is built: its requests (in row order), the ForwardBatch, the
+    structured rows' masks (computed beside the forward) and when it started."""
+
+    batch: list[DecodeRequest]
+    fb: ForwardBatch
+    masks: concurrent.futures.Future[TokenMasks | None]
+    started: float
 
 
 class DecodeNode:
@@ -121,10 +136,10 @@ class DecodeNode:
             if model.mtp is None:
                 raise ConfigError(f"node {name}: mtp = true needs the model's MTP layer loaded")
             self.speculative = SpeculativeStep(self, cfg.mtp_tokens)
-        # The overlapped step (issue 12): the forward beside the loop (decode_node.forward_runner).
+        # The overlapped step (issue 12): the loop's work beside the forward (step_overlap).
         overlap = cfg.overlap and self.supports_overlap and self.speculative is None
-        self.runner = ForwardRunner(model, self.pool, background=overlap)
-        self._in_flight: InFlight | None = None  # the step whose forward runs (overlap only)
+        self.overlap = StepOverlap(self.pool) if overlap else None
+        self._unsent: Outputs | None = None  # overlap: the last step's, sent during the next
         self.lease = RouterLease()
         self.is_stopping = False
         self.is_draining = False
@@ -173,17 +188,47 @@ class DecodeNode:
         self.outbox.send(NodeFailed(self.name, "decode", f"{type(exc).__name__}: {exc}"))
 
     def step(self) -> None:
-        """One turn of the loop. With overlap, steps 2-4 and the emission of step n's tokens
-        run while step n + 1's forward computes; without, in this order, one after another."""
-        in_flight, self._in_flight = self._in_flight, None
-        # 1. Block when idle: wait for a control message only if there is nothing to decode;
-        #    wait briefly while KV is in flight so a finished transfer is seen soon.
-        if in_flight is not None or self.scheduler.has_runnable():
-            wait = 0.0
-        elif self.scheduler.count(DecodeState.AWAITING_KV):
-            wait = 0.001
-        else:
-            wait = min(0.05, self.timeouts.heartbeat_s)
+        """One turn of the loop: 1-4 take in what came, 5 decodes, 6 tells the router. With
+        overlap, 5's forward runs while a helper does the rest: the previous step's tokens go
+        out, then 1-4 and 6 (`decode_node.step_overlap`)."""
+        if self.overlap is not None:
+            return self._overlapped_step()
+        self._take_inputs(self._idle_wait())
+        # 5. One decode step over the running batch (requests join and leave at every step).
+        batch = self.scheduler.schedule(self.batch_cap())
+        self._report_preempted()
+        if batch:
+            self._decode(batch)
+        # 6. Heartbeat with the free pages the router admits by.
+        self._maybe_heartbeat()
+
+    def _overlapped_step(self) -> None:
+        batch = self.scheduler.schedule(self.batch_cap())  # after the last step's inputs
+        unsent, self._unsent = self._unsent, None
+
+        def loop_side(wait: float = 0.0) -> None:
+            if unsent is not None:
+                self._emit(*unsent)
+            self._report_preempted()  # after the StepTokens of the victims' last tokens
+            self._take_inputs(wait)
+            self._maybe_heartbeat()
+
+        if not batch:
+            return loop_side(self._idle_wait())
+        step = self._start_step(batch)
+        logits, error = self.overlap.run(loop_side, lambda: self.model.forward(step.fb, self.pool))
+        self._unsent = self._finish_step(step, logits, error)
+
+    def _idle_wait(self) -> float:
+        """1. Block when idle: wait for a control message only if there is nothing to decode;
+        wait briefly while KV is in flight so a finished transfer is seen soon."""
+        if self.scheduler.has_runnable():
+            return 0.0
+        if self.scheduler.count(DecodeState.AWAITING_KV):
+            return 0.001
+        return min(0.05, self.timeouts.heartbeat_s)
+
+    def _take_inputs(self, wait: float) -> None:
         # 2. Drain inputs: reservations, aborts, shutdown.
         msg, num_handled = self.inbox.recv(wait), 0
         while msg is not None:  # bounded, so a flood of messages cannot starve compute
@@ -201,22 +246,6 @@ class DecodeNode:
             self._orphan_all(f"no word from the router for {self.timeouts.lease_s:g} s")
         if self.is_draining and (not self.scheduler.requests or now >= self._drain_deadline):
             self.is_stopping = True  # close() fails what is left; the router moves it
-        # 5. One decode step over the running batch (requests join and leave at every step).
-        if not self.runner.background:
-            batch = self.scheduler.schedule(self.batch_cap())
-            self._report_preempted()
-            if batch:
-                self._decode(batch)
-        else:  # the tokens of the step that ran, then the next one's forward, then emission
-            done = self._finish_step(in_flight) if in_flight is not None else None
-            batch = self.scheduler.schedule(self.batch_cap())
-            if batch and not self.is_stopping:
-                self._in_flight = self._start_step(batch)
-            if done is not None:
-                self._emit(*done)
-            self._report_preempted()  # after the StepTokens of the victims' last tokens
-        # 6. Heartbeat with the free pages the router admits by.
-        self._maybe_heartbeat()
 
     # ---- inputs ----------------------------------------------------------------------------
     def _handle(self, msg: Any) -> None:
@@ -382,9 +411,14 @@ class DecodeNode:
                 self._record_step(batch, time.monotonic() - started)
                 self._emit(outputs, logprobs_of)
             return
-        self._emit(*self._finish_step(self._start_step(batch)))
+        step = self._start_step(batch)
+        try:
+            logits, error = self.model.forward(step.fb, self.pool), None  # [B, vocab] fp32
+        except Exception as exc:
+            logits, error = None, exc
+        self._emit(*self._finish_step(step, logits, error))
 
-    def _start_step(self, batch: list[DecodeRequest]) -> InFlight:
+    def _start_step(self, batch: list[DecodeRequest]) -> StartedStep:
         tables = [r.table for r in batch]
         fb = ForwardBatch.decode_rows(
             tables,
@@ -394,15 +428,15 @@ class DecodeNode:
         )
         # The structured rows' masks: on a helper thread while the forward runs (both release
         # the GIL), taken before the matchers move again.
-        pending_masks = self.grammars.start_masks([r.grammar for r in batch])
-        return self.runner.start(fb, batch, pending_masks)
+        masks = self.grammars.start_masks([r.grammar for r in batch])
+        return StartedStep(batch, fb, masks, time.monotonic())
 
     def _finish_step(
-        self, step: InFlight
-    ) -> tuple[list[StepOutput], dict[str, list[TokenLogprobs]] | None]:
-        """The step's outputs and logprobs once its forward is done. Rows whose request left
-        while it ran (aborted, expired: overlap only) are dropped before sampling."""
-        logits, error, masks = self.runner.wait(step)
+        self, step: StartedStep, logits: torch.Tensor | None, error: Exception | None
+    ) -> Outputs:
+        """The step's outputs and logprobs from its forward's logits (or exception). Rows whose
+        request left while it ran (aborted, expired: overlap only) are dropped first."""
+        masks = step.masks.result()
         batch = [r for r in step.batch if r.state == DecodeState.RUNNING]
         if error is not None:
             self._fail_forward(batch, error)
@@ -558,11 +592,11 @@ class DecodeNode:
     def close(self, reason: str) -> None:
         """Fails whatever is still held (the router hears of each), frees it, closes the
         receiver."""
-        if self._in_flight is not None:  # its tokens are dropped (all fail below), but no
-            # row of it may be written after the pages are freed
-            self.runner.wait(self._in_flight)
-            self._in_flight = None
-        self.runner.close()
+        if self._unsent is not None:  # the last step's tokens (overlap), before the errors
+            self._emit(*self._unsent)
+            self._unsent = None
+        if self.overlap is not None:
+            self.overlap.close()
         for request in self.scheduler.requests:
             self._abort(request.request_id, reason)
             self._error(request.request_id, "decode", reason)

@@ -168,10 +168,11 @@ class DecodeNodeConfig(_Addresses):
     # mtp_tokens drafts per step.
     mtp: bool = False
     mtp_tokens: int = 1
-    # The overlapped step (issue 12, `decode_node.forward_runner`): the forward runs on a worker
-    # thread while the loop emits the last step's tokens and takes in the next one's inputs.
-    # Single-rank nodes without MTP; elsewhere the step runs in order.
-    overlap: bool = True
+    # The overlapped step (issue 12, `decode_node.step_overlap`): while the forward runs, a
+    # helper thread emits the last step's tokens and takes in the next one's inputs.
+    # Single-rank nodes without MTP; elsewhere the step runs in order. Off by default: it
+    # needs a core the kernels leave free, and on a 2-core host it measured no gain.
+    overlap: bool = False
 
     @property
     def kv_endpoint(self) -> str:

@@ -1,7 +1,7 @@
 """A prefill node and a decode node wired in-process: queues for the control plane, the in-process
 kvtransfer for KV. `Pair` plays the router: it reserves, sends prefills and aborts, and steps
-both loops on the test's thread (deterministic: no sockets; D's overlapped forward runs on a
-thread, but the loop always waits for it in its next step, before it looks at the result)."""
+both loops on the test's thread (deterministic: no sockets; D's overlapped step hands its
+side work to a helper thread, but joins it before the step returns)."""
 
 from __future__ import annotations
 
@@ -71,11 +71,12 @@ class Pair:
         prefix_cache=True,
         sla=None,
         mtp_tokens=0,
-        overlap=True,
+        overlap=False,
     ):
         """`mtp_tokens` > 0: D speculates with the model's MTP layer (which must be loaded).
-        `overlap`: D's forward runs on its worker thread (`decode_node.forward_runner`) while
-        the loop goes on; the outcome is the same as without, only one step later."""
+        `overlap`: while D's forward runs, a helper thread emits the last step's tokens and
+        takes in D's inputs (`decode_node.step_overlap`); the outcome is the same as without,
+        the tokens going out one step later."""
         self.model = model
         self.timeouts = timeouts or TimeoutConfig(heartbeat_s=0.05)
         cfg = model.cfg

@@ -1,5 +1,5 @@
-"""The overlapped decode step (issue 12; `decode_node.forward_runner`): the forward of step n + 1
-runs on a worker thread while the loop emits step n's tokens and takes in new inputs.
+"""The overlapped decode step (issue 12; `decode_node.step_overlap`): while step n + 1's forward
+runs, a helper thread emits step n's tokens and takes in new inputs.
 
 The same tokens and logprobs as the in-order step; a request aborted while its row is in flight
 keeps its pages out of anyone's hands until the forward is done (so a reservation taken in that
@@ -9,6 +9,7 @@ and the node goes on."""
 import pytest
 from pd_harness import Pair
 
+from decode_node.scheduler import DecodeState
 from engine.sampling import SamplingParams
 
 PROMPTS = [[3, 44, 18, 250, 9, 71, 130], [5, 6, 7, 8, 9] * 3, [100, 200, 300], list(range(10, 21))]
@@ -47,9 +48,9 @@ def test_overlapped_steps_give_the_in_order_tokens_and_logprobs(model32, offline
     assert len(overlapped["r0"].logprobs) == 8  # r0 asked: one per decoded token
 
 
-def _in_flight_ids(pair):
-    step = pair.decode._in_flight
-    return set() if step is None else {r.request_id for r in step.batch}
+def _both_running(pair):
+    requests = [pair.decode.scheduler.get(rid) for rid in ("a", "b")]
+    return all(r is not None and r.state == DecodeState.RUNNING for r in requests)
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "in-order"])
@@ -60,15 +61,13 @@ def test_an_abort_while_the_row_is_in_flight_holds_its_pages_until_the_forward_e
     for rid, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[1])):
         assert pair.submit(rid, prompt, greedy(20)).ok
     allocator = pair.decode.pool.allocator
-    if overlap:  # a step whose batch holds both is running on the worker
-        pair.run_until(lambda: _in_flight_ids(pair) == {"a", "b"}, "a step of a and b")
-    else:
-        pair.run_until(lambda: len(pair.seen["a"].token_ids) >= 2, "a and b decoding")
+    pair.run_until(lambda: _both_running(pair), "a and b decoding")  # the next step has both
     pages_of_a = set(pair.decode.scheduler.get("a").table.pages)
-    tokens_of_a = len(pair.seen["a"].token_ids)
     pair.abort("a", prefill=False)
     # D takes the abort and then c's Reserve in one step, while (overlap) a's row is computed.
     assert pair.submit("c", PROMPTS[2], greedy(4)).ok
+    pair.collect()
+    tokens_of_a = len(pair.seen["a"].token_ids)  # (overlap: the last step's went out first)
     pages_of_c = set(pair.decode.scheduler.get("c").table.pages)
     if overlap:
         assert not pages_of_a & pages_of_c  # held back, then free once the forward ended
@@ -90,6 +89,9 @@ class FailsOnce:
     def __init__(self, model):
         self.model, self.failed = model, False
 
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
     def forward(self, fb, pool):
         if not self.failed:
             self.failed = True
@@ -100,7 +102,7 @@ class FailsOnce:
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "in-order"])
 def test_a_forward_that_raises_fails_its_batch_and_the_node_goes_on(model32, offline32, overlap):
     pair = Pair(model32, overlap=overlap)
-    pair.decode.runner.model = FailsOnce(model32)
+    pair.decode.model = FailsOnce(model32)
     assert pair.submit("a", PROMPTS[0], greedy(6)).ok
     pair.run_until(lambda: pair.seen["a"].is_over)
     (error,) = pair.seen["a"].errors

@@ -20,9 +20,9 @@ def greedy(max_new, **kw):
     return SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True, **kw)
 
 
-@pytest.fixture
-def pair(model32):  # float32: a batch of four decodes exactly as offline (bf16 may flip a tie)
-    pair = Pair(model32, max_batch=4)
+@pytest.fixture(params=[False, True], ids=["in-order", "overlap"])
+def pair(model32, request):  # float32: four decode together exactly as offline (bf16 may flip)
+    pair = Pair(model32, max_batch=4, overlap=request.param)
     yield pair
     pair.close()
 
@@ -33,8 +33,8 @@ def record_steps(pair):
     steps, finish, emit = [], pair.decode._finish_step, pair.decode._emit
     finished = []  # (batch ids, outputs) of the steps whose tokens are not out yet
 
-    def finish_step(step):
-        result = finish(step)
+    def finish_step(step, *forward_result):
+        result = finish(step, *forward_result)
         finished.append(([r.request_id for r in step.batch], result[0]))
         return result
 

@@ -60,11 +60,14 @@ TIMEOUTS = {"node_timeout_s": 60.0}
 
 
 def _2p1d_config(path):
-    """deploy/configs/2p1d.toml (prefill `replicas = 2`) moved to free loopback ports."""
+    """deploy/configs/2p1d.toml (prefill `replicas = 2`) moved to free loopback ports, its
+    decode node with the overlapped step (issue 12): every test here runs both ways."""
     raw = tomllib.loads((DEPLOY / "configs" / "2p1d.toml").read_text())
     raw["router"]["control_port"] = free_port()
     raw["prefill"][0]["control_port"] = free_port_pair()
-    raw["decode"][0].update(name="decode-0", control_port=free_port(), kv_port=free_port())
+    raw["decode"][0].update(
+        name="decode-0", control_port=free_port(), kv_port=free_port(), overlap=True
+    )
     raw["timeouts"] = TIMEOUTS
     path.write_text(dump_toml(raw))
     return path
