@@ -12,7 +12,10 @@ Per MoE layer (all ranks together, in the same order):
    and cast to the model dtype. Shared experts stay local (`MoE.__call__` adds them).
 
 A rank with no tokens still calls every layer's exchange with T = 0 (`idle_step`), so the
-collectives always match. gloo implements all_to_all_single with uneven splits (checked on
+collectives always match. With MTP (`mtp_passes` = the node's mtp_tokens), the MTP layer's MoE
+is sharded the same way, and every step makes exactly `mtp_passes` MTP exchanges on every rank:
+a rank's draft passes (at most that many: one, then one per chained draft), then idle ones for
+the rest (`finish_mtp_step`), however many requests it drafts for. gloo implements all_to_all_single with uneven splits (checked on
 torch 2.13 CPU), so no padding is needed. `ranks = 1` never installs this: no communication.
 """
 
@@ -68,8 +71,12 @@ class ExpertParallel:
         self.moe_layers: list[MoE] = [
             layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)
         ]
+        mtp_mlp = None if model.mtp is None else model.mtp.layer.mlp
+        self.mtp_moe: MoE | None = mtp_mlp if isinstance(mtp_mlp, MoE) else None
+        self.mtp_passes = 0  # MTP exchanges per step (the node's mtp_tokens when it speculates)
+        self._mtp_exchanges = 0  # made in this step so far
         self.comm_seconds = 0.0
-        for moe in self.moe_layers:
+        for moe in (*self.moe_layers, *([self.mtp_moe] if self.mtp_moe is not None else [])):
             moe.routed_experts = self._hook(moe)
             moe.routed_adds_shared = True  # overlapped with the dispatch (dispatch_combine)
 
@@ -78,14 +85,32 @@ class ExpertParallel:
 
     @torch.inference_mode()
     def idle_step(self) -> None:
-        """Joins every MoE layer's exchange with no tokens of its own (serves the others)."""
-        hidden = self.model.cfg.hidden_size
-        k = self.model.cfg.num_experts_per_tok
-        empty_x = torch.empty(0, hidden, dtype=self.model.dtype)
+        """Joins every MoE layer's exchange with no tokens of its own (serves the others), the
+        step's MTP exchanges included."""
+        for moe in self.moe_layers:
+            self._idle_exchange(moe)
+        self.finish_mtp_step()
+
+    @torch.inference_mode()
+    def finish_mtp_step(self) -> None:
+        """After this rank's draft passes (if any): idle MTP exchanges up to `mtp_passes`."""
+        if self.mtp_moe is not None:
+            while self._mtp_exchanges < self.mtp_passes:
+                self._idle_exchange(self.mtp_moe)
+            if self._mtp_exchanges > self.mtp_passes:
+                raise RuntimeError(
+                    f"{self._mtp_exchanges} MTP exchanges in one step, the ranks agreed on "
+                    f"{self.mtp_passes}"
+                )
+        self._mtp_exchanges = 0
+
+    def _idle_exchange(self, moe: MoE) -> None:
+        cfg = self.model.cfg
+        k = cfg.num_experts_per_tok
+        empty_x = torch.empty(0, cfg.hidden_size, dtype=self.model.dtype)
         empty_w = torch.empty(0, k, dtype=torch.float32)
         empty_ids = torch.empty(0, k, dtype=torch.int32)
-        for moe in self.moe_layers:
-            self.dispatch_combine(moe, empty_x, empty_w, empty_ids)
+        self.dispatch_combine(moe, empty_x, empty_w, empty_ids)
 
     def dispatch_combine(
         self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
@@ -94,6 +119,8 @@ class ExpertParallel:
         the routed experts' weighted sum, computed by the ranks that own them, plus the shared
         experts' output, computed here while the dispatch exchange is in flight (the same sum,
         in the same order, as `MoE.__call__` without expert parallelism)."""
+        if moe is self.mtp_moe:
+            self._mtp_exchanges += 1
         num_tokens, hidden = x.shape
         top_k = ids.shape[1]
         # Which ranks each token needs; rows sorted rank-major so the splits are contiguous.

@@ -501,8 +501,10 @@ class DecodeNode:
         num_generated = [len(r.output_ids) for r in batch]
         past = counts.past(slots, params, num_generated, [r.stop_ids for r in batch])
         allowed = logits if masks is None else masks.apply(logits)
-        # The draw index of a row is its tokens so far (P's first one included).
-        tokens = sample(allowed, params, [r.seed for r in batch], num_generated, past)
+        # The draw index of a row is its tokens so far (P's first one included), after those of
+        # its earlier attempts.
+        draws = [n + p.draw_offset for n, p in zip(num_generated, params, strict=True)]
+        tokens = sample(allowed, params, [r.seed for r in batch], draws, past)
         counts.add(slots, tokens)
         return tokens
 

@@ -57,7 +57,8 @@ GLOO_BACKEND = "duet_gloo"  # gloo bound to the node's group_host (`_gloo_on`)
 # Per-rank stats gathered every step (int64).
 BATCH, FREE_PAGES, IN_FLIGHT, AWAITING, READY, RUNNING, KV_BYTES, DROPPED = range(8)
 PREEMPTED = 8  # on-demand decode KV: requests the rank preempted, cumulative
-NUM_STATS = 9
+MTP_DRAFTED, MTP_ACCEPTED, MTP_EMITTED, MTP_STEPS = 9, 10, 11, 12  # MTP counters, cumulative
+NUM_STATS = 13
 
 
 def collective_timeout_s(node_timeout_s: float) -> float:
@@ -127,6 +128,9 @@ class RankDecodeNode(DecodeNode):
         super().__init__(name, model, cfg, timeouts, inbox, outbox, receiver, sla)
         self.rank, self.num_ranks = group.rank, group.world
         self.group, self.ep = group, ep
+        if self.speculative is not None:  # MTP: the same MTP exchanges on every rank a step
+            ep.mtp_passes = cfg.mtp_tokens
+            self.speculative.ep = ep
         self.children = children or []
         self._stats = [[0] * NUM_STATS for _ in range(group.world)]
         self._stopped = False
@@ -255,6 +259,9 @@ class RankDecodeNode(DecodeNode):
         row[RUNNING] = sum(r.state == DecodeState.RUNNING for r in requests)
         row[KV_BYTES], row[DROPPED] = kv.bytes_written, kv.num_dropped
         row[PREEMPTED] = self.scheduler.num_preempted
+        if self.speculative is not None:
+            s = self.speculative.stats
+            row[MTP_DRAFTED : MTP_STEPS + 1] = s.drafted, s.accepted, s.emitted, s.request_steps
         return row
 
     def _maybe_heartbeat(self) -> None:
@@ -274,8 +281,15 @@ class RankDecodeNode(DecodeNode):
                 stage_ms=self.stage_times.means(), draining=self.is_draining,
                 num_preempted=total[PREEMPTED],
                 timing_samples=self.timing_samples.take(),
+                **self._mtp_totals(total),
             )
         )  # fmt: skip
+
+    def _mtp_totals(self, total: list[int]) -> dict[str, int]:
+        if self.speculative is None:
+            return {}
+        return dict(mtp_drafted=total[MTP_DRAFTED], mtp_accepted=total[MTP_ACCEPTED],
+                    mtp_emitted=total[MTP_EMITTED], mtp_request_steps=total[MTP_STEPS])  # fmt: skip
 
     def _reap_children(self, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s

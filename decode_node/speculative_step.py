@@ -58,6 +58,9 @@ class SpeculativeStep:
         self.num_draft = num_draft
         self.stats = MtpStats()
         self._floor = 0  # free pages draft rows must leave: one per running request
+        # An expert-parallel node's exchanges (decode_node.expert_parallel): every rank makes
+        # the same number of MTP exchanges a step, drafting or not.
+        self.ep = None
 
     def run(self, batch: list[DecodeRequest]) -> tuple[list, dict, int] | None:
         """Steps 1-4 for `batch`. Returns (outputs, logprobs by request id, rows run) for the
@@ -100,7 +103,11 @@ class SpeculativeStep:
         for i, r in enumerate(batch):
             if spec[i]:
                 emitted[i] = accept_tokens(
-                    logits[rows_of[i]], r.drafts, r.params, r.seed, len(r.output_ids)
+                    logits[rows_of[i]],
+                    r.drafts,
+                    r.params,
+                    r.seed,
+                    len(r.output_ids) + r.params.draw_offset,
                 )
                 stats.drafted += len(r.drafts)
                 stats.accepted += len(emitted[i]) - 1
@@ -108,6 +115,8 @@ class SpeculativeStep:
                 stats.request_steps += 1
         outputs = node.scheduler.update_many(batch, emitted)
         self._draft_next(batch, spec, emitted, positions, rows_of, hidden)
+        if self.ep is not None:
+            self.ep.finish_mtp_step()
         return outputs, logprobs_of, fb.num_seqs
 
     def _room_for_drafts(self, request: DecodeRequest) -> list[int]:
@@ -164,6 +173,8 @@ class SpeculativeStep:
                 [batch[i].slot for i in live],
             )
         except Exception:  # no drafts costs speed, never correctness: keep serving
+            if self.node.forward_errors_are_fatal:  # the ranks' exchanges no longer match
+                raise
             log.exception("MTP draft forward failed; these requests decode without drafts")
             drafts = [[] for _ in live]
         for i, d in zip(live, drafts, strict=True):

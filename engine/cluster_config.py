@@ -401,11 +401,6 @@ def _validate_mtp(node: DecodeNodeConfig, uses_mtp: bool) -> None:
         )
     if not 1 <= node.mtp_tokens <= MAX_MTP_TOKENS:
         raise ConfigError(f"node {node.name}: mtp_tokens must be in [1, {MAX_MTP_TOKENS}]")
-    if node.mtp and node.ranks > 1:
-        raise ConfigError(
-            f"node {node.name}: mtp with ranks > 1 is not supported yet (the MTP layer's "
-            "experts are not sharded across ranks)"
-        )
 
 
 ADMISSION_POLICIES = ("reject", "queue", "none")

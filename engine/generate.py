@@ -83,8 +83,8 @@ class OfflineGenerator:
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         """The first token as the prefill node samples it (the prompt is all its past, draw
         index 0), the rest as the decode node does (output counts kept in a one-slot
-        TokenCounts, token k drawn with index k; with structured output, each token masked to
-        the grammar first)."""
+        TokenCounts, token k drawn with index k, both after `params.draw_offset`; with
+        structured output, each token masked to the grammar first)."""
         cfg = self.model.cfg
         validate_prompt(prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
         params.check_vocab(cfg.vocab_size)
@@ -101,7 +101,8 @@ class OfflineGenerator:
                 logits = logits[None]  # [1, V]
                 if grammar is not None:
                     logits = self.grammars.compute_masks([grammar]).apply(logits)
-                token = sample(logits, [params], [seed], [len(tokens)], past)[0]
+                draw = params.draw_offset + len(tokens)
+                token = sample(logits, [params], [seed], [draw], past)[0]
                 if grammar is not None and not grammar.consume(token):
                     raise InvalidRequestError(f"structured output failed: {grammar.error}")
                 tokens.append(token)

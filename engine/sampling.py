@@ -8,7 +8,8 @@ Random streams are counter-based (`native.reference_sampling`): the random numbe
 request's k-th token (its draw index: the tokens it sampled before) are a pure function of
 (seed, k), so all rows of a step draw in one native call, a fixed seed gives the same tokens in
 any batch and on any node, and the decode node continues the prefill node's stream by passing
-k = the tokens already sampled (P draws the first token with k = 0).
+k = the tokens already sampled (P draws the first token with k = 0; a restarted attempt's
+k starts at its `draw_offset`, the tokens its earlier attempts sampled).
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ class SamplingParams:
     # A restarted attempt of a structured request (`router.state`): its last `structured_resume`
     # prompt tokens are output already streamed, which the grammar consumes before anything new.
     structured_resume: int = 0
+    # A restarted attempt (`router.state`): the tokens the request sampled in its earlier
+    # attempts. Its draw indices go on after them, so a seeded request draws the same tokens
+    # whether or not it was preempted or moved to another pair.
+    draw_offset: int = 0
     # n > 1 / best_of: one prefill, the KV forked on the decode node into `n` sequences;
     # sequence i samples as a request of its own with `for_sequence(i)`.
     n: int = 1
@@ -94,6 +99,8 @@ class SamplingParams:
                 raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.structured is not None:
             self._check_structured()
+        if not isinstance(self.draw_offset, int) or self.draw_offset < 0:
+            raise InvalidRequestError(f"draw_offset must be an int >= 0, got {self.draw_offset!r}")
         if self.structured_resume < 0 or (self.structured_resume and self.structured is None):
             raise InvalidRequestError(
                 f"structured_resume must be >= 0 and needs structured, got {self.structured_resume}"

@@ -85,7 +85,7 @@ class SpeculativeGenerator(OfflineGenerator):
                 table,
                 prompt_ids,
                 self.chunk_size,
-                lambda logits: sample(logits[None], [params], [seed], [0])[0],
+                lambda logits: sample(logits[None], [params], [seed], [params.draw_offset])[0],
             )
             tokens = [first]
             if first in stop_ids:
@@ -100,7 +100,9 @@ class SpeculativeGenerator(OfflineGenerator):
                 pool.reserve(table, position + len(drafts) + 1)
                 batch = rows_batch(pool, [table], [[tokens[-1], *drafts]], [position])
                 logits, hidden = self.model.forward_with_hidden(batch, pool)
-                emitted = accept_tokens(logits, drafts, params, seed, len(tokens))
+                emitted = accept_tokens(
+                    logits, drafts, params, seed, params.draw_offset + len(tokens)
+                )
                 self.num_steps += 1
                 self.num_drafted += len(drafts)
                 self.num_accepted += len(emitted) - 1

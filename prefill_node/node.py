@@ -332,7 +332,8 @@ class PrefillNode:
         # its sequences), ~0.05 ms a row next to the forward, so in line.
         masks = self.grammars.compute_masks([finished[j].grammar for j in owner])
         allowed = rows if masks is None else masks.apply(rows)
-        tokens = sample(allowed, params, seeds, [0] * len(params), past)  # the first draw: 0
+        # The first draw: 0, or after an earlier attempt's tokens (a preempted or moved request).
+        tokens = sample(allowed, params, seeds, [p.draw_offset for p in params], past)
         logprobs = token_logprobs(rows, tokens, [p.logprobs for p in params])
         out = [([], []) for _ in finished]
         for j, token, lp in zip(owner, tokens, logprobs, strict=True):

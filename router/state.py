@@ -174,6 +174,8 @@ class RouterRequest:
             prompt_logprobs=prompt_logprobs,
             # Structured output: the grammar replays the output streamed so far.
             structured_resume=done if self.sampling.structured is not None else 0,
+            # Seeded sampling draws on where the earlier attempts stopped.
+            draw_offset=done,
         )
 
     def restart(self, room: int) -> None:

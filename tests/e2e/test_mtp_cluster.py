@@ -1,8 +1,12 @@
 """End to end: `duet up --mtp-tokens 2` on a checkpoint with an MTP layer, served to the
-official openai client. The prefill node runs the MTP layer behind the prompt and sends its KV
-(one more layer) and its first draft; the decode node speculates. Greedy outputs equal plain
-`duet generate` (no MTP, the oracle) and seeded sampled ones `duet generate --mtp-tokens 2`
-(its offline twin); /metrics exports the acceptance figures."""
+official openai client, with one decode rank and with two (expert-parallel: the MTP layer's
+experts are split like the others'). The prefill node runs the MTP layer behind the prompt and
+sends its KV (one more layer) and its first draft; the decode node speculates. Greedy outputs
+equal plain `duet generate` (no MTP, the oracle), alone and concurrent (spread over both
+ranks when there are two), and seeded sampled ones `duet generate --mtp-tokens 2` (its offline twin); /metrics
+exports the acceptance figures."""
+
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -25,9 +29,10 @@ def mtp_dir(tmp_path_factory):
     )
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, mtp_dir):
-    args = ["--model", mtp_dir, "--threads", "1", "--mtp-tokens", "2", "--dtype", "float32"]
+@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
+def cluster(request, tmp_path_factory, mtp_dir):
+    args = ["--model", mtp_dir, "--threads", "1", "--mtp-tokens", "2", "--dtype", "float32",
+            "--decode-ranks", str(request.param)]  # fmt: skip
     up = start_cluster(args, tmp_path_factory)
     yield up
     up.stop()
@@ -41,6 +46,20 @@ def test_greedy_with_mtp_equals_plain_generate(cluster, mtp_dir, prompt):
     want = generate_reference("float32", MAX_NEW, prompt=prompt, extra=("--model", mtp_dir))
     assert out.choices[0].text == want["text"]
     assert out.usage.completion_tokens == len(want["token_ids"])
+
+
+def test_concurrent_greedy_streams_with_mtp_equal_plain_generate(cluster, mtp_dir):
+    def complete(prompt):
+        out = cluster.client().completions.create(
+            model="mtp-model", prompt=prompt, max_tokens=MAX_NEW, temperature=0.0
+        )
+        return out.choices[0].text
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        texts = list(pool.map(complete, PROMPTS))
+    for prompt, text in zip(PROMPTS, texts, strict=True):
+        want = generate_reference("float32", MAX_NEW, prompt=prompt, extra=("--model", mtp_dir))
+        assert text == want["text"], prompt
 
 
 def test_seeded_sampling_with_mtp_equals_its_offline_twin(cluster, mtp_dir):

@@ -140,8 +140,8 @@ def test_sla_admission_defaults_keep_todays_behaviour():
 
 def test_mtp_settings_default_off_and_are_checked():
     """MTP (issue 12): off by default; every decode node must agree (the MTP layer's cache is
-    part of the KV every prefill node sends), mtp_tokens within what kv_done carries, and not
-    yet with expert-parallel ranks."""
+    part of the KV every prefill node sends), mtp_tokens within what kv_done carries; with
+    expert-parallel ranks too (the MTP layer's experts are sharded like the others)."""
     cfg = _cfg()
     assert not cfg.uses_mtp and cfg.decode[0].mtp_tokens == 1
     cfg = _cfg(decode={"mtp": True, "mtp_tokens": 3})
@@ -153,7 +153,7 @@ def test_mtp_settings_default_off_and_are_checked():
     for bad in (0, 17):
         with pytest.raises(ConfigError, match="mtp_tokens must be in"):
             _cfg(decode={"mtp": True, "mtp_tokens": bad})
-    with pytest.raises(ConfigError, match="ranks > 1 is not supported"):
-        _cfg(decode={"mtp": True, "ranks": 2})
+    cfg = _cfg(decode={"mtp": True, "ranks": 2})
+    assert cfg.uses_mtp and cfg.decode[0].ranks == 2
     with pytest.raises(ConfigError, match="mtp must be bool"):
         _cfg(decode={"mtp": "yes"})
