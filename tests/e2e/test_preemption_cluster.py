@@ -6,8 +6,9 @@ Each request (a 5-6 token prompt, 48 tokens with ignore_eos) reserves one page u
 preempted. No timing luck: the prefill node is frozen (SIGSTOP) until the router has dispatched
 all three, so all three hold their page on the decode node together (with two ranks, two of
 them share a rank). The router re-prefills each preempted request; every client gets exactly
-`duet generate`'s greedy text, the router and the node counted preemptions, and the decode
-pages return to zero."""
+`duet generate`'s text, greedy and seeded sampling alike (a re-prefilled attempt draws on
+after the tokens already streamed: `SamplingParams.draw_offset`), the router and the node
+counted preemptions, and the decode pages return to zero."""
 
 import os
 import signal
@@ -21,6 +22,21 @@ from deploy.local_cluster import dump_toml
 
 PROMPTS = ["Hello world", "Once upon a time", "A B C"]
 MAX_NEW = 48
+# Greedy, and two seeded streams hot enough to wander (which of the three are preempted
+# depends on their arrival order).
+SAMPLING = {
+    "Hello world": {"temperature": 0},
+    "Once upon a time": {"temperature": 1.5, "seed": 101},
+    "A B C": {"temperature": 1.5, "seed": 102},
+}
+
+
+def _reference_args(prompt: str) -> tuple[str, ...]:
+    sampling = SAMPLING[prompt]
+    if not sampling["temperature"]:
+        return ("--ignore-eos",)
+    return ("--ignore-eos", "--temperature", str(sampling["temperature"]),
+            "--seed", str(sampling["seed"]))  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
@@ -41,8 +57,8 @@ def cluster(request, tmp_path_factory):
 
 
 def _complete(cluster, prompt: str) -> dict:
-    body = {"model": "tiny-model", "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
+    body = {"model": "tiny-model", "prompt": prompt, "max_tokens": MAX_NEW, "ignore_eos": True,
+            **SAMPLING[prompt]}  # fmt: skip
     r = httpx.post(cluster.url + "/v1/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     return r.json()
@@ -50,7 +66,7 @@ def _complete(cluster, prompt: str) -> dict:
 
 def test_a_pool_too_small_for_all_preempts_and_every_output_is_exact(cluster):
     want = {
-        p: generate_reference("float32", MAX_NEW, prompt=p, extra=("--ignore-eos",))["text"]
+        p: generate_reference("float32", MAX_NEW, prompt=p, extra=_reference_args(p))["text"]
         for p in PROMPTS
     }
     used = lambda: cluster.metric("duet_kv_pages_used", node="decode-0", role="decode")  # noqa: E731
