@@ -15,8 +15,9 @@ A rank with no tokens still calls every layer's exchange with T = 0 (`idle_step`
 collectives always match. With MTP (`mtp_passes` = the node's mtp_tokens), the MTP layer's MoE
 is sharded the same way, and every step makes exactly `mtp_passes` MTP exchanges on every rank:
 a rank's draft passes (at most that many: one, then one per chained draft), then idle ones for
-the rest (`finish_mtp_step`), however many requests it drafts for. gloo implements all_to_all_single with uneven splits (checked on
-torch 2.13 CPU), so no padding is needed. `ranks = 1` never installs this: no communication.
+the rest (`finish_mtp_step`), however many requests it drafts for. gloo implements
+all_to_all_single with uneven splits (checked on torch 2.13 CPU), so no padding is needed.
+`ranks = 1` never installs this: no communication. The shards: `engine.sharding`.
 """
 
 from __future__ import annotations
@@ -26,28 +27,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.errors import ConfigError
 from engine.model import DeepseekModel, MoE
+from engine.sharding import check_shardable, expert_shard
 
-
-def expert_shard(num_experts: int, rank: int, world: int) -> range:
-    """Rank r owns experts [r*E//R, (r+1)*E//R): contiguous, sizes differ by at most one
-    when R does not divide E (uneven shards are fine: the kernel takes any local count)."""
-    check_shardable(num_experts, world)
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is outside [0, {world})")
-    return range(rank * num_experts // world, (rank + 1) * num_experts // world)
-
-
-def check_shardable(num_experts: int, world: int) -> None:
-    """ConfigError unless every one of `world` ranks can own at least one routed expert."""
-    if world < 1:
-        raise ConfigError(f"ranks must be >= 1, got {world}")
-    if world > 1 and num_experts < world:
-        raise ConfigError(
-            f"ranks = {world} exceeds the model's {num_experts} routed experts: "
-            "every rank must own at least one"
-        )
+__all__ = ["ExpertParallel", "check_shardable", "expert_shard"]
 
 
 class ExpertParallel:

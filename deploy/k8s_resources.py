@@ -9,7 +9,7 @@
   (`engine.quant_schemes.quantized_bytes`: a byte per weight plus scales). An FP8 checkpoint on
   a quant = "none" node is dequantized at load, so it counts at the cluster dtype. A decode node of `ranks` R runs R processes, each with the full attention,
   dense and shared-expert weights and its own shard of the routed experts
-  (`decode_node.expert_parallel.expert_shard`).
+  (`engine.sharding.expert_shard`).
 - KV pool: `num_layers * num_pages * page_size * kv_row_width * dtype bytes` per process (each
   prefill node and each decode rank allocates its own pool of the node's `num_pages`).
 - MARGIN covers the load peak (a matrix's raw and prepacked copies are held together for a
@@ -26,10 +26,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from decode_node.expert_parallel import expert_shard
 from engine.cluster_config import DecodeNodeConfig, PrefillNodeConfig
 from engine.config import ModelConfig
 from engine.quant_schemes import is_quantized, quantized_bytes
+from engine.sharding import expert_shard
 from engine.weight_names import checkpoint_shapes, mtp_shapes
 from engine.weights import keeps_fp32
 

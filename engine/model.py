@@ -23,6 +23,7 @@ from engine.kv_pool import KVPool
 from engine.mtp import MTPLayer
 from engine.quant import Quantizer, as_tensor, quantizer
 from engine.rope import rope_cos_sin
+from engine.sharding import ShardedWeights, check_tensor_parallel, expert_shard
 from engine.weight_names import checkpoint_shapes, mtp_shapes
 from native import ops
 
@@ -115,10 +116,13 @@ class MLA:
         prefix: str,
         cos_sin: torch.Tensor,
         quant: Quantizer,
+        num_heads: int | None = None,
     ):
+        """`num_heads`: the heads this rank holds (tensor parallelism: `weights` then holds
+        their rows only, `engine.sharding.ShardedWeights`); default all of them."""
         self.cfg = cfg
         self.cos_sin = cos_sin
-        self.num_heads = cfg.num_attention_heads
+        self.num_heads = num_heads or cfg.num_attention_heads
         w = lambda name: weights.pop(f"{prefix}.{name}")  # noqa: E731
         if cfg.q_lora_rank is None:
             self.q_proj = quant.linear(w("q_proj.weight"))
@@ -208,12 +212,13 @@ class DecoderLayer:
         cos_sin: torch.Tensor,
         expert_range: range,
         quant: Quantizer,
+        num_heads: int | None = None,
     ):
         prefix = f"model.layers.{idx}"
         self.eps = cfg.rms_norm_eps
         self.input_norm = weights[f"{prefix}.input_layernorm.weight"]
         self.post_attention_norm = weights[f"{prefix}.post_attention_layernorm.weight"]
-        self.attn = MLA(cfg, weights, f"{prefix}.self_attn", cos_sin, quant)
+        self.attn = MLA(cfg, weights, f"{prefix}.self_attn", cos_sin, quant, num_heads)
         if cfg.is_moe_layer(idx):
             self.mlp: MLP | MoE = MoE(cfg, weights, f"{prefix}.mlp", expert_range, quant)
         else:
@@ -239,7 +244,9 @@ class DeepseekModel:
     holds the model as held plus one tensor in flight. `quant` ("none", "int8", "fp8"; None =
     "none") is the scheme of the projections and experts (`engine.quant`). With `mtp`, the
     checkpoint's MTP layer is loaded too (`engine.mtp`, the draft of speculative decoding) and
-    the KV pool has one more layer, its cache."""
+    the KV pool has one more layer, its cache. With `tensor_parallel` = (rank, world) the model
+    holds rank `rank`'s shard (`engine.sharding`: its heads, MLP columns and experts), whose
+    attention and MLP outputs are partial sums: `engine.tensor_parallel` all-reduces them."""
 
     def __init__(
         self,
@@ -249,8 +256,16 @@ class DeepseekModel:
         expert_range=None,
         quant: str | None = None,
         mtp: bool = False,
+        tensor_parallel: tuple[int, int] | None = None,
     ):
         self.cfg = cfg
+        self.tensor_parallel = tensor_parallel
+        num_heads = None
+        if tensor_parallel is not None:
+            rank, world = tensor_parallel
+            weights = ShardedWeights(weights, cfg, rank, world)
+            num_heads = cfg.num_attention_heads // world
+            expert_range = expert_range or expert_shard(cfg.n_routed_experts, rank, world)
         q = quantizer(quant, dtype)
         self.quant = q.name
         # Where it was loaded from (`from_pretrained`): structured output loads the tokenizer
@@ -267,14 +282,16 @@ class DeepseekModel:
         del head
         self.layers = []
         for i in range(cfg.num_hidden_layers):
-            self.layers.append(DecoderLayer(cfg, weights, i, self.cos_sin, self.expert_range, q))
+            self.layers.append(
+                DecoderLayer(cfg, weights, i, self.cos_sin, self.expert_range, q, num_heads)
+            )
             release_free_heap()  # the layer's packing temporaries (engine.heap)
         self.norm = weights["model.norm.weight"]
         self.mtp: MTPLayer | None = None
         if mtp:
             check_has_mtp(cfg)
             n = cfg.num_hidden_layers
-            layer = DecoderLayer(cfg, weights, n, self.cos_sin, self.expert_range, q)
+            layer = DecoderLayer(cfg, weights, n, self.cos_sin, self.expert_range, q, num_heads)
             self.mtp = MTPLayer(cfg, weights, layer, q)
             release_free_heap()
         # The KV pool's layers: the main ones, then the MTP layer's when loaded.
@@ -289,11 +306,17 @@ class DeepseekModel:
         progress: bool = True,
         quant: str | None = None,
         mtp: bool = False,
+        tensor_parallel: tuple[int, int] | None = None,
     ) -> DeepseekModel:
         """Loads config.json and the safetensors, each tensor read as the model packs it;
         `expert_range` limits the routed experts held (an expert-parallel rank loads only its
-        shard); `quant` is the weights' scheme (`engine.quant`: "none", "int8", "fp8")."""
+        shard); `quant` is the weights' scheme (`engine.quant`: "none", "int8", "fp8");
+        `tensor_parallel` = (rank, world): a tensor-parallel rank's shard (see the class)."""
         cfg = ModelConfig.from_model_dir(model_dir)
+        if tensor_parallel is not None and expert_range is None:
+            rank, world = tensor_parallel
+            check_tensor_parallel(cfg, world)
+            expert_range = expert_shard(cfg.n_routed_experts, rank, world)
         keep = None if expert_range is None else (lambda e: e in expert_range)
         shapes = checkpoint_shapes(cfg, keep)
         if mtp:
@@ -302,7 +325,7 @@ class DeepseekModel:
         block = cfg.quant.weight_block_size if cfg.quant else None
         keep_fp8 = quantizer(quant, dtype).keeps_fp8
         with CheckpointReader(model_dir, shapes, dtype, block, keep_fp8, progress) as weights:
-            model = cls(cfg, weights, dtype, expert_range, quant, mtp)
+            model = cls(cfg, weights, dtype, expert_range, quant, mtp, tensor_parallel)
             unread = weights.unread()
         if unread:  # checkpoint_shapes and the model disagree: a bug, not the user's input
             raise RuntimeError(f"the model did not read {len(unread)} tensors: {unread[:3]}")

@@ -23,6 +23,7 @@ void register_bmm(py::module_& m);   // bmm.cpp (bmm_bf16)
 void register_extend_attention(py::module_& m);  // extend_attention.cpp
 void register_mla_decode(py::module_& m);        // mla_decode.cpp
 void register_sampling(py::module_& m);  // sampling.cpp (race_sample, random_uniform)
+void register_shm_allreduce(py::module_& m);  // shm_allreduce.cpp (ShmAllReduce)
 }  // namespace duet
 
 PYBIND11_MODULE(_C, m) {
@@ -44,4 +45,5 @@ PYBIND11_MODULE(_C, m) {
   duet::register_extend_attention(m);
   duet::register_mla_decode(m);
   duet::register_sampling(m);
+  duet::register_shm_allreduce(m);
 }

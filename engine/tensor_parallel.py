@@ -1,0 +1,97 @@
+"""Tensor parallelism (issue 14, the prefill node's `ranks`) as a transform of
+`engine.model.DeepseekModel`: a model loaded with `tensor_parallel = (rank, world)` holds its
+rank's heads, MLP columns and routed experts (`engine.sharding.ShardedWeights`), so its
+attention output (after o_proj) and its MLP / MoE output are partial sums over the ranks; this
+all-reduces each, which makes every rank's residual stream, and so its KV rows and logits, the
+same as one rank's with the whole model (up to the order of the sum).
+
+Two all-reduces a layer, each of a [T, D] tensor, summed in fp32 whatever the model dtype (a
+bf16 partial sum per rank, rounded once more when the sum is cast back): over gloo
+(`gloo_all_reduce`; across hosts) or, for ranks on one host, through one shared-memory segment
+(`shm_all_reduce`, `native/csrc/shm_allreduce.cpp`: a copy in, a barrier, a sum out)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.model import DeepseekModel
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+class _Reduced:
+    """`inner(x)`, all-reduced."""
+
+    def __init__(self, inner: Callable[[torch.Tensor], torch.Tensor], all_reduce: AllReduce):
+        self.inner, self.all_reduce = inner, all_reduce
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce(self.inner(x))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def gloo_all_reduce(group=None) -> AllReduce:
+    """A sum over the group's ranks with `torch.distributed` (gloo here, NCCL on a GPU), in
+    fp32: every rank gets the same bytes back."""
+
+    def all_reduce(partial: torch.Tensor) -> torch.Tensor:
+        total = partial.float()  # (in place when fp32: the partial is not used again)
+        dist.all_reduce(total, group=group)
+        return total.to(partial.dtype)
+
+    return all_reduce
+
+
+SHM_CAPACITY = 1 << 20  # floats a rank's slot holds: 2 x 4 MiB a rank (Docker's /dev/shm is 64 MiB)
+
+
+def shm_all_reduce(
+    rank: int, world: int, group=None, timeout_s: float = 60.0, capacity: int = SHM_CAPACITY
+) -> AllReduce:
+    """The group's sum through one shared-memory segment (its ranks must share a host): rank 0
+    creates it under /dev/shm with a random name, which it sends the others over the group
+    (as bytes: no pickle); once every rank has mapped it, rank 0 unlinks it, so it is gone
+    with the last rank whatever way the ranks end. A peer missing for `timeout_s` is an
+    error."""
+    from native import _C
+
+    token = torch.zeros(16, dtype=torch.uint8)
+    if rank == 0:
+        token[:] = torch.frombuffer(bytearray(secrets.token_hex(8).encode()), dtype=torch.uint8)
+    path = ""
+    if rank == 0:
+        path = f"/dev/shm/duet-tp-{bytes(token.tolist()).decode()}"
+        shm = _C.ShmAllReduce(path, rank, world, capacity, True, timeout_s)
+    dist.broadcast(token, 0, group=group)
+    if rank != 0:
+        path = f"/dev/shm/duet-tp-{bytes(token.tolist()).decode()}"
+        shm = _C.ShmAllReduce(path, rank, world, capacity, False, timeout_s)
+    shm.barrier()  # every rank holds the mapping now
+    if rank == 0:
+        os.unlink(path)
+
+    def all_reduce(partial: torch.Tensor) -> torch.Tensor:
+        total = partial.float().contiguous()  # (in place when fp32: not used again)
+        shm.all_reduce(total.data_ptr(), total.numel())
+        return total.to(partial.dtype)
+
+    return all_reduce
+
+
+def install_tensor_parallel(model: DeepseekModel, all_reduce: AllReduce) -> None:
+    """Makes `model` (a tensor-parallel shard) all-reduce after every o_proj and every MLP,
+    the MTP layer's included."""
+    if model.tensor_parallel is None:
+        raise ValueError("the model was not loaded as a tensor-parallel shard")
+    layers = [*model.layers, *([model.mtp.layer] if model.mtp is not None else [])]
+    for layer in layers:
+        layer.attn.o_proj = _Reduced(layer.attn.o_proj, all_reduce)
+        layer.mlp = _Reduced(layer.mlp, all_reduce)

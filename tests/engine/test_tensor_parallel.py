@@ -1,0 +1,170 @@
+"""Tensor parallelism (issue 14, `engine.tensor_parallel`) on the tiny model, float32: two gloo
+processes on loopback, each holding half the heads, half of every MLP's columns and half the
+routed experts, give the logits and KV rows of one process holding everything, through
+chunked prefill with a cached prefix (the extend path) and a decode step; both ranks agree
+exactly, with the all-reduce over gloo and over the shared-memory segment. The shared-memory
+all-reduce alone: the sum in rank order on every rank, tensors longer than a slot in pieces,
+its segment unlinked once mapped, and a peer that never comes an error after the timeout. A
+model whose heads do not split evenly is refused with a clear error."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.batch import ForwardBatch
+from engine.config import ModelConfig
+from engine.errors import ConfigError
+from engine.model import DeepseekModel
+from engine.sharding import check_tensor_parallel
+from engine.tensor_parallel import gloo_all_reduce, install_tensor_parallel, shm_all_reduce
+from engine.tiny_model import V2_LITE_OVERRIDES, make_tiny_model
+from native import ops
+
+PROMPTS = [[5, 17, 33, 2, 40, 9, 81, 12, 4], [7, 7, 100, 3, 250, 11, 9]]
+CHUNK = 4  # the first chunk of each prompt, then the rest over it as a cached prefix
+
+
+def run(model: DeepseekModel) -> dict[str, torch.Tensor]:
+    """Chunk 1 of both prompts, chunk 2 over it (prefix), one decode step: every forward's
+    logits, and the KV rows the pool holds at the end."""
+    pool = model.new_kv_pool(num_pages=16, page_size=4)
+    tables = [pool.new_table() for _ in PROMPTS]
+    for table, prompt in zip(tables, PROMPTS, strict=True):
+        pool.reserve(table, len(prompt) + 1)
+    first = ForwardBatch.build(pool, tables, [p[:CHUNK] for p in PROMPTS], [0, 0], is_decode=False)
+    rest = ForwardBatch.build(
+        pool, tables, [p[CHUNK:] for p in PROMPTS], [CHUNK, CHUNK], is_decode=False
+    )
+    out = {"chunk1": model.forward(first, pool), "chunk2": model.forward(rest, pool)}
+    next_tokens = [[int(t)] for t in out["chunk2"].argmax(-1)]
+    step = ForwardBatch.build(pool, tables, next_tokens, [len(p) for p in PROMPTS], is_decode=True)
+    out["decode"] = model.forward(step, pool)
+    layers = model.num_kv_layers
+    out["kv"] = torch.cat(
+        [pool.read_rows(t, 0, layers, 0, len(p) + 1) for t, p in zip(tables, PROMPTS, strict=True)],
+        dim=1,
+    )
+    return out
+
+
+def _join(rank, world, port):
+    ops.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+
+
+def _rank_main(rank, world, port, model_dir, out_dir, comm):
+    _join(rank, world, port)
+    try:
+        model = DeepseekModel.from_pretrained(
+            model_dir, torch.float32, progress=False, tensor_parallel=(rank, world)
+        )
+        reduce = gloo_all_reduce() if comm == "gloo" else shm_all_reduce(rank, world)
+        install_tensor_parallel(model, reduce)
+        held = {"heads": model.layers[0].attn.num_heads, "experts": list(model.expert_range)}
+        torch.save({**run(model), **held}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=["v3", "v2-lite"])
+def model_dir(request, tmp_path_factory):
+    """The tiny model with q_lora (V3-like) and without (V2-Lite: q_proj split by heads)."""
+    overrides = V2_LITE_OVERRIDES if request.param == "v2-lite" else None
+    return make_tiny_model(tmp_path_factory.mktemp("tp"), seed=5, overrides=overrides)
+
+
+@pytest.mark.parametrize("comm", ["gloo", "shm"])
+def test_two_tensor_parallel_ranks_match_one(model_dir, tmp_path, comm):
+    reference = run(DeepseekModel.from_pretrained(model_dir, torch.float32, progress=False))
+    mp.spawn(_rank_main, args=(2, _free_port(), str(model_dir), str(tmp_path), comm), nprocs=2,
+             join=True)  # fmt: skip
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    cfg = ModelConfig.from_model_dir(model_dir)
+    assert [r["heads"] for r in ranks] == [cfg.num_attention_heads // 2] * 2
+    assert [r["experts"] for r in ranks] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # (Were any split tensor held whole, the all-reduce would count it twice: no match below.)
+    for key in ("chunk1", "chunk2", "decode", "kv"):
+        assert torch.equal(ranks[0][key], ranks[1][key]), key  # one all-reduced stream
+        # fp32, summed in another order: a few ulps of the logits' scale.
+        torch.testing.assert_close(ranks[0][key], reference[key], atol=1e-4, rtol=1e-4)
+    for key in ("chunk1", "chunk2", "decode"):
+        assert torch.equal(ranks[0][key].argmax(-1), reference[key].argmax(-1)), key
+
+
+def test_a_split_that_is_not_even_is_refused(model_dir):
+    cfg = ModelConfig.from_model_dir(model_dir)  # 4 heads, MLP 128, shared experts 32
+    check_tensor_parallel(cfg, 4)  # 4 ranks: one head each
+    with pytest.raises(ConfigError, match=r"num_attention_heads \(4\) divisible by 3"):
+        check_tensor_parallel(cfg, 3)
+    with pytest.raises(ConfigError, match="routed experts"):
+        check_tensor_parallel(cfg, 16)  # more ranks than the 8 experts
+    with pytest.raises(ConfigError, match="divisible by 3"):
+        DeepseekModel.from_pretrained(
+            model_dir, torch.float32, progress=False, tensor_parallel=(0, 3)
+        )
+
+
+SIZES = [1, 1000, 2 * 64 + 5]  # the last one longer than the slots (64 floats): in pieces
+
+
+def _partial(rank: int, n: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(100 * rank + n))
+
+
+def _shm_main(rank, world, port, out_dir):
+    _join(rank, world, port)
+    try:
+        reduce = shm_all_reduce(rank, world, capacity=64, timeout_s=30.0)
+        leftovers = sorted(p.name for p in Path("/dev/shm").glob("duet-tp-*"))
+        sums = {n: reduce(_partial(rank, n)) for n in SIZES}
+        sums["bf16"] = reduce(_partial(rank, 300).bfloat16())
+        torch.save({"sums": sums, "leftovers": leftovers}, f"{out_dir}/shm{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_shared_memory_all_reduce_sums_in_rank_order_on_every_rank(tmp_path, world):
+    before = set(Path("/dev/shm").glob("duet-tp-*"))
+    mp.spawn(_shm_main, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    results = [torch.load(tmp_path / f"shm{r}.pt") for r in range(world)]
+    for n in SIZES:
+        want = _partial(0, n)
+        for r in range(1, world):
+            want = want + _partial(r, n)  # fp32, rank order
+        for result in results:
+            assert torch.equal(result["sums"][n], want), n
+    bf16 = sum(_partial(r, 300).bfloat16().float() for r in range(world)).bfloat16()
+    for result in results:
+        assert result["sums"]["bf16"].dtype == torch.bfloat16
+        assert torch.equal(result["sums"]["bf16"], bf16)
+    assert set(Path("/dev/shm").glob("duet-tp-*")) == before  # unlinked once mapped
+
+
+def test_a_peer_that_never_comes_is_an_error_after_the_timeout(tmp_path):
+    from native import _C
+
+    path = str(tmp_path / "segment")
+    lonely = _C.ShmAllReduce(path, 0, 2, 16, True, 0.3)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 0 waited 0\.3.* s for its peers"):
+        lonely.all_reduce(torch.ones(4).data_ptr(), 4)
+    assert 0.3 <= time.monotonic() - started < 10.0
