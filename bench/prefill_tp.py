@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import socket
 import statistics
 import tempfile
 import time
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from deploy.local_cluster import free_port
 from engine.batch import ForwardBatch
 from engine.model import DeepseekModel
 from engine.tensor_parallel import gloo_all_reduce, install_tensor_parallel, shm_all_reduce
@@ -110,15 +110,9 @@ def _rank_main(rank, world, port, model_dir, threads, prompt_len, chunk, repeats
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_config(model_dir, world, threads, args, comm="gloo") -> dict:
     with tempfile.TemporaryDirectory() as out:
-        params = (world, _free_port(), str(model_dir), threads, args.prompt_len, args.chunk,
+        params = (world, free_port(), str(model_dir), threads, args.prompt_len, args.chunk,
                   args.repeats, comm, out)  # fmt: skip
         mp.spawn(_rank_main, args=params, nprocs=world, join=True)
         return json.load(open(Path(out) / "rank0.json"))

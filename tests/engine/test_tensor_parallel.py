@@ -10,7 +10,6 @@ model whose heads do not split evenly is refused with a clear error."""
 from __future__ import annotations
 
 import datetime
-import socket
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from deploy.local_cluster import free_port
 from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.errors import ConfigError
@@ -77,12 +77,6 @@ def _rank_main(rank, world, port, model_dir, out_dir, comm):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=["v3", "v2-lite"])
 def model_dir(request, tmp_path_factory):
     """The tiny model with q_lora (V3-like) and without (V2-Lite: q_proj split by heads)."""
@@ -93,7 +87,7 @@ def model_dir(request, tmp_path_factory):
 @pytest.mark.parametrize("comm", ["gloo", "shm"])
 def test_two_tensor_parallel_ranks_match_one(model_dir, tmp_path, comm):
     reference = run(DeepseekModel.from_pretrained(model_dir, torch.float32, progress=False))
-    mp.spawn(_rank_main, args=(2, _free_port(), str(model_dir), str(tmp_path), comm), nprocs=2,
+    mp.spawn(_rank_main, args=(2, free_port(), str(model_dir), str(tmp_path), comm), nprocs=2,
              join=True)  # fmt: skip
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     cfg = ModelConfig.from_model_dir(model_dir)
@@ -144,7 +138,7 @@ def _shm_main(rank, world, port, out_dir):
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_shared_memory_all_reduce_sums_in_rank_order_on_every_rank(tmp_path, world):
     before = set(Path("/dev/shm").glob("duet-tp-*"))
-    mp.spawn(_shm_main, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_shm_main, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
     results = [torch.load(tmp_path / f"shm{r}.pt") for r in range(world)]
     for n in SIZES:
         want = _partial(0, n)
