@@ -10,6 +10,8 @@ over the ones before as its prefix), `--repeats` times after one warm-up, and re
 median seconds, the 2-rank / 1-rank throughput ratio, the all-reduce's share of rank 0's time
 (its wall time, waiting for the peer included) and the bytes each all-reduce moves per layer.
 The configurations alternate (1, R, 1, R, ...: `--rounds`): this host's DRAM rate drifts.
+`--dry-run` only prints the bytes a rank sends per layer under each scheme
+(`engine.tensor_parallel.traffic_per_layer`) and runs nothing.
 
     python -m bench.prefill_tp [--layers 2 --prompt-len 2048 --chunk 512 --threads 2 --ranks 2
         --comm gloo,shm --rounds 2 --repeats 3]
@@ -31,8 +33,14 @@ import torch.multiprocessing as mp
 
 from deploy.local_cluster import free_port
 from engine.batch import ForwardBatch
+from engine.config import ModelConfig
 from engine.model import DeepseekModel
-from engine.tensor_parallel import gloo_all_reduce, install_tensor_parallel, shm_all_reduce
+from engine.tensor_parallel import (
+    gloo_all_reduce,
+    install_tensor_parallel,
+    shm_all_reduce,
+    traffic_per_layer,
+)
 from native import ops
 
 
@@ -49,6 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed prefills per configuration run")
     p.add_argument("--rounds", type=int, default=2, help="alternations of the configurations")
     p.add_argument("--comm", default="gloo,shm", help="all-reduces to compare: gloo, shm")
+    p.add_argument("--dry-run", action="store_true", help="the schemes' traffic per layer only")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
 
@@ -118,8 +127,28 @@ def run_config(model_dir, world, threads, args, comm="gloo") -> dict:
         return json.load(open(Path(out) / "rank0.json"))
 
 
+def dry_run(args) -> int:
+    if args.model:
+        cfg = ModelConfig.from_model_dir(args.model)
+    else:
+        from engine.bench_model import bench_config
+
+        cfg = ModelConfig.from_dict(bench_config(args.layers, 102400, 0, 1))
+    traffic = traffic_per_layer(cfg, args.prompt_len, args.ranks)
+    if args.json:
+        print(json.dumps({"prompt_len": args.prompt_len, "ranks": args.ranks, **traffic}))
+        return 0
+    print(f"bytes one rank sends per layer, {args.prompt_len} tokens over {args.ranks} ranks "
+          f"(hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads):")  # fmt: skip
+    for scheme, sent in traffic.items():
+        print(f"  {scheme:22s} {sent / 2**20:8.2f} MiB")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.dry_run:
+        return dry_run(args)
     if args.threads % args.ranks:
         raise SystemExit(f"error: --threads {args.threads} must split evenly over --ranks")
     comms = args.comm.split(",")

@@ -95,3 +95,29 @@ def install_tensor_parallel(model: DeepseekModel, all_reduce: AllReduce) -> None
     for layer in layers:
         layer.attn.o_proj = _Reduced(layer.attn.o_proj, all_reduce)
         layer.mlp = _Reduced(layer.mlp, all_reduce)
+
+
+def traffic_per_layer(cfg, tokens: int, world: int, act_bytes: int = 2) -> dict[str, float]:
+    """Bytes one rank sends per layer, by scheme, for `tokens` tokens over `world` ranks (ring
+    collectives: an all-reduce of N elements sends 2 (R-1)/R N, an all-gather, reduce-scatter or
+    all-to-all (R-1)/R N). The dry-run that explains the choice by numbers, as the seeds' 2P1D
+    prefill does (its schemes one to three):
+    - "tp" (what `install_tensor_parallel` does): heads split, the latent down-projections
+      whole on every rank; all-reduce (fp32) of [T, D] after o_proj and after the MLP;
+    - "tp_sp_reduce_scatter": the down-projections sequence-split, their [T, q | kv | rope]
+      output all-gathered; heads split; o_proj's partial sums reduce-scattered (fp32) to the
+      sequence split, which the MLP keeps;
+    - "tp_sp" (the seeds' choice, not built here yet): as above, but the attention output
+      goes head-split -> sequence-split by one all-to-all, and o_proj runs sequence-split.
+    The sequence-split MLP needs every rank to hold the whole MLP (or an expert-parallel
+    exchange, not counted): the price of the smaller traffic."""
+    share = (world - 1) / world
+    d = cfg.hidden_size
+    latent = (cfg.q_lora_rank or d) + cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    attn_out = cfg.num_attention_heads * cfg.v_head_dim
+    return {
+        "tp": 2 * (2 * share * tokens * d * 4),
+        "tp_sp_reduce_scatter": share * tokens * latent * act_bytes + share * tokens * d * 4,
+        "tp_sp": share * tokens * latent * act_bytes
+        + share * tokens * attn_out / world * act_bytes,
+    }

@@ -24,7 +24,12 @@ from engine.config import ModelConfig
 from engine.errors import ConfigError
 from engine.model import DeepseekModel
 from engine.sharding import check_tensor_parallel
-from engine.tensor_parallel import gloo_all_reduce, install_tensor_parallel, shm_all_reduce
+from engine.tensor_parallel import (
+    gloo_all_reduce,
+    install_tensor_parallel,
+    shm_all_reduce,
+    traffic_per_layer,
+)
 from engine.tiny_model import V2_LITE_OVERRIDES, make_tiny_model
 from native import ops
 
@@ -162,3 +167,18 @@ def test_a_peer_that_never_comes_is_an_error_after_the_timeout(tmp_path):
     with pytest.raises(RuntimeError, match=r"rank 0 waited 0\.3.* s for its peers"):
         lonely.all_reduce(torch.ones(4).data_ptr(), 4)
     assert 0.3 <= time.monotonic() - started < 10.0
+
+
+def test_the_dry_run_counts_each_schemes_bytes_by_hand(model_dir):
+    """8 tokens over 2 ranks on the tiny shapes (D 64; kv_lora 32, rope 8; 4 heads of v 16), by
+    hand: "tp" all-reduces [8, 64] fp32 twice, each sending half of it twice (2 x 2 x 1024 B);
+    the sequence-split schemes all-gather the down-projections' [8, W] bf16 (W = q_lora 48 + 40
+    = 88; without q_lora, x itself: 64 + 40 = 104; each rank sends its 4 rows: 704 or 832 B),
+    then reduce-scatter [8, 64] fp32 (1024 B) or all-to-all the [8, 32] bf16 its two heads
+    computed (the other rank's 4 tokens: 256 B)."""
+    cfg = ModelConfig.from_model_dir(model_dir)
+    gathered = 704.0 if cfg.q_lora_rank == 48 else 832.0
+    assert cfg.q_lora_rank in (48, None)
+    assert traffic_per_layer(cfg, tokens=8, world=2) == {
+        "tp": 4096.0, "tp_sp_reduce_scatter": gathered + 1024, "tp_sp": gathered + 256,
+    }  # fmt: skip
