@@ -66,17 +66,19 @@ def shm_all_reduce(
     token = torch.zeros(16, dtype=torch.uint8)
     if rank == 0:
         token[:] = torch.frombuffer(bytearray(secrets.token_hex(8).encode()), dtype=torch.uint8)
-    path = ""
+    name = lambda: f"/dev/shm/duet-tp-{bytes(token.tolist()).decode()}"  # noqa: E731
     if rank == 0:
-        path = f"/dev/shm/duet-tp-{bytes(token.tolist()).decode()}"
+        path = name()
         shm = _C.ShmAllReduce(path, rank, world, capacity, True, timeout_s)
-    dist.broadcast(token, 0, group=group)
-    if rank != 0:
-        path = f"/dev/shm/duet-tp-{bytes(token.tolist()).decode()}"
-        shm = _C.ShmAllReduce(path, rank, world, capacity, False, timeout_s)
-    shm.barrier()  # every rank holds the mapping now
-    if rank == 0:
-        os.unlink(path)
+        try:
+            dist.broadcast(token, 0, group=group)
+            shm.barrier()  # every rank holds the mapping now
+        finally:  # gone with the last rank however the ranks end (at once if the setup failed)
+            os.unlink(path)
+    else:
+        dist.broadcast(token, 0, group=group)
+        shm = _C.ShmAllReduce(name(), rank, world, capacity, False, timeout_s)
+        shm.barrier()
 
     def all_reduce(partial: torch.Tensor) -> torch.Tensor:
         total = partial.float().contiguous()  # (in place when fp32: not used again)

@@ -182,3 +182,30 @@ def test_the_dry_run_counts_each_schemes_bytes_by_hand(model_dir):
     assert traffic_per_layer(cfg, tokens=8, world=2) == {
         "tp": 4096.0, "tp_sp_reduce_scatter": gathered + 1024, "tp_sp": gathered + 256,
     }  # fmt: skip
+
+
+def _setup_fails_main(rank, world, port, out_dir):
+    """Rank 1 takes the segment's name but never maps it: rank 0's setup times out."""
+    _join(rank, world, port)
+    try:
+        if rank == 0:
+            try:
+                shm_all_reduce(rank, world, timeout_s=0.5)
+                error = ""
+            except RuntimeError as exc:
+                error = str(exc)
+            left = [p.name for p in Path("/dev/shm").glob("duet-tp-*")]
+            torch.save({"error": error, "left": left}, f"{out_dir}/setup0.pt")
+        else:
+            dist.broadcast(torch.zeros(16, dtype=torch.uint8), 0)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_setup_whose_peer_never_maps_the_segment_fails_and_leaves_nothing(tmp_path):
+    before = {p.name for p in Path("/dev/shm").glob("duet-tp-*")}
+    mp.spawn(_setup_fails_main, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    result = torch.load(tmp_path / "setup0.pt")
+    assert "waited" in result["error"]
+    assert set(result["left"]) == before  # unlinked on the failed path too
