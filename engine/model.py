@@ -23,7 +23,7 @@ from engine.kv_pool import KVPool
 from engine.mtp import MTPLayer
 from engine.quant import Quantizer, as_tensor, quantizer
 from engine.rope import rope_cos_sin
-from engine.sharding import ShardedWeights, check_tensor_parallel, expert_shard
+from engine.sharding import ShardedWeights, expert_shard
 from engine.weight_names import checkpoint_shapes, mtp_shapes
 from native import ops
 
@@ -314,8 +314,9 @@ class DeepseekModel:
         `tensor_parallel` = (rank, world): a tensor-parallel rank's shard (see the class)."""
         cfg = ModelConfig.from_model_dir(model_dir)
         if tensor_parallel is not None and expert_range is None:
+            # Which experts to read; the split itself is checked by ShardedWeights, before any
+            # tensor is read.
             rank, world = tensor_parallel
-            check_tensor_parallel(cfg, world)
             expert_range = expert_shard(cfg.n_routed_experts, rank, world)
         keep = None if expert_range is None else (lambda e: e in expert_range)
         shapes = checkpoint_shapes(cfg, keep)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,9 +32,6 @@ class _Reduced:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.all_reduce(self.inner(x))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 def gloo_all_reduce(group=None) -> AllReduce:
