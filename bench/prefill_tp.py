@@ -1,20 +1,23 @@
-"""Prefill with tensor parallelism (issue 14): ranks = 1 (T threads) vs ranks = R (T/R each).
+"""Prefill with tensor parallelism (issue 14): ranks = 1 (T threads) vs ranks = R (T/R each),
+for each scheme ("tp", "tp_sp": `--schemes`) and collectives (gloo, shm: `--comm`).
 
 On the bench shapes (`engine.bench_model`, `--layers` layers written to a temporary directory,
 or `--model DIR`), each configuration runs in fresh processes joined by gloo on loopback, with
-the model transform a tensor-parallel prefill node uses (`engine.tensor_parallel`: heads, MLP
-columns and routed experts split, an all-reduce after every o_proj and MLP), the all-reduce
-over gloo or the shared-memory segment (`--comm`, default both: 1, R gloo, R shm, ...). It times the
-prefill of one `--prompt-len` prompt in `--chunk` token chunks (the extend path, each chunk
-over the ones before as its prefix), `--repeats` times after one warm-up, and reports the
-median seconds, the 2-rank / 1-rank throughput ratio, the all-reduce's share of rank 0's time
-(its wall time, waiting for the peer included) and the bytes each all-reduce moves per layer.
-The configurations alternate (1, R, 1, R, ...: `--rounds`): this host's DRAM rate drifts.
-`--dry-run` only prints the bytes a rank sends per layer under each scheme
-(`engine.tensor_parallel.traffic_per_layer`) and runs nothing.
+the model transform a tensor-parallel prefill node uses ("tp", `engine.tensor_parallel`: heads,
+MLP columns and routed experts split, an all-reduce after every o_proj and MLP; "tp_sp",
+`engine.sequence_parallel`: heads split, the rest sequence-split, an all-gather and an
+all-to-all a layer), over gloo or the shared-memory segment. It times the prefill of one
+`--prompt-len` prompt in `--chunk` token chunks (the extend path, each chunk over the ones
+before as its prefix), `--repeats` times after one warm-up, and reports the median seconds,
+the R-rank / 1-rank throughput ratio, the collectives' share of rank 0's time (their wall
+time, waiting for the peer included) and the bytes handed to them per layer. The
+configurations alternate (1, R..., 1, R...: `--rounds`): this host's DRAM rate drifts. Each
+rank of R > 1 runs on its share of the cores, as a prefill node's ranks do (`--pin auto`,
+`engine.placement`). `--dry-run` only prints the bytes a rank sends per layer under each
+scheme (`engine.tensor_parallel.traffic_per_layer`) and runs nothing.
 
     python -m bench.prefill_tp [--layers 2 --prompt-len 2048 --chunk 512 --threads 2 --ranks 2
-        --comm gloo,shm --rounds 2 --repeats 3]
+        --comm gloo,shm --schemes tp,tp_sp --rounds 2 --repeats 3 --pin auto]
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -35,6 +39,8 @@ from deploy.local_cluster import free_port
 from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.model import DeepseekModel
+from engine.placement import numa_nodes, plan_rank
+from engine.sequence_parallel import install_sequence_parallel
 from engine.tensor_parallel import (
     gloo_all_reduce,
     install_tensor_parallel,
@@ -56,25 +62,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3, help="timed prefills per configuration run")
     p.add_argument("--rounds", type=int, default=2, help="alternations of the configurations")
-    p.add_argument("--comm", default="gloo,shm", help="all-reduces to compare: gloo, shm")
+    p.add_argument("--comm", default="gloo,shm", help="collectives to compare: gloo, shm")
+    p.add_argument("--schemes", default="tp,tp_sp", help="parallel schemes to compare")
+    p.add_argument("--pin", choices=("auto", "off"), default="auto",
+                   help="the ranks' cores, as a prefill node's `pin` (default auto)")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="the schemes' traffic per layer only")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
 
 
-class _TimedAllReduce:
+class _TimedComm:
+    """The collectives (the all-reduce called, all_gather, all_to_all), timed, with the bytes
+    each call hands in (the all-reduce's in fp32, as it sums)."""
+
     def __init__(self, inner):
         self.inner, self.seconds, self.bytes = inner, 0.0, []
 
-    def __call__(self, partial: torch.Tensor) -> torch.Tensor:
+    def _timed(self, fn, x: torch.Tensor, nbytes: int) -> torch.Tensor:
         started = time.perf_counter()
-        out = self.inner(partial)
+        out = fn(x)
         self.seconds += time.perf_counter() - started
-        self.bytes.append(partial.numel() * 4)  # summed in fp32
+        self.bytes.append(nbytes)
         return out
 
+    def __call__(self, partial: torch.Tensor) -> torch.Tensor:
+        return self._timed(self.inner, partial, partial.numel() * 4)
 
-def _rank_main(rank, world, port, model_dir, threads, prompt_len, chunk, repeats, comm, out_dir):
+    def all_gather(self, part: torch.Tensor) -> torch.Tensor:
+        return self._timed(self.inner.all_gather, part, part.numel() * part.element_size())
+
+    def all_to_all(self, pieces: torch.Tensor) -> torch.Tensor:
+        return self._timed(self.inner.all_to_all, pieces, pieces.numel() * pieces.element_size())
+
+
+def _rank_main(rank, world, port, model_dir, threads, prompt_len, chunk, repeats, comm, out_dir,
+               pin, scheme):  # fmt: skip
+    if pin and world > 1:  # as a prefill node's ranks with pin = "auto" (engine.placement)
+        os.sched_setaffinity(0, plan_rank(rank, world, pin, numa_nodes()).cpus)
     ops.set_num_threads(threads)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -83,12 +107,14 @@ def _rank_main(rank, world, port, model_dir, threads, prompt_len, chunk, repeats
     try:
         tp = (rank, world) if world > 1 else None
         model = DeepseekModel.from_pretrained(
-            model_dir, torch.bfloat16, progress=False, tensor_parallel=tp
+            model_dir, torch.bfloat16, progress=False, tensor_parallel=tp, parallel=scheme
         )
-        reduce = _TimedAllReduce(
+        reduce = _TimedComm(
             gloo_all_reduce() if comm == "gloo" or tp is None else shm_all_reduce(rank, world)
         )
-        if tp is not None:
+        if tp is not None and scheme == "tp_sp":
+            install_sequence_parallel(model, reduce)
+        elif tp is not None:
             install_tensor_parallel(model, reduce)
         pool = model.new_kv_pool(num_pages=-(-prompt_len // 64) + 1, page_size=64)
         ids = torch.randint(0, model.cfg.vocab_size, (prompt_len,),
@@ -119,10 +145,11 @@ def _rank_main(rank, world, port, model_dir, threads, prompt_len, chunk, repeats
         dist.destroy_process_group()
 
 
-def run_config(model_dir, world, threads, args, comm="gloo") -> dict:
+def run_config(model_dir, world, threads, args, comm="gloo", scheme="tp") -> dict:
     with tempfile.TemporaryDirectory() as out:
+        pin = sorted(os.sched_getaffinity(0)) if args.pin == "auto" else None
         params = (world, free_port(), str(model_dir), threads, args.prompt_len, args.chunk,
-                  args.repeats, comm, out)  # fmt: skip
+                  args.repeats, comm, out, pin, scheme)  # fmt: skip
         mp.spawn(_rank_main, args=params, nprocs=world, join=True)
         return json.load(open(Path(out) / "rank0.json"))
 
@@ -151,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         return dry_run(args)
     if args.threads % args.ranks:
         raise SystemExit(f"error: --threads {args.threads} must split evenly over --ranks")
-    comms = args.comm.split(",")
-    runs: dict[str, list[dict]] = {"1": [], **{c: [] for c in comms}}
+    configs = [(s, c) for s in args.schemes.split(",") for c in args.comm.split(",")]
+    names = [f"{s}_{c}" for s, c in configs]
+    runs: dict[str, list[dict]] = {"1": [], **{n: [] for n in names}}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
         if model_dir is None:
@@ -161,16 +189,16 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = make_bench_model(Path(tmp) / "bench", layers=args.layers, progress=False)
         for _ in range(args.rounds):
             runs["1"].append(run_config(model_dir, 1, args.threads, args))
-            for comm in comms:
+            for name, (scheme, comm) in zip(names, configs, strict=True):
                 threads = args.threads // args.ranks
-                runs[comm].append(run_config(model_dir, args.ranks, threads, args, comm))
+                runs[name].append(run_config(model_dir, args.ranks, threads, args, comm, scheme))
     one = statistics.median(s for r in runs["1"] for s in r["seconds"])
     report = {
         "prompt_len": args.prompt_len, "chunk": args.chunk, "layers": args.layers,
         "ranks1": {"threads": args.threads, "median_s": one,
                    "all": [s for r in runs["1"] for s in r["seconds"]]},
     }  # fmt: skip
-    for comm in comms:
+    for comm in names:
         many_runs = runs[comm]
         many = statistics.median(s for r in many_runs for s in r["seconds"])
         share = statistics.median(
@@ -179,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         report[f"ranks{args.ranks}_{comm}"] = {
             "threads_per_rank": args.threads // args.ranks, "median_s": many,
             "all": [s for r in many_runs for s in r["seconds"]], "all_reduce_share": share,
-            "all_reduce_bytes_per_layer": many_runs[0]["bytes_per_layer"],
+            "comm_bytes_per_layer": many_runs[0]["bytes_per_layer"],
             "throughput_ratio": one / many,
         }  # fmt: skip
     if args.json:
@@ -187,12 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"prefill of {args.prompt_len} tokens in chunks of {args.chunk}, {args.layers} layers")
     print(f"  1 rank x {args.threads} threads: {one:.3f} s (median)")
-    for comm in comms:
+    for comm in names:
         r = report[f"ranks{args.ranks}_{comm}"]
         print(f"  {args.ranks} ranks x {r['threads_per_rank']} threads, {comm}: "
               f"{r['median_s']:.3f} s (median), {r['throughput_ratio']:.2f}x of 1 rank, "
-              f"all-reduce {r['all_reduce_share']:.1%} of rank 0's time, "
-              f"{r['all_reduce_bytes_per_layer'] / 2**20:.1f} MiB all-reduced per layer")  # fmt: skip
+              f"collectives {r['all_reduce_share']:.1%} of rank 0's time, "
+              f"{r['comm_bytes_per_layer'] / 2**20:.1f} MiB handed to them per layer")  # fmt: skip
     return 0
 
 

@@ -43,12 +43,15 @@ class _Rank0:
     def load(self, cluster: ClusterConfig, cfg: DecodeNodeConfig, model_dir: str | None):
         if cfg.ranks == 1:
             return load_model(cluster, cfg, model_dir)
-        from decode_node.ranks import rendezvous_listener, shard_of, spawn_ranks
+        from decode_node.ranks import shard_of
+        from engine.rank_group import rendezvous_listener, spawn_ranks
 
         shard = shard_of(cluster, cfg, model_dir, 0)  # refuses too many ranks before spawning
         self.listener = rendezvous_listener(cfg)
         where = self.listener.getsockname()[:2]
-        self.children = spawn_ranks(self.args.config, cfg.name, cfg.ranks, where, self.args.model)
+        self.children = spawn_ranks(
+            "decode_node.ranks", self.args.config, cfg.name, cfg.ranks, where, self.args.model
+        )
         return load_model(cluster, cfg, model_dir, expert_range=shard)
 
     def build(self, cluster: ClusterConfig, cfg: DecodeNodeConfig, model, inbox, outbox, security):

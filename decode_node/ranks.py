@@ -2,11 +2,7 @@
 
 Rank 0 is the process the router knows (`python -m decode_node`): it binds the control socket,
 starts ranks 1..R-1 as child processes (`python -m decode_node.ranks ... --rank r`), and the
-ranks join a gloo group through a TCP store rank 0 serves on a free port. The store and the
-group's own sockets listen on one address, the node's `group_host` (its bound address, or its
-`host` when it binds every interface; see `rendezvous_listener`), which rank 0 passes to the
-others: torch alone would bind the store to every interface and gloo to whatever the machine's
-hostname resolves to (often 127.0.0.1).
+ranks join a gloo group (`engine.rank_group`: where they meet, how they die with rank 0).
 
 Every rank owns its own KV pool and ZmqReceiver (rank 0 at the config's `kv_port`, the others on
 free ports: `kv_port + r` could be another node's port; all bound on `bind_host` and advertised
@@ -28,10 +24,7 @@ timeout): the survivors fail what they hold (RequestError) and the node reports 
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import logging
-import os
 import signal
 import socket
 import subprocess
@@ -39,8 +32,6 @@ import sys
 import time
 
 import msgpack
-import torch
-import torch.distributed as dist
 
 from decode_node.expert_parallel import ExpertParallel, check_shardable, expert_shard
 from decode_node.node import MAX_DRAIN, DecodeNode
@@ -49,71 +40,15 @@ from engine import protocol
 from engine.cluster_config import ClusterConfig, DecodeNodeConfig
 from engine.errors import ConfigError
 from engine.protocol import Abort, Heartbeat, NodeFailed, Reserve
+from engine.rank_group import RankGroup, collective_timeout_s, rank_args, reap_children
 
 log = logging.getLogger(__name__)
 
-RENDEZVOUS_TIMEOUT_S = 600.0  # ranks load their shards in parallel; the slowest must make it
-GLOO_BACKEND = "duet_gloo"  # gloo bound to the node's group_host (`_gloo_on`)
 # Per-rank stats gathered every step (int64).
 BATCH, FREE_PAGES, IN_FLIGHT, AWAITING, READY, RUNNING, KV_BYTES, DROPPED = range(8)
 PREEMPTED = 8  # on-demand decode KV: requests the rank preempted, cumulative
 MTP_DRAFTED, MTP_ACCEPTED, MTP_EMITTED, MTP_STEPS = 9, 10, 11, 12  # MTP counters, cumulative
 NUM_STATS = 13
-
-
-def collective_timeout_s(node_timeout_s: float) -> float:
-    """How long a collective may wait for a peer before the rank gives up."""
-    return max(10.0, 2.0 * node_timeout_s)
-
-
-class RankGroup:
-    """The node's gloo group: tiny control collectives on top of `torch.distributed`.
-
-    `rendezvous` is, on rank 0, the listening socket of the group's store (`rendezvous_listener`;
-    the store takes it over), on the other ranks its (host, port). Every rank's gloo sockets
-    listen on that host too."""
-
-    def __init__(
-        self, rank: int, world: int, rendezvous: socket.socket | tuple[str, int], timeout_s: float
-    ):
-        wait = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
-        if rank == 0:
-            (host, port), fd = rendezvous.getsockname()[:2], rendezvous.detach()
-            store = dist.TCPStore(
-                host, port, world, is_master=True, timeout=wait, master_listen_fd=fd
-            )
-        else:
-            host, port = rendezvous
-            store = dist.TCPStore(host, port, world, is_master=False, timeout=wait)
-        timeout = datetime.timedelta(seconds=timeout_s)
-        backend = _gloo_on(host)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-        self.rank, self.world = rank, world
-
-    def broadcast_bytes(self, payload: bytes | None) -> bytes:
-        """Rank 0's `payload` on every rank (others pass None)."""
-        size = torch.tensor([len(payload) if self.rank == 0 else 0], dtype=torch.int64)
-        dist.broadcast(size, 0)
-        n = int(size.item())
-        if n == 0:
-            return b""
-        if self.rank == 0:
-            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        else:
-            buf = torch.empty(n, dtype=torch.uint8)
-        dist.broadcast(buf, 0)
-        return buf.numpy().tobytes()
-
-    def all_gather(self, row: list[int]) -> list[list[int]]:
-        """Every rank's `row` (same length everywhere), by rank."""
-        mine = torch.tensor(row, dtype=torch.int64)
-        rows = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(rows, mine)
-        return [r.tolist() for r in rows]
-
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 class RankDecodeNode(DecodeNode):
@@ -291,31 +226,8 @@ class RankDecodeNode(DecodeNode):
         return dict(mtp_drafted=total[MTP_DRAFTED], mtp_accepted=total[MTP_ACCEPTED],
                     mtp_emitted=total[MTP_EMITTED], mtp_request_steps=total[MTP_STEPS])  # fmt: skip
 
-    def _reap_children(self, timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        for proc in self.children:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-
-
-def _gloo_on(host: str) -> str:
-    """The name of a `torch.distributed` backend that is gloo with its sockets on `host`,
-    registered in this process. Plain "gloo" listens wherever the machine's hostname resolves
-    (127.0.0.1 on many hosts, a public address on others), and takes no address but an
-    interface name in GLOO_SOCKET_IFNAME; this one is the same ProcessGroupGloo on a device
-    made for `host`."""
-
-    def create(store, rank: int, world: int, timeout: datetime.timedelta):
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        return dist.ProcessGroupGloo(store, rank, world, options)
-
-    dist.Backend.register_backend(GLOO_BACKEND, create, devices=["cpu"])
-    return GLOO_BACKEND
+    def _reap_children(self) -> None:
+        reap_children(self.children)
 
 
 # ---- building a rank -------------------------------------------------------------------------
@@ -357,60 +269,6 @@ def shard_of(cluster: ClusterConfig, cfg: DecodeNodeConfig, model_dir: str | Non
     return expert_shard(mcfg.n_routed_experts, rank, cfg.ranks)
 
 
-def rendezvous_listener(cfg: DecodeNodeConfig) -> socket.socket:
-    """Rank 0's listening socket for the group's store, on a free port of `cfg.group_host`.
-
-    A node that binds every interface may name in `host` an address that is not this machine's
-    (a load balancer's, a DNS name that does not resolve yet): its ranks, all on this machine,
-    then meet on 127.0.0.1 (logged). A `bind_host` that is not this machine's is a ConfigError."""
-    hosts = [cfg.group_host, *(["127.0.0.1"] if cfg.binds_every_interface else [])]
-    errors = []
-    for host in hosts:
-        sock = socket.socket()
-        try:
-            sock.bind((host, 0))
-        except OSError as exc:  # socket.gaierror too: a name that does not resolve
-            sock.close()
-            errors.append(f"{host}: {exc.strerror or exc}")
-            continue
-        if errors:
-            log.warning("the decode ranks meet on %s (cannot listen on %s)", host, errors[0])
-        sock.listen(2 * cfg.ranks)
-        return sock
-    raise ConfigError(
-        f"node {cfg.name}: the decode ranks cannot listen on {'; '.join(errors)}; set bind_host "
-        f"to this machine's address on the cluster network"
-    )
-
-
-def spawn_ranks(config: str, node: str, world: int, rendezvous: tuple[str, int],
-                model_dir: str | None):  # fmt: skip
-    """Starts ranks 1..world-1 as children that get SIGTERM if this process dies; they join the
-    group at rank 0's `rendezvous` (host, port)."""
-    host, port = rendezvous
-    cmd = [sys.executable, "-m", "decode_node.ranks", "--config", config, "--node", node,
-           "--dist-host", host, "--dist-port", str(port)]  # fmt: skip
-    if model_dir:
-        cmd += ["--model", model_dir]
-    return [
-        subprocess.Popen(
-            [*cmd, "--rank", str(r)], stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
-        )  # fmt: skip
-        for r in range(1, world)
-    ]
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() == 1:  # the parent is already gone
-        os._exit(1)
-
-
 # ---- ranks 1..R-1 ----------------------------------------------------------------------------
 def worker_main(argv: list[str] | None = None) -> int:
     """`python -m decode_node.ranks --config F --node N --rank R --dist-host H --dist-port P
@@ -420,14 +278,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     from engine.node_process import load_model
     from engine.security import cluster_security
 
-    p = argparse.ArgumentParser(prog="python -m decode_node.ranks")
-    p.add_argument("--config", required=True)
-    p.add_argument("--node", required=True)
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--dist-host", required=True)
-    p.add_argument("--dist-port", type=int, required=True)
-    p.add_argument("--model")
-    args = p.parse_args(argv)
+    args = rank_args("decode_node.ranks", argv)
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s {args.node}[{args.rank}] %(levelname)s %(message)s",

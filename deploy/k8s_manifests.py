@@ -32,7 +32,7 @@ from deploy.k8s_cluster import (
     NodeSet,
     config_path,
 )
-from deploy.k8s_resources import ROUTER_RESOURCES, node_resources
+from deploy.k8s_resources import MIB, ROUTER_RESOURCES, node_resources, shm_bytes
 from engine.cluster_config import ClusterConfig
 from engine.config import ModelConfig
 
@@ -95,7 +95,21 @@ _MOUNTS = {"config": CONFIG_DIR, "curve-key": KEY_DIR, "api-keys": API_KEY_DIR}
 
 
 def _mounts(volumes: list[Doc]) -> list[Doc]:
-    return [{"name": v["name"], "mountPath": _MOUNTS[v["name"]], "readOnly": True} for v in volumes]
+    return [
+        {"name": v["name"], "mountPath": "/dev/shm"} if v["name"] == "dshm"
+        else {"name": v["name"], "mountPath": _MOUNTS[v["name"]], "readOnly": True}
+        for v in volumes
+    ]  # fmt: skip
+
+
+def _shm_volume(node) -> list[Doc]:
+    """A tensor-parallel prefill node's shared-memory segment needs a /dev/shm larger than the
+    container runtime's 64 MiB default for many ranks: a memory-backed emptyDir of its size
+    (counted in the pod's memory, `deploy.k8s_resources.shm_bytes`)."""
+    size = shm_bytes(node)
+    if not size:
+        return []
+    return [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{-(-size // MIB)}Mi"}}]
 
 
 def _container(role: str, image: str, args: list[str], volumes: list[Doc], **fields) -> Doc:
@@ -234,7 +248,7 @@ def node_set_manifests(
     digest: str,
 ) -> list[Doc]:
     role = node_set.role
-    volumes = [_CONFIG_VOLUME, _CURVE_VOLUME]
+    volumes = [_CONFIG_VOLUME, _CURVE_VOLUME, *_shm_volume(node_set.nodes[0])]
     # One pod: its node's name. Several: pod i is node NAME-i, so the pod's own name.
     node_arg = node_set.nodes[0].name if node_set.replicas == 1 else "$(POD_NAME)"
     container = _container(

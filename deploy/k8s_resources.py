@@ -1,17 +1,23 @@
 """CPU and memory a node's pod asks Kubernetes for, computed from the model and the node config.
 
-    memory = (weights + KV pool) * MARGIN + processes * RUNTIME_BYTES      (rounded up to MiB)
+    memory = (weights + KV pool) * MARGIN + processes * RUNTIME_BYTES + shm  (rounded up to MiB)
     cpu    = threads * processes
 
 - weights: every tensor of the checkpoint (`engine.weight_names.checkpoint_shapes`, from the
   model's config.json) at the cluster dtype, the router gate and bias in float32 as loaded
   (`engine.weights.keeps_fp32`), except the matrices the node's `quant` scheme quantizes
   (`engine.quant_schemes.quantized_bytes`: a byte per weight plus scales). An FP8 checkpoint on
-  a quant = "none" node is dequantized at load, so it counts at the cluster dtype. A decode node of `ranks` R runs R processes, each with the full attention,
-  dense and shared-expert weights and its own shard of the routed experts
-  (`engine.sharding.expert_shard`).
+  a quant = "none" node is dequantized at load, so it counts at the cluster dtype. A decode
+  node of `ranks` R runs R processes, each with the full attention, dense and shared-expert
+  weights and its own shard of the routed experts (`engine.sharding.expert_shard`); a prefill
+  node of `ranks` R (tensor parallel) runs R processes, each with its share of the heads, MLP
+  and shared-expert columns (`engine.sharding.shard_shape`) and routed experts, and the
+  embedding, head, latent projections and norms whole ("tp_sp": its share of the heads' own
+  projections, everything else whole).
 - KV pool: `num_layers * num_pages * page_size * kv_row_width * dtype bytes` per process (each
-  prefill node and each decode rank allocates its own pool of the node's `num_pages`).
+  rank of a node allocates its own pool of the node's `num_pages`).
+- shm: a tensor-parallel prefill node's shared-memory segment (`shm_bytes`), in a
+  memory-backed /dev/shm that counts against the pod's limit.
 - MARGIN covers the load peak (a matrix's raw and prepacked copies are held together for a
   moment), activations and allocator slack; RUNTIME_BYTES is Python, torch and ZeroMQ of one
   process (about 250 MiB resident measured for a tiny-model node; twice that is asked).
@@ -29,7 +35,8 @@ from dataclasses import dataclass
 from engine.cluster_config import DecodeNodeConfig, PrefillNodeConfig
 from engine.config import ModelConfig
 from engine.quant_schemes import is_quantized, quantized_bytes
-from engine.sharding import expert_shard
+from engine.sharding import check_tensor_parallel, expert_shard, shard_shape
+from engine.tensor_parallel import SHM_CAPACITY
 from engine.weight_names import checkpoint_shapes, mtp_shapes
 from engine.weights import keeps_fp32
 
@@ -63,10 +70,13 @@ def weight_bytes(
     experts: range | None = None,
     quant: str = "none",
     mtp: bool = False,
+    tensor_parallel: int = 1,
+    parallel: str = "tp",
 ) -> int:
     """Bytes of the weights one process holds; `experts` limits the routed experts (a rank);
     `quant` the node's weight scheme (its quantized matrices take about a byte per weight);
-    `mtp`: the MTP layer is loaded too (issue 12)."""
+    `mtp`: the MTP layer is loaded too (issue 12); `tensor_parallel` = R: a tensor-parallel
+    rank's share of the matrices its `parallel` scheme splits (issue 14)."""
     keep = None if experts is None else (lambda e: e in experts)
     size = DTYPE_BYTES[dtype]
 
@@ -78,7 +88,10 @@ def weight_bytes(
     shapes = checkpoint_shapes(model, keep)
     if mtp:
         shapes.update(mtp_shapes(model, keep))
-    return sum(held(name, shape) for name, shape in shapes.items())
+    return sum(
+        held(name, shard_shape(name, shape, tensor_parallel, parallel))
+        for name, shape in shapes.items()
+    )
 
 
 def kv_pool_bytes(
@@ -90,22 +103,38 @@ def kv_pool_bytes(
     return rows * model.kv_row_width * DTYPE_BYTES[dtype]
 
 
+def shm_bytes(node: PrefillNodeConfig | DecodeNodeConfig) -> int:
+    """/dev/shm a node uses: a tensor-parallel prefill node's segment over the shared-memory
+    collectives (`engine.tensor_parallel`: two buffers of a slot a rank), plus a MiB of slack;
+    0 for every other node."""
+    if not isinstance(node, PrefillNodeConfig) or node.ranks == 1 or node.all_reduce != "shm":
+        return 0
+    return 2 * node.ranks * SHM_CAPACITY * 4 + MIB
+
+
 def node_resources(
     model: ModelConfig,
     dtype: str,
     node: PrefillNodeConfig | DecodeNodeConfig,
     mtp: bool = False,
 ) -> PodResources:
-    """What the pod of `node` asks for (ConfigError if a decode node has more ranks than the
-    model has routed experts, as the node itself would refuse); `mtp`: the cluster uses MTP
+    """What the pod of `node` asks for (ConfigError if a node has more ranks than the model
+    has routed experts, as the node itself would refuse); `mtp`: the cluster uses MTP
     (`ClusterConfig.uses_mtp`), so every node holds the MTP layer and its cache."""
-    ranks = getattr(node, "ranks", 1)
+    ranks = node.ranks
     quant = node.quant
     if ranks == 1:
         weights = weight_bytes(model, dtype, quant=quant, mtp=mtp)
     else:
-        shards = (expert_shard(model.n_routed_experts, r, ranks) for r in range(ranks))
-        weights = sum(weight_bytes(model, dtype, shard, quant, mtp) for shard in shards)
+        tp = ranks if isinstance(node, PrefillNodeConfig) else 1
+        scheme = node.parallel if tp > 1 else "tp"
+        if tp > 1:
+            check_tensor_parallel(model, tp, scheme)  # as the node refuses an uneven split
+        if scheme == "tp_sp":  # every rank holds every expert
+            shards = (None for _ in range(ranks))
+        else:
+            shards = (expert_shard(model.n_routed_experts, r, ranks) for r in range(ranks))
+        weights = sum(weight_bytes(model, dtype, shard, quant, mtp, tp, scheme) for shard in shards)
     kv = ranks * kv_pool_bytes(model, dtype, node.num_pages, node.page_size, mtp)
-    memory = math.ceil((weights + kv) * MARGIN) + ranks * RUNTIME_BYTES
+    memory = math.ceil((weights + kv) * MARGIN) + ranks * RUNTIME_BYTES + shm_bytes(node)
     return PodResources(node.threads * ranks, memory, weights, kv)

@@ -2,7 +2,8 @@
 
     duet up --config FILE [--model DIR] [--port P] [--dtype D]
     duet up [--model DIR] [--prefill N] [--decode M] [--port P] [--dtype float32|bfloat16]
-    duet up ... [--decode-ranks R]   (every decode node runs R ranks)
+    duet up ... [--decode-ranks R]   (every decode node runs R ranks: EP/DP)
+    duet up ... [--prefill-ranks R]  (every prefill node runs R ranks: tensor parallel)
 
 The shorthand builds a config with N prefill and M decode nodes on free loopback ports. Either
 way the resolved config (model path filled in: with no model, the built-in tiny model, made once)
@@ -56,6 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default bfloat16")
     p.add_argument("--threads", type=int, default=1, help="threads per node (shorthand)")
     p.add_argument("--decode-ranks", type=int, help="processes per decode node (EP/DP layout)")
+    p.add_argument("--prefill-ranks", type=int, help="processes per prefill node (tensor parallel)")
     p.add_argument(
         "--prefill-quant", choices=QUANT_SCHEMES, help="every prefill node's weight quantization"
     )
@@ -134,9 +136,10 @@ def resolve_config(args: argparse.Namespace) -> dict:
         num_prefill = 1 if args.prefill is None else args.prefill
         num_decode = 1 if args.decode is None else args.decode
         raw = shorthand_config(num_prefill, num_decode, port, args.threads)
-    if args.decode_ranks is not None:  # each rank runs `threads` kernel threads
-        for node in raw.get("decode", []):
-            node["ranks"] = args.decode_ranks
+    for role, ranks in (("decode", args.decode_ranks), ("prefill", args.prefill_ranks)):
+        if ranks is not None:  # each rank runs `threads` kernel threads
+            for node in raw.get(role, []):
+                node["ranks"] = ranks
     for role, quant in (("prefill", args.prefill_quant), ("decode", args.decode_quant)):
         if quant is not None:  # overrides the config's per-node `quant`
             for node in raw.get(role, []):

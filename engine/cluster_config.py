@@ -43,6 +43,7 @@ from typing import Any
 
 from engine.errors import ConfigError
 from engine.kv_reservation import MODES as KV_RESERVATION_MODES
+from engine.placement import parse_cpu_list
 from engine.quant_schemes import parse_quant
 
 try:
@@ -79,6 +80,13 @@ class _Addresses:
     @property
     def control_bind_endpoint(self) -> str:
         return f"tcp://{self.listen_host}:{self.control_port}"
+
+    @property
+    def group_host(self) -> str:
+        """Where the ranks' gloo group listens (ranks > 1; all ranks share one machine): the
+        bound address, or `host` when the node binds every interface (127.0.0.1 if `host` turns
+        out not to be this machine's: `engine.rank_group.rendezvous_listener`)."""
+        return self.host if self.binds_every_interface else self.listen_host
 
 
 @dataclass(frozen=True)
@@ -143,6 +151,21 @@ class PrefillNodeConfig(_Addresses):
     # (and the router pairs this node by load alone).
     prefix_cache: bool = True
     quant: str = "none"  # weight quantization (issue 9): "none" | "int8" | "fp8"
+    # Tensor parallelism (issue 14, `prefill_node.ranks`): `ranks` processes on this machine,
+    # each holding its share of the heads, MLP columns and routed experts, `threads` each; rank
+    # 0 talks to the router and streams the KV, which is the same whatever the ranks.
+    ranks: int = 1
+    # "tp": heads and MLPs split, two all-reduces a layer (`engine.tensor_parallel`); "tp_sp":
+    # heads split, the rest sequence-split (`engine.sequence_parallel`), every rank holding the
+    # whole MLPs and experts: a fifth of the traffic for R times their memory.
+    parallel: str = "tp"
+    all_reduce: str = "shm"  # "shm" (one shared-memory segment) | "gloo" (torch.distributed)
+    # Core placement of the ranks (`engine.placement`): "auto" gives each rank its own share
+    # of the cores this process may use (a NUMA node's, memory bound there, where the machine
+    # has several); "off" leaves it to the OS. `rank_cpus` names each rank's cores instead
+    # (Linux list format, "0-3,8"), one entry a rank.
+    pin: str = "auto"
+    rank_cpus: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -182,13 +205,6 @@ class DecodeNodeConfig(_Addresses):
     @property
     def kv_bind_endpoint(self) -> str:
         return f"tcp://{self.listen_host}:{self.kv_port}"
-
-    @property
-    def group_host(self) -> str:
-        """Where the ranks' gloo group listens (ranks > 1; all ranks share one machine): the
-        bound address, or `host` when the node binds every interface (127.0.0.1 if `host` turns
-        out not to be this machine's: `decode_node.ranks.rendezvous_listener`)."""
-        return self.host if self.binds_every_interface else self.listen_host
 
 
 @dataclass(frozen=True)
@@ -368,6 +384,7 @@ def _validate(cfg: ClusterConfig) -> None:
     for node in cfg.prefill:
         if node.chunk_size < 1 or node.max_batch_tokens < node.chunk_size:
             raise ConfigError(f"node {node.name}: need 1 <= chunk_size <= max_batch_tokens")
+        _validate_prefill_ranks(node, cfg.uses_mtp)
     r = cfg.router
     if r.max_body_bytes < 1024 or r.max_prompt_tokens < 0 or r.max_concurrent_per_key < 0:
         raise ConfigError(
@@ -388,6 +405,40 @@ def _validate(cfg: ClusterConfig) -> None:
     if cfg.sla.ttft_ms <= 0 or cfg.sla.tpot_ms <= 0:
         raise ConfigError("[sla] ttft_ms and tpot_ms must be positive")
     _validate_admission(cfg.sla)
+
+
+PARALLEL_SCHEMES = ("tp", "tp_sp")
+ALL_REDUCES = ("shm", "gloo")
+PIN_MODES = ("auto", "off")
+
+
+def _validate_prefill_ranks(node: PrefillNodeConfig, uses_mtp: bool) -> None:
+    """A prefill node's tensor parallelism (issue 14); the model's own split (heads, MLP and
+    expert counts) is checked against `ranks` when it loads (`engine.sharding`)."""
+    if node.ranks < 1:
+        raise ConfigError(f"node {node.name}: ranks must be >= 1")
+    for key, value, allowed in (("parallel", node.parallel, PARALLEL_SCHEMES),
+                                ("all_reduce", node.all_reduce, ALL_REDUCES),
+                                ("pin", node.pin, PIN_MODES)):  # fmt: skip
+        if value not in allowed:
+            raise ConfigError(
+                f"node {node.name}: {key} must be one of {', '.join(allowed)}, got {value!r}"
+            )
+    if node.rank_cpus and len(node.rank_cpus) != node.ranks:
+        raise ConfigError(
+            f"node {node.name}: rank_cpus names {len(node.rank_cpus)} core sets for "
+            f"{node.ranks} ranks"
+        )
+    for cpus in node.rank_cpus:
+        try:
+            parse_cpu_list(cpus)
+        except ConfigError as exc:
+            raise ConfigError(f"node {node.name}: rank_cpus: {exc}") from None
+    if node.ranks > 1 and uses_mtp:
+        raise ConfigError(
+            f"node {node.name}: a prefill node of ranks > 1 cannot run the MTP layer yet "
+            "(mtp = true on the decode nodes)"
+        )
 
 
 MAX_MTP_TOKENS = 16  # kvtransfer.wire.MAX_DRAFTS: what one kv_done can carry

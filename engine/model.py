@@ -145,15 +145,27 @@ class MLA:
         self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
     ) -> torch.Tensor:
         """x: [T, D] -> [T, D]; kv_cache: this layer's [num_pages, page_size, L + R]."""
-        cfg, num_tokens, h = self.cfg, x.shape[0], self.num_heads
+        out = self.attend(*self.latent(x), batch, kv_cache)
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.cfg.v_head_dim))
+
+    def latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token down-projections, before any head: q's input [T, q_lora] (normed;
+        x itself without q_lora) and kv_a [T, L + R] (the sequence-split scheme all-gathers
+        these, `engine.sequence_parallel`)."""
+        cfg = self.cfg
         if cfg.q_lora_rank is None:
-            q = self.q_proj(x)
+            q_in = x
         else:
-            q_a = ops.rms_norm(self.q_a_proj(x), self.q_a_norm, cfg.rms_norm_eps)
-            q = self.q_b_proj(q_a)
+            q_in = ops.rms_norm(self.q_a_proj(x), self.q_a_norm, cfg.rms_norm_eps)
+        return q_in, self.kv_a_proj(x)
+
+    def attend(self, q_in, kv_a, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """This rank's heads over the latents of every new token: [T, H, Dv] before o_proj;
+        the new rows [c_kv | k_pe] go into the cache."""
+        cfg, num_tokens, h = self.cfg, q_in.shape[0], self.num_heads
+        q = self.q_proj(q_in) if cfg.q_lora_rank is None else self.q_b_proj(q_in)
         q = q.view(num_tokens, h, cfg.qk_head_dim)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        kv_a = self.kv_a_proj(x)  # [T, L + R]
         c_kv = ops.rms_norm(kv_a[:, : cfg.kv_lora_rank], self.kv_a_norm, cfg.rms_norm_eps)
         q_pe, k_pe = ops.apply_rope(
             q_pe.contiguous(),
@@ -163,10 +175,8 @@ class MLA:
         )
         rows = torch.cat((c_kv, k_pe), dim=-1)  # [T, L + R], what the cache keeps
         if batch.is_decode:
-            out = self._decode(q_nope, q_pe, rows, batch, kv_cache)
-        else:
-            out = self._extend(q_nope, q_pe, rows, batch, kv_cache)
-        return self.o_proj(out.reshape(num_tokens, h * cfg.v_head_dim))
+            return self._decode(q_nope, q_pe, rows, batch, kv_cache)
+        return self._extend(q_nope, q_pe, rows, batch, kv_cache)
 
     def _decode(self, q_nope, q_pe, rows, batch, kv_cache) -> torch.Tensor:
         cfg = self.cfg
@@ -246,7 +256,9 @@ class DeepseekModel:
     checkpoint's MTP layer is loaded too (`engine.mtp`, the draft of speculative decoding) and
     the KV pool has one more layer, its cache. With `tensor_parallel` = (rank, world) the model
     holds rank `rank`'s shard (`engine.sharding`: its heads, MLP columns and experts), whose
-    attention and MLP outputs are partial sums: `engine.tensor_parallel` all-reduces them."""
+    attention and MLP outputs are partial sums: `engine.tensor_parallel` all-reduces them;
+    with `parallel = "tp_sp"` its heads only (o_proj, MLPs and experts whole), and the forward
+    runs sequence-split (`engine.sequence_parallel`)."""
 
     def __init__(
         self,
@@ -257,15 +269,20 @@ class DeepseekModel:
         quant: str | None = None,
         mtp: bool = False,
         tensor_parallel: tuple[int, int] | None = None,
+        parallel: str = "tp",
     ):
         self.cfg = cfg
         self.tensor_parallel = tensor_parallel
+        self.parallel = parallel
+        # The sequence-split forward (`engine.sequence_parallel.install_sequence_parallel`).
+        self.sequence_parallel = None
         num_heads = None
         if tensor_parallel is not None:
             rank, world = tensor_parallel
-            weights = ShardedWeights(weights, cfg, rank, world)
+            weights = ShardedWeights(weights, cfg, rank, world, parallel)
             num_heads = cfg.num_attention_heads // world
-            expert_range = expert_range or expert_shard(cfg.n_routed_experts, rank, world)
+            if parallel == "tp":
+                expert_range = expert_range or expert_shard(cfg.n_routed_experts, rank, world)
         q = quantizer(quant, dtype)
         self.quant = q.name
         # Where it was loaded from (`from_pretrained`): structured output loads the tokenizer
@@ -307,13 +324,15 @@ class DeepseekModel:
         quant: str | None = None,
         mtp: bool = False,
         tensor_parallel: tuple[int, int] | None = None,
+        parallel: str = "tp",
     ) -> DeepseekModel:
         """Loads config.json and the safetensors, each tensor read as the model packs it;
         `expert_range` limits the routed experts held (an expert-parallel rank loads only its
         shard); `quant` is the weights' scheme (`engine.quant`: "none", "int8", "fp8");
-        `tensor_parallel` = (rank, world): a tensor-parallel rank's shard (see the class)."""
+        `tensor_parallel` = (rank, world): a tensor-parallel rank's shard of the `parallel`
+        scheme ("tp" or "tp_sp", see the class)."""
         cfg = ModelConfig.from_model_dir(model_dir)
-        if tensor_parallel is not None and expert_range is None:
+        if tensor_parallel is not None and expert_range is None and parallel == "tp":
             # Which experts to read; the split itself is checked by ShardedWeights, before any
             # tensor is read.
             rank, world = tensor_parallel
@@ -326,7 +345,7 @@ class DeepseekModel:
         block = cfg.quant.weight_block_size if cfg.quant else None
         keep_fp8 = quantizer(quant, dtype).keeps_fp8
         with CheckpointReader(model_dir, shapes, dtype, block, keep_fp8, progress) as weights:
-            model = cls(cfg, weights, dtype, expert_range, quant, mtp, tensor_parallel)
+            model = cls(cfg, weights, dtype, expert_range, quant, mtp, tensor_parallel, parallel)
             unread = weights.unread()
         if unread:  # checkpoint_shapes and the model disagree: a bug, not the user's input
             raise RuntimeError(f"the model did not read {len(unread)} tensors: {unread[:3]}")
@@ -355,6 +374,8 @@ class DeepseekModel:
         return logits, hidden
 
     def _forward(self, batch: ForwardBatch, pool: KVPool, keep_hidden: bool):
+        if self.sequence_parallel is not None:
+            return self.sequence_parallel.forward(self, batch, pool, keep_hidden)
         h = self.embed_tokens.index_select(0, batch.input_ids)  # [T, D]
         residual = None
         for idx, layer in enumerate(self.layers):

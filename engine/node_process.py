@@ -40,10 +40,12 @@ def _parse(role: str, argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_model(cluster: ClusterConfig, node_cfg: Any, model_dir: str | None, expert_range=None):
+def load_model(cluster: ClusterConfig, node_cfg: Any, model_dir: str | None, expert_range=None,
+               tensor_parallel: tuple[int, int] | None = None, parallel: str = "tp"):  # fmt: skip
     """The node's model on its device and threads, its weights in the node's `quant` scheme
-    (the tiny model when none is named);
-    `expert_range` limits the routed experts held (an expert-parallel rank's shard)."""
+    (the tiny model when none is named); `expert_range` limits the routed experts held (an
+    expert-parallel rank's shard); `tensor_parallel` = (rank, world) loads a tensor-parallel
+    rank's shard of the `parallel` scheme ("tp" or "tp_sp")."""
     from engine.model import DeepseekModel
     from engine.tiny_model import ensure_tiny_model
     from native import ops
@@ -62,6 +64,8 @@ def load_model(cluster: ClusterConfig, node_cfg: Any, model_dir: str | None, exp
             progress=False,
             quant=node_cfg.quant,
             mtp=cluster.uses_mtp,  # the MTP layer's cache is part of every node's KV
+            tensor_parallel=tensor_parallel,
+            parallel=parallel,
         )
     except DuetError as exc:  # one line that names the node (the router shows it as is)
         raise type(exc)(f"node {node_cfg.name}: {exc}") from None

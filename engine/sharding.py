@@ -34,18 +34,22 @@ def even_slice(size: int, rank: int, world: int) -> slice:
     return slice(rank * part, (rank + 1) * part)
 
 
-def check_tensor_parallel(cfg: ModelConfig, world: int) -> None:
-    """ConfigError unless heads, the MLP's and the shared experts' intermediate sizes split
-    evenly over `world` ranks and every rank owns a routed expert: an uneven split would give
-    the ranks attention kernels of different shapes for no gain."""
-    check_shardable(cfg.n_routed_experts, world)
+def check_tensor_parallel(cfg: ModelConfig, world: int, scheme: str = "tp") -> None:
+    """ConfigError unless what `scheme` splits splits evenly over `world` ranks: for "tp" the
+    heads, the MLP's and the shared experts' intermediate sizes, and every rank must own a
+    routed expert; for "tp_sp" the heads alone (o_proj and the MLPs run whole, sequence-split).
+    An uneven split would give the ranks kernels of different shapes for no gain."""
+    if world < 1:
+        raise ConfigError(f"ranks must be >= 1, got {world}")
     sizes = {"num_attention_heads": cfg.num_attention_heads}
-    if not all(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
-        sizes["intermediate_size"] = cfg.intermediate_size
-    if cfg.n_shared_experts:
-        sizes["moe_intermediate_size * n_shared_experts"] = (
-            cfg.moe_intermediate_size * cfg.n_shared_experts
-        )
+    if scheme == "tp":
+        check_shardable(cfg.n_routed_experts, world)
+        if not all(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+            sizes["intermediate_size"] = cfg.intermediate_size
+        if cfg.n_shared_experts:
+            sizes["moe_intermediate_size * n_shared_experts"] = (
+                cfg.moe_intermediate_size * cfg.n_shared_experts
+            )
     for name, size in sizes.items():
         if size % world:
             raise ConfigError(
@@ -60,6 +64,35 @@ _MLP_ROWS = ("mlp.gate_proj.weight", "mlp.up_proj.weight",
 _MLP_COLUMNS = ("mlp.down_proj.weight", "mlp.shared_experts.down_proj.weight")
 
 
+SCHEMES = ("tp", "tp_sp")
+
+
+def _split_of(name: str, scheme: str = "tp") -> str | None:
+    """Which of the split lists `name` falls under (None: held whole, routed experts too).
+    "tp" splits heads and MLPs; "tp_sp" (`engine.sequence_parallel`) only the heads' own
+    projections: o_proj and the MLPs run sequence-split, whole on every rank."""
+    if "experts." in name and ".shared_experts." not in name:
+        return None  # routed: whole experts, by expert_range
+    lists = (
+        (*_HEAD_ROWS, *_HEAD_COLUMNS, *_MLP_ROWS, *_MLP_COLUMNS) if scheme == "tp" else _HEAD_ROWS
+    )
+    split = [s for s in lists if name.endswith(s)]
+    return split[0] if split else None
+
+
+def shard_shape(
+    name: str, shape: tuple[int, ...], world: int, scheme: str = "tp"
+) -> tuple[int, ...]:
+    """The shape a tensor-parallel rank of `world` holds of checkpoint tensor `name`
+    (ShardedWeights' split; rows or columns by `world`), for sizing without reading it."""
+    split = _split_of(name, scheme)
+    if split is None or world == 1:
+        return shape
+    if split in (*_HEAD_ROWS, *_MLP_ROWS):
+        return (shape[0] // world, *shape[1:])
+    return (shape[0], shape[1] // world)
+
+
 class ShardedWeights:
     """A model's weights as tensor-parallel rank `rank` of `world` reads them: each tensor the
     rank splits is sliced as it is read (so one whole tensor is in flight at a time, never the
@@ -71,12 +104,12 @@ class ShardedWeights:
     latent projections (q_a_proj, kv_a_proj and their norms: every rank computes the same KV
     rows), norms, router gates, embedding and head. Routed experts are left to `expert_range`."""
 
-    def __init__(self, weights, cfg: ModelConfig, rank: int, world: int):
-        check_tensor_parallel(cfg, world)
+    def __init__(self, weights, cfg: ModelConfig, rank: int, world: int, scheme: str = "tp"):
+        check_tensor_parallel(cfg, world, scheme)
         self._weights = weights
         self._cfg = cfg
         self._heads = even_slice(cfg.num_attention_heads, rank, world)
-        self._rank, self._world = rank, world
+        self._rank, self._world, self._scheme = rank, world, scheme
 
     def __contains__(self, name: object) -> bool:
         return name in self._weights
@@ -88,11 +121,8 @@ class ShardedWeights:
         return self._slice(name, self._weights.pop(name))
 
     def _slice(self, name: str, tensor):
-        if "experts." in name and ".shared_experts." not in name:
-            return tensor  # routed: whole experts, by expert_range
-        split = [s for s in (*_HEAD_ROWS, *_HEAD_COLUMNS, *_MLP_ROWS, *_MLP_COLUMNS)
-                 if name.endswith(s)]  # fmt: skip
-        if not split:
+        split = _split_of(name, self._scheme)
+        if split is None:
             return tensor
         if not hasattr(tensor, "view"):  # kept FP8 blocks: their scales would not line up
             raise ConfigError(
@@ -100,11 +130,11 @@ class ShardedWeights:
                 "checkpoint's blocks): use quant = none or int8 on a tensor-parallel node"
             )
         heads = self._cfg.num_attention_heads
-        if split[0] in _HEAD_ROWS:  # [H * per_head, in]
+        if split in _HEAD_ROWS:  # [H * per_head, in]
             return tensor.view(heads, -1, tensor.shape[1])[self._heads].flatten(0, 1).contiguous()
-        if split[0] in _HEAD_COLUMNS:  # [D, H * Dv]
+        if split in _HEAD_COLUMNS:  # [D, H * Dv]
             d = tensor.shape[0]
             return tensor.view(d, heads, -1)[:, self._heads].flatten(1).contiguous()
-        if split[0] in _MLP_ROWS:  # [I, D]
+        if split in _MLP_ROWS:  # [I, D]
             return tensor[even_slice(tensor.shape[0], self._rank, self._world)].contiguous()
         return tensor[:, even_slice(tensor.shape[1], self._rank, self._world)].contiguous()

@@ -1,15 +1,21 @@
 """`python -m prefill_node --config FILE --node NAME [--model DIR]`: start one prefill node
-(the process shell, signals and READY/FAILED reporting are in engine/node_process.py)."""
+(the process shell, signals and READY/FAILED reporting are in engine/node_process.py).
+
+With `ranks = R > 1` this process is rank 0 of a tensor-parallel node: it starts ranks 1..R-1
+(`prefill_node.ranks`) before loading its own shard, so the ranks load in parallel."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from engine.cluster_config import ClusterConfig, PrefillNodeConfig
-from engine.node_process import run_node_process
+from engine.node_process import load_model, run_node_process
 
 
-def _build(cluster: ClusterConfig, cfg: PrefillNodeConfig, model, inbox, outbox, security):
+def _build(cluster: ClusterConfig, cfg: PrefillNodeConfig, model, inbox, outbox, security,
+           ranks: dict | None = None):  # fmt: skip
+    """The node; `ranks` (rank 0 of R > 1: group, all_reduce, children) makes it rank 0."""
     from kvtransfer import ZmqSender
     from kvtransfer.faults import inject, plan_from_env
     from prefill_node.node import PrefillNode
@@ -20,21 +26,69 @@ def _build(cluster: ClusterConfig, cfg: PrefillNodeConfig, model, inbox, outbox,
     # decode node counts as gone. It stays inside the router's node timeout, so a dead decode
     # node never makes this healthy prefill node look dead too.
     send_timeout = min(cluster.timeouts.transfer_s, cluster.timeouts.node_timeout_s / 2)
-    return PrefillNode(
-        cfg.name,
-        model,
-        cfg,
-        cluster.timeouts,
-        inbox,
-        outbox,
-        sender_factory=lambda: inject(
-            ZmqSender(cfg.name, send_timeout=send_timeout, security=security), faults
-        ),
-    )
+    args = (cfg.name, model, cfg, cluster.timeouts, inbox, outbox, lambda: inject(
+        ZmqSender(cfg.name, send_timeout=send_timeout, security=security), faults
+    ))  # fmt: skip
+    if ranks is None:
+        return PrefillNode(*args)
+    from prefill_node.ranks import RankPrefillNode
+
+    return RankPrefillNode(*args, **ranks)
+
+
+class _Rank0:
+    """Loader and builder of the node's process: pinned to its cores (`engine.placement`); with
+    R > 1 ranks, rank 0 that starts the others and joins their group."""
+
+    def __init__(self, argv: list[str] | None):
+        p = argparse.ArgumentParser(add_help=False)
+        p.add_argument("--config")
+        p.add_argument("--model")
+        self.args, _ = p.parse_known_args(argv)
+        self.children: list = []
+        self.listener = None  # the ranks' rendezvous: rank 0 serves the group's store on it
+
+    def load(self, cluster: ClusterConfig, cfg: PrefillNodeConfig, model_dir: str | None):
+        from engine.placement import place_rank
+
+        if cfg.ranks == 1:
+            place_rank(cfg, 0)
+            return load_model(cluster, cfg, model_dir)
+        from engine.config import ModelConfig
+        from engine.rank_group import rendezvous_listener, spawn_ranks
+        from engine.sharding import check_tensor_parallel
+        from engine.tiny_model import ensure_tiny_model
+
+        model_dir = model_dir or cluster.model or str(ensure_tiny_model())
+        mcfg = ModelConfig.from_model_dir(model_dir)
+        check_tensor_parallel(mcfg, cfg.ranks, cfg.parallel)  # before spawning
+        self.listener = rendezvous_listener(cfg)
+        where = self.listener.getsockname()[:2]
+        self.children = spawn_ranks(
+            "prefill_node.ranks", self.args.config, cfg.name, cfg.ranks, where, self.args.model
+        )
+        place_rank(cfg, 0)  # after the spawn: the ranks start with every core this one has
+        return load_model(cluster, cfg, model_dir, tensor_parallel=(0, cfg.ranks),
+                          parallel=cfg.parallel)  # fmt: skip
+
+    def build(self, cluster: ClusterConfig, cfg: PrefillNodeConfig, model, inbox, outbox, security):
+        if cfg.ranks == 1:
+            return _build(cluster, cfg, model, inbox, outbox, security)
+        from prefill_node.ranks import join_tensor_parallel
+
+        try:
+            group, all_reduce = join_tensor_parallel(cluster, cfg, model, 0, self.listener)
+            ranks = {"group": group, "all_reduce": all_reduce, "children": self.children}
+            return _build(cluster, cfg, model, inbox, outbox, security, ranks)
+        except BaseException:
+            for proc in self.children:
+                proc.kill()
+            raise
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_node_process("prefill", PrefillNodeConfig, _build, argv)
+    rank0 = _Rank0(argv)
+    return run_node_process("prefill", PrefillNodeConfig, rank0.build, argv, load=rank0.load)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,10 @@ MAX_DRAIN = 256  # control messages handled per step at most
 
 
 class PrefillNode:
+    # A multi-rank node (prefill_node.ranks) stops on a failed forward: its ranks' collectives
+    # are out of step, so no forward after it would be right.
+    forward_errors_are_fatal = False
+
     def __init__(
         self,
         name: str,
@@ -255,12 +259,14 @@ class PrefillNode:
             batch.extra_logit_index = torch.tensor([index for index, _, _ in extra])
         try:
             if self.model.mtp is None:
-                logits = self.model.forward(batch, self.pool)  # [B (+ N), vocab] fp32
+                logits = self._forward(batch)  # [B (+ N), vocab] fp32
             else:  # MTP: sample the first tokens now, the MTP layer needs them before the send
                 logits, hidden = self.model.forward_with_hidden(batch, self.pool)
                 firsts = self._first_tokens_of(chunks, logits)
                 firsts = self._run_mtp(chunks, hidden, firsts)
         except Exception as exc:  # fail these requests loudly, keep serving the others
+            if self.forward_errors_are_fatal:
+                raise
             log.exception("prefill forward failed")
             for chunk in chunks:
                 self._fail(chunk.request, "prefill", f"prefill forward failed: {exc}")
@@ -282,6 +288,9 @@ class PrefillNode:
             finished, self._first_tokens(rows, finished), strict=True
         ):
             self._finish(request, tokens, lps)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model.forward(batch, self.pool)
 
     def _first_tokens_of(self, chunks: list[Chunk], logits: torch.Tensor) -> dict[int, tuple]:
         """The first tokens and logprobs of the requests whose prompt ends in this forward, by

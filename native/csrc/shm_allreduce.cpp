@@ -1,4 +1,5 @@
-// Shared-memory all-reduce for the tensor-parallel ranks of one node on one host (issue 14).
+// Shared-memory all-reduce (and all-gather) for the tensor-parallel ranks of one node on one
+// host (issue 14).
 //
 // One segment per node (a file under /dev/shm that rank 0 creates and unlinks once every rank
 // has mapped it): a header with an arrival counter, then two buffers of `world` slots of
@@ -10,7 +11,10 @@
 //
 // The barrier spins a little (a peer usually arrives within microseconds), then sleeps on a
 // futex on the counter: a slow peer costs no core the kernels need. A peer that does not come
-// within timeout_s is an error (the caller's node fails; its requests move).
+// within timeout_s is an error (the caller's node fails; its requests move). `abort` (rank 0's
+// watchdog, when it sees a rank die) ends every rank's wait at once, with an error: the sleep
+// is cut in slices of kSliceNs, so an abort that lands between a waiter's check and its sleep
+// is seen within one slice.
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <pybind11/pybind11.h>
@@ -36,9 +40,11 @@ namespace {
 
 constexpr int64_t kHeaderBytes = 64;  // the counter, alone on its cache line
 constexpr int kSpins = 4000;          // ~ a few microseconds of pause before sleeping
+constexpr int64_t kSliceNs = 50000000;  // the longest sleep between two looks at `aborted`
 
 struct Header {
   std::atomic<uint32_t> arrived;  // rank arrivals, all calls together (wraps; compared mod 2^32)
+  std::atomic<uint32_t> aborted;  // set once by `abort`: a rank left waiting, now or later, fails
 };
 
 long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
@@ -97,8 +103,49 @@ class ShmAllReduce {
     }
   }
 
+  // src: this rank's `nbytes`; dst: every rank's, in rank order (world * nbytes). Pieces of a
+  // slot's size, through the same buffers by turns as all_reduce.
+  void all_gather(uintptr_t src, int64_t nbytes, uintptr_t dst) {
+    const char* in = reinterpret_cast<const char*>(src);
+    char* out = reinterpret_cast<char*>(dst);
+    const int64_t slot_bytes = capacity_ * static_cast<int64_t>(sizeof(float));
+    for (int64_t start = 0; start < nbytes; start += slot_bytes) {
+      const int64_t len = std::min(slot_bytes, nbytes - start);
+      char* buffer = reinterpret_cast<char*>(slots_ + (calls_ & 1) * world_ * capacity_);
+      std::memcpy(buffer + rank_ * slot_bytes, in + start, len);
+      barrier();
+      for (int r = 0; r < world_; ++r) {
+        std::memcpy(out + r * nbytes + start, buffer + r * slot_bytes, len);
+      }
+      ++calls_;
+    }
+  }
+
+  // src: `world` pieces of `piece_bytes`, piece r for rank r; dst: the piece each rank has for
+  // this one, in rank order. Each turn moves a slot's share of every piece.
+  void all_to_all(uintptr_t src, int64_t piece_bytes, uintptr_t dst) {
+    const char* in = reinterpret_cast<const char*>(src);
+    char* out = reinterpret_cast<char*>(dst);
+    const int64_t slot_bytes = capacity_ * static_cast<int64_t>(sizeof(float));
+    const int64_t step = slot_bytes / world_;
+    for (int64_t start = 0; start < piece_bytes; start += step) {
+      const int64_t len = std::min(step, piece_bytes - start);
+      char* buffer = reinterpret_cast<char*>(slots_ + (calls_ & 1) * world_ * capacity_);
+      char* mine = buffer + rank_ * slot_bytes;
+      for (int r = 0; r < world_; ++r) {
+        std::memcpy(mine + r * step, in + r * piece_bytes + start, len);
+      }
+      barrier();
+      for (int r = 0; r < world_; ++r) {
+        std::memcpy(out + r * piece_bytes + start, buffer + r * slot_bytes + rank_ * step, len);
+      }
+      ++calls_;
+    }
+  }
+
   // Returns once every rank has made as many meetings (barriers, all_reduce pieces) as this one.
   void barrier() {
+    if (header_->aborted.load(std::memory_order_acquire) != 0) throw_aborted();
     const uint32_t target = static_cast<uint32_t>((meetings_ + 1) * world_);
     const uint32_t seen = header_->arrived.fetch_add(1, std::memory_order_acq_rel) + 1;
     if (seen == target) {
@@ -107,6 +154,12 @@ class ShmAllReduce {
       wait_for(target);
     }
     ++meetings_;
+  }
+
+  // Fails every rank's current and later waits (a peer died: none of them would ever end).
+  void abort() {
+    header_->aborted.store(1, std::memory_order_release);
+    futex(&header_->arrived, FUTEX_WAKE, INT32_MAX, nullptr);
   }
 
  private:
@@ -124,15 +177,22 @@ class ShmAllReduce {
     for (;;) {
       const uint32_t now = header_->arrived.load(std::memory_order_acquire);
       if (passed(now, target)) return;
+      if (header_->aborted.load(std::memory_order_acquire) != 0) throw_aborted();
       const auto left = deadline - std::chrono::steady_clock::now();
       if (left <= std::chrono::steady_clock::duration::zero()) {
         throw std::runtime_error("shm all-reduce: rank " + std::to_string(rank_) + " waited " +
                                  std::to_string(timeout_s_) + " s for its peers");
       }
-      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+      const int64_t ns = std::min<int64_t>(
+          kSliceNs, std::chrono::duration_cast<std::chrono::nanoseconds>(left).count());
       timespec wait{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
       futex(&header_->arrived, FUTEX_WAIT, now, &wait);  // woken, timed out or moved: re-check
     }
+  }
+
+  [[noreturn]] void throw_aborted() const {
+    throw std::runtime_error("shm all-reduce: rank " + std::to_string(rank_) +
+                             ": the group was aborted (a peer rank died)");
   }
 
   static void cpu_relax() {
@@ -161,7 +221,12 @@ void register_shm_allreduce(py::module_& m) {
            py::arg("timeout_s"))
       .def("all_reduce", &ShmAllReduce::all_reduce, py::arg("data"), py::arg("n"),
            py::call_guard<py::gil_scoped_release>())
-      .def("barrier", &ShmAllReduce::barrier, py::call_guard<py::gil_scoped_release>());
+      .def("all_gather", &ShmAllReduce::all_gather, py::arg("src"), py::arg("nbytes"),
+           py::arg("dst"), py::call_guard<py::gil_scoped_release>())
+      .def("all_to_all", &ShmAllReduce::all_to_all, py::arg("src"), py::arg("piece_bytes"),
+           py::arg("dst"), py::call_guard<py::gil_scoped_release>())
+      .def("barrier", &ShmAllReduce::barrier, py::call_guard<py::gil_scoped_release>())
+      .def("abort", &ShmAllReduce::abort);
 }
 
 }  // namespace duet

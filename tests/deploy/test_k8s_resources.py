@@ -5,11 +5,17 @@ rendered manifests carrying exactly these numbers."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
 import pytest
 import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 from safetensors import safe_open
 
 from deploy.k8s_render import render_tree
@@ -19,6 +25,7 @@ from deploy.k8s_resources import (
     RUNTIME_BYTES,
     kv_pool_bytes,
     node_resources,
+    shm_bytes,
     weight_bytes,
 )
 from engine.bench_model import bench_config
@@ -91,6 +98,37 @@ def test_decode_ranks_share_the_routed_experts(bench):
     assert res.memory_bytes == expected
 
 
+SPLIT = ("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight",
+         "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+         "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
+         "shared_experts.down_proj.weight")  # fmt: skip
+
+
+def test_tensor_parallel_prefill_ranks_split_heads_mlps_and_experts(bench):
+    """A prefill node of 2 tensor-parallel ranks: each holds half of every head-split and
+    MLP-split matrix, half the routed experts, and the rest (embedding, head, latent
+    projections, norms, gates) whole."""
+    node = PrefillNodeConfig(name="p", threads=2, ranks=2, num_pages=1024, page_size=16)
+    res = node_resources(bench, "bfloat16", node)
+    shapes = checkpoint_shapes(bench)
+    full = weight_bytes(bench, "bfloat16")
+    split = sum(2 * math.prod(s) for n, s in shapes.items()
+                if n.endswith(SPLIT) and ".experts." not in n)  # fmt: skip
+    experts = 3 * 64 * 3 * 2048 * 1408 * 2  # MoE layers x routed experts x 3 matrices, bf16
+    assert split > 0
+    assert res.weight_bytes == 2 * (full - split - experts) + split + experts
+    assert res.kv_bytes == 2 * kv_pool_bytes(bench, "bfloat16", 1024, 16)  # a pool per rank
+    assert res.cpu == 4
+    with pytest.raises(ConfigError, match="divisible by 3"):  # 16 heads over 3 ranks
+        node_resources(bench, "bfloat16", PrefillNodeConfig(name="p", ranks=3))
+    # "tp_sp": only the heads' q / kv_b projections split; o_proj, MLPs and experts whole.
+    sp = node_resources(bench, "bfloat16", dataclasses.replace(node, parallel="tp_sp"))
+    heads = sum(2 * math.prod(s) for n, s in shapes.items()
+                if n.endswith(("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight")))  # fmt: skip
+    assert sp.weight_bytes == 2 * full - heads
+    assert sp.kv_bytes == res.kv_bytes
+
+
 def test_more_ranks_than_experts_is_refused_as_the_node_would(tiny):
     node = DecodeNodeConfig(name="d", ranks=tiny.n_routed_experts + 1)
     with pytest.raises(ConfigError, match="routed experts"):
@@ -108,6 +146,35 @@ def test_manifests_carry_the_computed_requests(request, model_name):
         (sts,) = [d for d in docs if d["kind"] == "StatefulSet"]
         (container,) = sts["spec"]["template"]["spec"]["containers"]
         assert container["resources"] == node_resources(model, cluster.dtype, node).k8s()
+
+
+def test_a_tensor_parallel_prefill_pod_gets_a_dev_shm_for_its_segment(tiny):
+    """Prefill ranks over the shared-memory collectives: the segment (two buffers of a 4 MiB
+    slot a rank) lives in a memory-backed /dev/shm of its size, counted in the pod's memory;
+    over gloo, or on one rank, no such volume."""
+    raw = tomllib.loads((ROOT / "deploy" / "configs" / "1p1d.toml").read_text())
+    raw["prefill"][0]["ranks"] = 2
+    cluster = ClusterConfig.from_dict(raw)
+    node = cluster.prefill[0]
+    assert shm_bytes(node) == 2 * 2 * 4 * MIB + MIB
+    plain = node_resources(tiny, cluster.dtype, dataclasses.replace(node, all_reduce="gloo"))
+    assert node_resources(tiny, cluster.dtype, node).memory_bytes == plain.memory_bytes + 17 * MIB
+    spec = _pod_spec(render_tree(cluster, tiny, name="r"), "prefill")
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "17Mi"}} in spec[
+        "volumes"
+    ]
+    (container,) = spec["containers"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    for role in ("prefill", "decode"):  # the shipped 1p1d: one rank, no volume
+        spec = _pod_spec(render_tree(ClusterConfig.from_dict(tomllib.loads(
+            (ROOT / "deploy" / "configs" / "1p1d.toml").read_text())), tiny, name="r"), role)  # fmt: skip
+        assert all(v["name"] != "dshm" for v in spec["volumes"])
+
+
+def _pod_spec(tree: dict[str, str], role: str) -> dict:
+    docs = list(yaml.safe_load_all(tree[f"overlays/r/{role}.yaml"]))
+    (sts,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    return sts["spec"]["template"]["spec"]
 
 
 @pytest.fixture(scope="module")

@@ -157,3 +157,28 @@ def test_mtp_settings_default_off_and_are_checked():
     assert cfg.uses_mtp and cfg.decode[0].ranks == 2
     with pytest.raises(ConfigError, match="mtp must be bool"):
         _cfg(decode={"mtp": "yes"})
+
+
+def test_prefill_ranks_default_to_one_and_their_settings_are_checked():
+    """Tensor-parallel prefill (issue 14): one rank, "tp" over the shared-memory all-reduce and
+    automatic placement by default; what is not built (the MTP layer on several ranks) or
+    cannot work is refused, naming the node and the key."""
+    p = _cfg().prefill[0]
+    assert (p.ranks, p.parallel, p.all_reduce, p.pin, p.rank_cpus) == (1, "tp", "shm", "auto", ())
+    p = _cfg(prefill={"ranks": 2, "all_reduce": "gloo", "rank_cpus": ["0", "1-3"]}).prefill[0]
+    assert (p.ranks, p.all_reduce, p.rank_cpus) == (2, "gloo", ("0", "1-3"))
+    assert _cfg(prefill={"ranks": 2, "parallel": "tp_sp"}).prefill[0].parallel == "tp_sp"
+    for prefill, match in (
+        ({"ranks": 0}, "node p: ranks must be >= 1"),
+        ({"parallel": "pp"}, "node p: parallel must be one of tp, tp_sp, got 'pp'"),
+        ({"all_reduce": "nccl"}, "node p: all_reduce must be one of shm, gloo"),
+        ({"pin": "numa"}, "node p: pin must be one of auto, off"),
+        ({"ranks": 2, "rank_cpus": ["0"]}, "rank_cpus names 1 core sets for 2 ranks"),
+        ({"rank_cpus": ["0-x"]}, "node p: rank_cpus: '0-x' is not a cpu list"),
+        ({"rank_cpus": "0"}, "rank_cpus must be a list of strings"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            _cfg(prefill=prefill)
+    with pytest.raises(ConfigError, match="node p: a prefill node of ranks > 1 cannot run the MTP"):
+        _cfg(prefill={"ranks": 2}, decode={"mtp": True})
+    assert _cfg(decode={"mtp": True}).prefill[0].ranks == 1  # one rank runs it

@@ -23,6 +23,7 @@ from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.errors import ConfigError
 from engine.model import DeepseekModel
+from engine.sequence_parallel import install_sequence_parallel
 from engine.sharding import check_tensor_parallel
 from engine.tensor_parallel import (
     gloo_all_reduce,
@@ -33,13 +34,13 @@ from engine.tensor_parallel import (
 from engine.tiny_model import V2_LITE_OVERRIDES, make_tiny_model
 from native import ops
 
-PROMPTS = [[5, 17, 33, 2, 40, 9, 81, 12, 4], [7, 7, 100, 3, 250, 11, 9]]
+PROMPTS = [[5, 17, 33, 2, 40, 9, 81, 12, 4], [7, 7, 100, 3, 250, 11, 9, 60]]  # chunk 2: 9 tokens
 CHUNK = 4  # the first chunk of each prompt, then the rest over it as a cached prefix
 
 
-def run(model: DeepseekModel) -> dict[str, torch.Tensor]:
-    """Chunk 1 of both prompts, chunk 2 over it (prefix), one decode step: every forward's
-    logits, and the KV rows the pool holds at the end."""
+def run(model: DeepseekModel, decode: bool = True) -> dict[str, torch.Tensor]:
+    """Chunk 1 of both prompts, chunk 2 over it (prefix), one decode step (unless not
+    `decode`): every forward's logits, and the KV rows the pool holds at the end."""
     pool = model.new_kv_pool(num_pages=16, page_size=4)
     tables = [pool.new_table() for _ in PROMPTS]
     for table, prompt in zip(tables, PROMPTS, strict=True):
@@ -49,14 +50,17 @@ def run(model: DeepseekModel) -> dict[str, torch.Tensor]:
         pool, tables, [p[CHUNK:] for p in PROMPTS], [CHUNK, CHUNK], is_decode=False
     )
     out = {"chunk1": model.forward(first, pool), "chunk2": model.forward(rest, pool)}
-    next_tokens = [[int(t)] for t in out["chunk2"].argmax(-1)]
-    step = ForwardBatch.build(pool, tables, next_tokens, [len(p) for p in PROMPTS], is_decode=True)
-    out["decode"] = model.forward(step, pool)
-    layers = model.num_kv_layers
+    if decode:
+        next_tokens = [[int(t)] for t in out["chunk2"].argmax(-1)]
+        lens = [len(p) for p in PROMPTS]
+        step = ForwardBatch.build(pool, tables, next_tokens, lens, is_decode=True)
+        out["decode"] = model.forward(step, pool)
+    layers, extra = model.num_kv_layers, 1 if decode else 0
     out["kv"] = torch.cat(
-        [pool.read_rows(t, 0, layers, 0, len(p) + 1) for t, p in zip(tables, PROMPTS, strict=True)],
+        [pool.read_rows(t, 0, layers, 0, len(p) + extra)
+         for t, p in zip(tables, PROMPTS, strict=True)],
         dim=1,
-    )
+    )  # fmt: skip
     return out
 
 
@@ -68,16 +72,20 @@ def _join(rank, world, port):
     )  # fmt: skip
 
 
-def _rank_main(rank, world, port, model_dir, out_dir, comm):
+def _rank_main(rank, world, port, model_dir, out_dir, comm, scheme="tp"):
     _join(rank, world, port)
     try:
         model = DeepseekModel.from_pretrained(
-            model_dir, torch.float32, progress=False, tensor_parallel=(rank, world)
-        )
+            model_dir, torch.float32, progress=False, tensor_parallel=(rank, world),
+            parallel=scheme,
+        )  # fmt: skip
         reduce = gloo_all_reduce() if comm == "gloo" else shm_all_reduce(rank, world)
-        install_tensor_parallel(model, reduce)
+        if scheme == "tp":
+            install_tensor_parallel(model, reduce)
+        else:
+            install_sequence_parallel(model, reduce)
         held = {"heads": model.layers[0].attn.num_heads, "experts": list(model.expert_range)}
-        torch.save({**run(model), **held}, f"{out_dir}/rank{rank}.pt")
+        torch.save({**run(model, decode=scheme == "tp"), **held}, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -104,6 +112,27 @@ def test_two_tensor_parallel_ranks_match_one(model_dir, tmp_path, comm):
         # fp32, summed in another order: a few ulps of the logits' scale.
         torch.testing.assert_close(ranks[0][key], reference[key], atol=1e-4, rtol=1e-4)
     for key in ("chunk1", "chunk2", "decode"):
+        assert torch.equal(ranks[0][key].argmax(-1), reference[key].argmax(-1)), key
+
+
+@pytest.mark.parametrize("comm", ["gloo", "shm"])
+def test_two_sequence_split_ranks_match_one(model_dir, tmp_path, comm):
+    """ "tp_sp": each rank holds half the heads and every expert; its forward all-gathers the
+    down-projections and all-to-alls the attention output (chunk 2 has 9 tokens: a padded
+    piece). The logits and KV rows equal one rank's holding everything."""
+    reference = run(DeepseekModel.from_pretrained(model_dir, torch.float32, progress=False),
+                    decode=False)  # fmt: skip
+    mp.spawn(_rank_main, args=(2, free_port(), str(model_dir), str(tmp_path), comm, "tp_sp"),
+             nprocs=2, join=True)  # fmt: skip
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    cfg = ModelConfig.from_model_dir(model_dir)
+    assert [r["heads"] for r in ranks] == [cfg.num_attention_heads // 2] * 2
+    assert [r["experts"] for r in ranks] == [list(range(8))] * 2
+    for key in ("chunk1", "chunk2", "kv"):
+        assert torch.equal(ranks[0][key], ranks[1][key]), key
+        # fp32; the heads' work is the same sums as one rank's, the MLPs run on fewer rows.
+        torch.testing.assert_close(ranks[0][key], reference[key], atol=1e-4, rtol=1e-4)
+    for key in ("chunk1", "chunk2"):
         assert torch.equal(ranks[0][key].argmax(-1), reference[key].argmax(-1)), key
 
 
@@ -167,6 +196,64 @@ def test_a_peer_that_never_comes_is_an_error_after_the_timeout(tmp_path):
     with pytest.raises(RuntimeError, match=r"rank 0 waited 0\.3.* s for its peers"):
         lonely.all_reduce(torch.ones(4).data_ptr(), 4)
     assert 0.3 <= time.monotonic() - started < 10.0
+
+
+def test_an_abort_ends_a_peers_wait_at_once_and_every_later_one(tmp_path):
+    """Rank 1 waits in an all-reduce for a rank 0 that never comes (a minute's timeout);
+    rank 0's abort (its watchdog saw a rank die) ends that wait with an error, and the next."""
+    import threading
+
+    from native import _C
+
+    path = str(tmp_path / "segment")
+    ranks = [_C.ShmAllReduce(path, r, 2, 16, r == 0, 60.0) for r in range(2)]
+    errors = []
+
+    def wait():
+        try:
+            ranks[1].all_reduce(torch.ones(4).data_ptr(), 4)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    waiter.join(0.5)  # most likely asleep on the futex by now; either way it must end
+    assert waiter.is_alive()  # nothing else can end its wait for a minute
+    ranks[0].abort()
+    waiter.join(30)
+    assert not waiter.is_alive()
+    assert errors == ["shm all-reduce: rank 1: the group was aborted (a peer rank died)"]
+    with pytest.raises(RuntimeError, match="aborted"):
+        ranks[1].barrier()
+
+
+def test_the_shared_memory_all_gather_and_all_to_all_move_pieces_longer_than_a_slot(tmp_path):
+    """Two ranks (threads: the calls release the GIL) on a segment of 16-float slots: an
+    all-gather of 50 floats a rank and an all-to-all of 2 x 30 floats go through in pieces,
+    each rank getting what GlooComm would give it."""
+    import threading
+
+    from engine.tensor_parallel import ShmComm
+    from native import _C
+
+    path = str(tmp_path / "segment")
+    comms = [ShmComm(_C.ShmAllReduce(path, r, 2, 16, r == 0, 60.0), 2) for r in range(2)]
+    parts = [torch.arange(50, dtype=torch.float32) + 1000 * r for r in range(2)]
+    pieces = [torch.arange(60, dtype=torch.float32).view(2, 30) + 1000 * r for r in range(2)]
+    out = [None, None]
+
+    def rank_main(r):
+        out[r] = (comms[r].all_gather(parts[r]), comms[r].all_to_all(pieces[r]))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for r in range(2):
+        gathered, exchanged = out[r]
+        assert torch.equal(gathered, torch.stack(parts))
+        assert torch.equal(exchanged, torch.stack([pieces[0][r], pieces[1][r]]))
 
 
 def test_the_dry_run_counts_each_schemes_bytes_by_hand(model_dir):

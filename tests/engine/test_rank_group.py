@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from decode_node.ranks import RankGroup, rendezvous_listener
 from engine.cluster_config import DecodeNodeConfig
 from engine.errors import ConfigError
+from engine.rank_group import RankGroup, rendezvous_listener
 
 HOST = "127.0.0.2"
 
@@ -79,7 +79,7 @@ def test_both_ranks_listen_on_the_node_address_only(tmp_path):
 
 def test_a_bind_host_of_another_machine_is_a_config_error():
     cfg = DecodeNodeConfig(name="d", host="localhost", bind_host="203.0.113.9", ranks=2)
-    with pytest.raises(ConfigError, match="node d: the decode ranks cannot listen on 203.0.113.9"):
+    with pytest.raises(ConfigError, match="node d: the ranks cannot listen on 203.0.113.9"):
         rendezvous_listener(cfg)
 
 

@@ -1,0 +1,250 @@
+"""A prefill node of `ranks` > 1 processes: tensor parallelism (issue 14), `parallel = "tp"`
+(`engine.tensor_parallel`) or "tp_sp" (sequence-split, `engine.sequence_parallel`).
+
+Rank 0 (`python -m prefill_node`) is the node the router knows: its loop schedules, samples and
+streams the KV as a one-rank node does. Before each forward it broadcasts the batch (the
+ForwardBatch's tensors as msgpack: no pickle) to ranks 1..R-1 (`python -m prefill_node.ranks
+... --rank r`), which run the same forward on their shard of the model. Its collectives ("tp":
+the all-reduces after o_proj and the MLP; "tp_sp": the all-gather of the latents) give every
+rank the same latent KV rows, which every rank writes at the same slots of its own pool (of
+the same size): the attention of a later chunk, or of a prompt whose prefix rank 0's cache holds,
+finds on every rank the rows it needs. The other ranks drop their logits.
+
+Between forwards rank 0 broadcasts a tick at least every TICK_S, so a rank waiting for the next
+batch never reaches the group's timeout, and a stop when it stops.
+
+A rank that dies: rank 0's watchdog (a thread that polls its children) aborts the shared-memory
+all-reduce, so every rank's wait ends at once (a gloo all-reduce fails by itself once the dead
+rank's sockets close; a hung rank hits the group's timeout). The failed forward is fatal on rank
+0: NodeFailed, then its requests' errors, which the router moves to another prefill node. Ranks
+1..R-1 die with rank 0 (`engine.rank_group.die_with_parent`).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import msgpack
+import torch
+
+from engine.batch import ForwardBatch
+from engine.cluster_config import ClusterConfig, PrefillNodeConfig
+from engine.errors import ConfigError
+from engine.rank_group import RankGroup, collective_timeout_s, rank_args, reap_children
+from engine.sequence_parallel import install_sequence_parallel
+from engine.tensor_parallel import gloo_all_reduce, install_tensor_parallel, shm_all_reduce
+from prefill_node.node import PrefillNode
+
+log = logging.getLogger(__name__)
+
+TICK_S = 1.0  # the longest rank 0 leaves the other ranks without a broadcast
+WATCH_S = 0.1  # how often rank 0's watchdog looks at its children
+BATCH_TENSORS = ("input_ids", "positions", "new_lens", "prefix_lens", "page_table", "slots",
+                 "prefix_slots", "extra_logit_index")  # fmt: skip
+DTYPES = {str(t): t for t in (torch.int32, torch.int64)}
+
+
+# ---- the wire between the ranks --------------------------------------------------------------
+def encode_forward(batch: ForwardBatch) -> bytes:
+    tensors = {}
+    for name in BATCH_TENSORS:
+        t = getattr(batch, name)
+        if t is not None:
+            t = t.contiguous()
+            tensors[name] = [str(t.dtype), list(t.shape), t.numpy().tobytes()]
+    return msgpack.packb({"op": "forward", "is_decode": batch.is_decode, "tensors": tensors})
+
+
+def decode_forward(body: dict) -> ForwardBatch:
+    fields = {}
+    for name, (dtype, shape, raw) in body["tensors"].items():
+        if name not in BATCH_TENSORS or dtype not in DTYPES:
+            raise ValueError(f"rank 0 sent an unknown batch field {name!r} ({dtype})")
+        if raw:
+            fields[name] = torch.frombuffer(bytearray(raw), dtype=DTYPES[dtype]).reshape(shape)
+        else:  # (frombuffer takes no empty buffer)
+            fields[name] = torch.empty(shape, dtype=DTYPES[dtype])
+    return ForwardBatch(is_decode=bool(body["is_decode"]), **fields)
+
+
+TICK = msgpack.packb({"op": "tick"})
+STOP = msgpack.packb({"op": "stop"})
+
+
+# ---- joining the group -----------------------------------------------------------------------
+def join_tensor_parallel(cluster: ClusterConfig, cfg: PrefillNodeConfig, model, rank: int,
+                         rendezvous) -> tuple[RankGroup, object]:  # fmt: skip
+    """Joins the node's group (`rendezvous` as in RankGroup) and makes `model`, this rank's
+    shard, run its scheme (cfg.parallel: "tp" all-reduces, "tp_sp" runs sequence-split) over
+    cfg.all_reduce ("shm" or "gloo"); returns the group and the collectives."""
+    timeout = collective_timeout_s(cluster.timeouts.node_timeout_s)
+    group = RankGroup(rank, cfg.ranks, rendezvous, timeout)
+    try:
+        if cfg.all_reduce == "shm":
+            all_reduce = shm_all_reduce(rank, cfg.ranks, timeout_s=timeout)
+        else:
+            all_reduce = gloo_all_reduce()
+        if cfg.parallel == "tp_sp":
+            install_sequence_parallel(model, all_reduce)
+        else:
+            install_tensor_parallel(model, all_reduce)
+    except BaseException:
+        group.close()
+        raise
+    return group, all_reduce
+
+
+# ---- rank 0 ----------------------------------------------------------------------------------
+class RankPrefillNode(PrefillNode):
+    """Rank 0 of a tensor-parallel prefill node: a PrefillNode whose forwards the other ranks
+    run beside it."""
+
+    forward_errors_are_fatal = True
+
+    def __init__(self, *args, group: RankGroup, all_reduce, children: list[subprocess.Popen]):
+        super().__init__(*args)
+        self.group, self.all_reduce, self.children = group, all_reduce, children
+        self._last_broadcast = time.monotonic()
+        self.watchdog = RankWatchdog(children, getattr(all_reduce, "abort", None))
+
+    def ready_info(self):
+        return {**super().ready_info(), "ranks": self.group.world}
+
+    def run(self) -> None:
+        self.watchdog.start()
+        try:
+            super().run()
+        except BaseException:
+            self._stop_children(kill=True)
+            raise
+        else:
+            try:
+                self._broadcast(STOP)
+            except Exception as exc:  # a rank gone already: nothing left to stop cleanly
+                log.warning("the ranks did not take the stop: %s", exc)
+                self._stop_children(kill=True)
+            else:
+                self._stop_children(kill=False)
+        finally:
+            self.group.close()
+
+    def step(self) -> None:
+        super().step()
+        if time.monotonic() - self._last_broadcast >= TICK_S:
+            self._broadcast(TICK)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self._broadcast(encode_forward(batch))
+        try:
+            return super()._forward(batch)
+        except Exception as exc:
+            if self.watchdog.finding:
+                raise RuntimeError(f"{self.watchdog.finding} ({exc})") from exc
+            raise
+
+    def _broadcast(self, payload: bytes) -> None:
+        self.group.broadcast_bytes(payload)
+        self._last_broadcast = time.monotonic()
+
+    def _stop_children(self, kill: bool) -> None:
+        self.watchdog.stop()  # their exits are expected from here on
+        if kill:
+            for proc in self.children:
+                proc.kill()
+        reap_children(self.children)
+
+
+class RankWatchdog:
+    """A thread of rank 0 that polls its children every WATCH_S: the first to exit (before
+    `stop`) is the finding, and `abort` (the shared-memory collectives' abort; None over gloo,
+    whose waits fail by themselves) ends every rank's wait for it at once."""
+
+    def __init__(self, children: list[subprocess.Popen], abort=None):
+        self.children, self.abort = children, abort
+        self.finding = ""
+        self._watching = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="rank-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._watching.set()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._watching.clear()
+
+    def _watch(self) -> None:
+        while self._watching.is_set():
+            for r, proc in enumerate(self.children, start=1):
+                code = proc.poll()
+                if code is not None and self._watching.is_set():
+                    self.finding = f"prefill rank {r} exited with status {code}"
+                    log.error("%s: aborting the group", self.finding)
+                    if self.abort is not None:
+                        self.abort()
+                    self._watching.clear()
+                    return
+            time.sleep(WATCH_S)
+
+
+# ---- ranks 1..R-1 ----------------------------------------------------------------------------
+def follow(model, pool, group: RankGroup) -> int:
+    """Runs rank 0's forwards on this rank's shard until its stop; the forwards run."""
+    num_forwards = 0
+    while True:
+        body = msgpack.unpackb(group.broadcast_bytes(None), raw=False)
+        if body["op"] == "stop":
+            return num_forwards
+        if body["op"] == "forward":
+            model.forward(decode_forward(body), pool)
+            num_forwards += 1
+
+
+def worker_main(argv: list[str] | None = None) -> int:
+    """`python -m prefill_node.ranks --config F --node N --rank R --dist-host H --dist-port P
+    [--model DIR]` (started by rank 0; 0 after rank 0's stop, 1 on failure: rank 0 reports)."""
+    from engine.node_process import load_model
+    from engine.placement import place_rank
+
+    args = rank_args("prefill_node.ranks", argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {args.node}[{args.rank}] %(levelname)s %(message)s",
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops rank 0, which stops us
+    try:
+        cluster = ClusterConfig.load(args.config)
+        cfg = cluster.node(args.node)
+        if not isinstance(cfg, PrefillNodeConfig) or not 0 < args.rank < cfg.ranks:
+            raise ConfigError(f"node {args.node!r} has no prefill rank {args.rank}")
+        place_rank(cfg, args.rank)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        model = load_model(cluster, cfg, args.model, tensor_parallel=(args.rank, cfg.ranks),
+                           parallel=cfg.parallel)  # fmt: skip
+        pool = model.new_kv_pool(cfg.num_pages, cfg.page_size)
+        rendezvous = (args.dist_host, args.dist_port)
+        group, _ = join_tensor_parallel(cluster, cfg, model, args.rank, rendezvous)
+    except Exception as exc:  # rank 0 fails to meet this rank and reports the node
+        log.error("rank %d could not start: %s", args.rank, exc)
+        return 1
+    log.info("rank %d ready", args.rank)
+    try:
+        num_forwards = follow(model, pool, group)
+    except Exception as exc:  # a broken peer: rank 0 fails the node (or is gone already)
+        log.error("rank %d failed: %s", args.rank, exc)
+        return 1
+    finally:
+        group.close()
+    log.info("rank %d: %d forwards", args.rank, num_forwards)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())
