@@ -289,6 +289,8 @@ def worker_main(argv: list[str] | None = None) -> int:
         cfg = cluster.node(args.node)
         if not isinstance(cfg, DecodeNodeConfig) or not 0 < args.rank < cfg.ranks:
             raise ConfigError(f"node {args.node!r} has no decode rank {args.rank}")
+        if args.dist_host is None or args.dist_port is None:
+            raise ConfigError("a decode rank is started by its rank 0 (--dist-host/--dist-port)")
         who = f"node {args.node} rank {args.rank}"
         security = cluster_security(cluster.security, args.config, who)
     except ConfigError as exc:

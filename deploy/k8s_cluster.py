@@ -114,7 +114,9 @@ def _is_replica(node_set: NodeSet, node: Node) -> bool:
         return False
     ports = {f.name for f in dataclasses.fields(first) if f.name.endswith("_port")}
     shifted = dataclasses.replace(
-        first, name=node.name, **{p: getattr(first, p) + i for p in ports}
+        first,
+        name=node.name,
+        **{p: getattr(first, p) + (i if getattr(first, p) else 0) for p in ports},
     )
     return shifted == node
 
@@ -130,6 +132,12 @@ def k8s_cluster(cluster: ClusterConfig, namespace: str) -> ClusterConfig:
             "[security] api_keys would put the keys in clear into a ConfigMap: put them in the "
             f"Secret that the router mounts as {API_KEY_DIR}/{API_KEY_FILE} instead"
         )
+    for node in cluster.prefill:
+        if node.rank_hosts:
+            raise ConfigError(
+                f"node {node.name}: rank_hosts (ranks on other hosts) is not rendered for "
+                "Kubernetes: one pod runs every rank of its node"
+            )
     hosts = {
         node.name: pod_host(s, i, namespace)
         for s in node_sets(cluster)

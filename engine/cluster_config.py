@@ -166,6 +166,17 @@ class PrefillNodeConfig(_Addresses):
     # (Linux list format, "0-3,8"), one entry a rank.
     pin: str = "auto"
     rank_cpus: tuple[str, ...] = ()
+    # Ranks on other hosts: the address of each of ranks 1..R-1 (where its gloo sockets
+    # listen), each started there by `deploy/launch_prefill_rank.sh`; rank 0 then starts none.
+    # Empty: every rank is a child of rank 0 on this machine. Needs all_reduce = "gloo" and a
+    # fixed group_port (rank 0's rendezvous, on its group_host).
+    rank_hosts: tuple[str, ...] = ()
+    group_port: int = 0  # 0: a free port (ranks on this machine only)
+
+    @property
+    def hosts_of_ranks(self) -> tuple[str, ...]:
+        """Each rank's address: rank 0's group_host, then rank_hosts (or rank 0's again)."""
+        return (self.group_host, *(self.rank_hosts or (self.group_host,) * (self.ranks - 1)))
 
 
 @dataclass(frozen=True)
@@ -331,9 +342,14 @@ def _nodes(cls, role: str, raw: Any) -> tuple:
         if replicas == 1:
             nodes.append(base)
             continue
+        if getattr(base, "rank_hosts", ()):
+            raise ConfigError(
+                f"[[{role}]] {base.name}: rank_hosts names one node's hosts; list each replica "
+                "as its own entry instead of replicas"
+            )
         for r in range(replicas):
-            ports = {
-                f.name: getattr(base, f.name) + r
+            ports = {  # (0: a free port, picked at start, stays 0)
+                f.name: getattr(base, f.name) + (r if getattr(base, f.name) else 0)
                 for f in dataclasses.fields(cls)
                 if f.name.endswith("_port")
             }
@@ -355,6 +371,8 @@ def _validate(cfg: ClusterConfig) -> None:
     endpoints = [(cfg.router.host, cfg.router.port), (cfg.router.host, cfg.router.control_port)]
     for node in cfg.prefill:
         endpoints.append((node.host, node.control_port))
+        if node.group_port:
+            endpoints.append((node.group_host, node.group_port))
     for node in cfg.decode:
         endpoints += [(node.host, node.control_port), (node.host, node.kv_port)]
     if len(set(endpoints)) != len(endpoints):
@@ -434,6 +452,25 @@ def _validate_prefill_ranks(node: PrefillNodeConfig, uses_mtp: bool) -> None:
             parse_cpu_list(cpus)
         except ConfigError as exc:
             raise ConfigError(f"node {node.name}: rank_cpus: {exc}") from None
+    if node.rank_hosts:
+        if len(node.rank_hosts) != node.ranks - 1:
+            raise ConfigError(
+                f"node {node.name}: rank_hosts names {len(node.rank_hosts)} hosts for ranks "
+                f"1..{node.ranks - 1}"
+            )
+        for host in node.rank_hosts:
+            if not _HOST.fullmatch(host) or host in WILDCARD_HOSTS:
+                raise ConfigError(
+                    f"node {node.name}: rank_hosts: {host!r} is not a host name or IPv4 address "
+                    "(nor may it be a wildcard: rank 0 connects to it)"
+                )
+        if node.all_reduce != "gloo" or not node.group_port:
+            raise ConfigError(
+                f'node {node.name}: ranks on other hosts (rank_hosts) need all_reduce = "gloo" '
+                "and a group_port"
+            )
+    if not 0 <= node.group_port < 65536:
+        raise ConfigError(f"node {node.name}: group_port must be in [0, 65535]")
     if node.ranks > 1 and uses_mtp:
         raise ConfigError(
             f"node {node.name}: a prefill node of ranks > 1 cannot run the MTP layer yet "

@@ -4,7 +4,8 @@ to the cores that read them. The machine's layout is read from sysfs; on one NUM
 memory policy is left alone (binding it would change nothing).
 
 A node of one rank is left where the OS puts it unless `rank_cpus` names its cores: pinning it
-to one NUMA node of several would take cores from it."""
+to one NUMA node of several would take cores from it; so is a rank alone on its host
+(`rank_hosts`). The ranks that share a host share its cores."""
 
 from __future__ import annotations
 
@@ -88,10 +89,16 @@ def place_rank(node_cfg, rank: int) -> Placement | None:
     """Pins this process (rank `rank` of the prefill node `node_cfg`) by its `pin` and
     `rank_cpus`, before the model loads (its threads and pages follow); None when left to the
     OS. Call it before any thread pool starts: threads made later inherit the mask."""
-    if node_cfg.pin == "off" or (node_cfg.ranks == 1 and not node_cfg.rank_cpus):
+    hosts = node_cfg.hosts_of_ranks
+    here = [r for r in range(node_cfg.ranks) if hosts[r] == hosts[rank]]  # ranks on this host
+    if node_cfg.pin == "off" or (len(here) == 1 and not node_cfg.rank_cpus):
         return None
     allowed = sorted(os.sched_getaffinity(0))
-    placement = plan_rank(rank, node_cfg.ranks, allowed, numa_nodes(), node_cfg.rank_cpus)
+    if node_cfg.rank_cpus:
+        explicit = (node_cfg.rank_cpus[rank],)
+        placement = plan_rank(0, 1, allowed, numa_nodes(), explicit)
+    else:
+        placement = plan_rank(here.index(rank), len(here), allowed, numa_nodes())
     try:
         os.sched_setaffinity(0, placement.cpus)
     except OSError as exc:

@@ -43,11 +43,10 @@ class RankGroup:
 
     `rendezvous` is, on rank 0, the listening socket of the group's store (`rendezvous_listener`;
     the store takes it over), on the other ranks its (host, port). Every rank's gloo sockets
-    listen on that host too."""
+    listen on that host too, or on `bind_host` (a rank on another host: its own address)."""
 
-    def __init__(
-        self, rank: int, world: int, rendezvous: socket.socket | tuple[str, int], timeout_s: float
-    ):
+    def __init__(self, rank: int, world: int, rendezvous: socket.socket | tuple[str, int],
+                 timeout_s: float, bind_host: str | None = None):  # fmt: skip
         wait = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
         if rank == 0:
             (host, port), fd = rendezvous.getsockname()[:2], rendezvous.detach()
@@ -58,7 +57,7 @@ class RankGroup:
             host, port = rendezvous
             store = dist.TCPStore(host, port, world, is_master=False, timeout=wait)
         timeout = datetime.timedelta(seconds=timeout_s)
-        backend = gloo_on(host)
+        backend = gloo_on(bind_host or host)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         self.rank, self.world = rank, world
 
@@ -106,18 +105,23 @@ def gloo_on(host: str) -> str:
 
 
 def rendezvous_listener(cfg) -> socket.socket:
-    """Rank 0's listening socket for the group's store, on a free port of `cfg.group_host`
-    (`cfg`: a node config with `ranks`).
+    """Rank 0's listening socket for the group's store, on `cfg.group_host` at its
+    `group_port` (a prefill node's; else a free port) (`cfg`: a node config with `ranks`).
 
     A node that binds every interface may name in `host` an address that is not this machine's
     (a load balancer's, a DNS name that does not resolve yet): its ranks, all on this machine,
     then meet on 127.0.0.1 (logged). A `bind_host` that is not this machine's is a ConfigError."""
     hosts = [cfg.group_host, *(["127.0.0.1"] if cfg.binds_every_interface else [])]
+    if getattr(cfg, "rank_hosts", ()):  # ranks elsewhere reach rank 0 at its host only
+        hosts = hosts[:1]
+    port = getattr(cfg, "group_port", 0)
     errors = []
     for host in hosts:
         sock = socket.socket()
+        # A fixed group_port: a restarted rank 0 listens again at once (TIME_WAIT aside).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((host, 0))
+            sock.bind((host, port))
         except OSError as exc:  # socket.gaierror too: a name that does not resolve
             sock.close()
             errors.append(f"{host}: {exc.strerror or exc}")
@@ -178,12 +182,13 @@ def reap_children(children: list[subprocess.Popen], timeout_s: float = 10.0) -> 
 
 def rank_args(module: str, argv: list[str] | None) -> argparse.Namespace:
     """The command line `spawn_ranks` gives a rank: --config --node --rank --dist-host
-    --dist-port [--model]."""
+    --dist-port [--model] (a prefill rank on another host, started by hand, has no --dist-*:
+    it meets rank 0 where the config says)."""
     p = argparse.ArgumentParser(prog=f"python -m {module}")
     p.add_argument("--config", required=True)
     p.add_argument("--node", required=True)
     p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--dist-host", required=True)
-    p.add_argument("--dist-port", type=int, required=True)
+    p.add_argument("--dist-host")
+    p.add_argument("--dist-port", type=int)
     p.add_argument("--model")
     return p.parse_args(argv)

@@ -2,7 +2,8 @@
 (the process shell, signals and READY/FAILED reporting are in engine/node_process.py).
 
 With `ranks = R > 1` this process is rank 0 of a tensor-parallel node: it starts ranks 1..R-1
-(`prefill_node.ranks`) before loading its own shard, so the ranks load in parallel."""
+(`prefill_node.ranks`) before loading its own shard, so the ranks load in parallel; with
+`rank_hosts` they are started on their hosts and come to its group_port."""
 
 from __future__ import annotations
 
@@ -64,9 +65,11 @@ class _Rank0:
         check_tensor_parallel(mcfg, cfg.ranks, cfg.parallel)  # before spawning
         self.listener = rendezvous_listener(cfg)
         where = self.listener.getsockname()[:2]
-        self.children = spawn_ranks(
-            "prefill_node.ranks", self.args.config, cfg.name, cfg.ranks, where, self.args.model
-        )
+        if not cfg.rank_hosts:  # else each rank is started on its host and comes to `where`
+            self.children = spawn_ranks(
+                "prefill_node.ranks", self.args.config, cfg.name, cfg.ranks, where,
+                self.args.model,
+            )  # fmt: skip
         place_rank(cfg, 0)  # after the spawn: the ranks start with every core this one has
         return load_model(cluster, cfg, model_dir, tensor_parallel=(0, cfg.ranks),
                           parallel=cfg.parallel)  # fmt: skip

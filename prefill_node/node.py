@@ -101,6 +101,7 @@ class PrefillNode:
         self.is_draining = False
         self._drain_deadline = 0.0
         self._is_stalled = False  # last schedule found nothing to run although work is queued
+        self._has_failed = False  # NodeFailed sent (report_failure)
         self._next_heartbeat = 0.0
 
     def ready_info(self) -> dict[str, Any]:
@@ -136,7 +137,11 @@ class PrefillNode:
 
     def report_failure(self, exc: BaseException) -> None:
         """NodeFailed to the router before the per-request errors of close(): the router then
-        moves this node's requests to another pair instead of failing them."""
+        moves this node's requests to another pair instead of failing them. From here on the
+        decode nodes get no kv_abort: one would reach the router through D (RequestError)
+        maybe before the NodeFailed, and fail the request; the router's move aborts D's
+        reservation instead."""
+        self._has_failed = True
         self.outbox.send(NodeFailed(self.name, "prefill", f"{type(exc).__name__}: {exc}"))
 
     def step(self) -> None:
@@ -448,9 +453,10 @@ class PrefillNode:
         self.outbox.send(RequestError(request.request_id, stage, message))
 
     def _abort_peer(self, request: PrefillRequest, reason: str) -> None:
-        """Best effort kv_abort, so D frees its reservation now rather than at its deadline."""
+        """Best effort kv_abort, so D frees its reservation now rather than at its deadline
+        (none once the node has failed: `report_failure`)."""
         sender = self.senders.peek(request.kv_endpoint)
-        if sender is None:
+        if sender is None or self._has_failed:
             return
         try:
             sender.send_abort(_rendezvous(request), reason)

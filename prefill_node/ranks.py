@@ -78,25 +78,29 @@ STOP = msgpack.packb({"op": "stop"})
 
 # ---- joining the group -----------------------------------------------------------------------
 def join_tensor_parallel(cluster: ClusterConfig, cfg: PrefillNodeConfig, model, rank: int,
-                         rendezvous) -> tuple[RankGroup, object]:  # fmt: skip
-    """Joins the node's group (`rendezvous` as in RankGroup) and makes `model`, this rank's
-    shard, run its scheme (cfg.parallel: "tp" all-reduces, "tp_sp" runs sequence-split) over
-    cfg.all_reduce ("shm" or "gloo"); returns the group and the collectives."""
+                         rendezvous, comm=None) -> tuple[RankGroup, object]:  # fmt: skip
+    """Joins the node's group (`rendezvous` as in RankGroup) and, unless `comm` is the
+    collectives of an earlier session (a rank on another host meets each rank 0 anew), makes
+    `model`, this rank's shard, run its scheme (cfg.parallel: "tp" all-reduces, "tp_sp" runs
+    sequence-split) over cfg.all_reduce ("shm" or "gloo"); returns the group and the
+    collectives."""
     timeout = collective_timeout_s(cluster.timeouts.node_timeout_s)
-    group = RankGroup(rank, cfg.ranks, rendezvous, timeout)
+    group = RankGroup(rank, cfg.ranks, rendezvous, timeout, cfg.hosts_of_ranks[rank])
+    if comm is not None:  # gloo on the default group: the new group's, from now on
+        return group, comm
     try:
         if cfg.all_reduce == "shm":
-            all_reduce = shm_all_reduce(rank, cfg.ranks, timeout_s=timeout)
+            comm = shm_all_reduce(rank, cfg.ranks, timeout_s=timeout)
         else:
-            all_reduce = gloo_all_reduce()
+            comm = gloo_all_reduce()
         if cfg.parallel == "tp_sp":
-            install_sequence_parallel(model, all_reduce)
+            install_sequence_parallel(model, comm)
         else:
-            install_tensor_parallel(model, all_reduce)
+            install_tensor_parallel(model, comm)
     except BaseException:
         group.close()
         raise
-    return group, all_reduce
+    return group, comm
 
 
 # ---- rank 0 ----------------------------------------------------------------------------------
@@ -205,8 +209,11 @@ def follow(model, pool, group: RankGroup) -> int:
 
 
 def worker_main(argv: list[str] | None = None) -> int:
-    """`python -m prefill_node.ranks --config F --node N --rank R --dist-host H --dist-port P
-    [--model DIR]` (started by rank 0; 0 after rank 0's stop, 1 on failure: rank 0 reports)."""
+    """`python -m prefill_node.ranks --config F --node N --rank R [--dist-host H --dist-port P]
+    [--model DIR]`. Started by rank 0 (--dist-*): one session, 0 after rank 0's stop, 1 on
+    failure (rank 0 reports the node). Started on another host (`rank_hosts`; by
+    `deploy/launch_prefill_rank.sh`): it serves every rank 0 that comes (a restarted one
+    too), until a signal stops it."""
     from engine.node_process import load_model
     from engine.placement import place_rank
 
@@ -215,35 +222,61 @@ def worker_main(argv: list[str] | None = None) -> int:
         level=logging.INFO,
         format=f"%(asctime)s {args.node}[{args.rank}] %(levelname)s %(message)s",
     )
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops rank 0, which stops us
+    spawned = args.dist_host is not None
     try:
         cluster = ClusterConfig.load(args.config)
         cfg = cluster.node(args.node)
         if not isinstance(cfg, PrefillNodeConfig) or not 0 < args.rank < cfg.ranks:
             raise ConfigError(f"node {args.node!r} has no prefill rank {args.rank}")
+        if not spawned and not (cfg.rank_hosts and args.dist_port is None):
+            raise ConfigError(
+                f"node {args.node}: rank {args.rank} is started by rank 0 unless the node names "
+                "rank_hosts"
+            )
         place_rank(cfg, args.rank)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # Spawned: Ctrl-C stops rank 0, which stops this rank. Elsewhere: a signal stops it at
+    # once, even inside a collective (nothing of a session outlives it).
+    signal.signal(signal.SIGINT, signal.SIG_IGN if spawned else signal.SIG_DFL)
     try:
         model = load_model(cluster, cfg, args.model, tensor_parallel=(args.rank, cfg.ranks),
                            parallel=cfg.parallel)  # fmt: skip
         pool = model.new_kv_pool(cfg.num_pages, cfg.page_size)
-        rendezvous = (args.dist_host, args.dist_port)
-        group, _ = join_tensor_parallel(cluster, cfg, model, args.rank, rendezvous)
-    except Exception as exc:  # rank 0 fails to meet this rank and reports the node
-        log.error("rank %d could not start: %s", args.rank, exc)
+    except Exception as exc:
+        log.error("rank %d could not load its shard: %s", args.rank, exc)
         return 1
-    log.info("rank %d ready", args.rank)
+    if spawned:
+        rendezvous = (args.dist_host, args.dist_port)
+        return _session(cluster, cfg, model, pool, args.rank, rendezvous, None)[0]
+    comm = None  # installed in the first session, the gloo collectives of every later one
+    while True:  # rank 0's restarts: each is a new session at the same rendezvous
+        log.info("rank %d: waiting for rank 0 at %s:%d", args.rank, cfg.host, cfg.group_port)
+        rendezvous = (cfg.host, cfg.group_port)
+        status, comm = _session(cluster, cfg, model, pool, args.rank, rendezvous, comm)
+        if status:
+            time.sleep(1.0)  # a failed session: rank 0 restarts (with backoff) before the next
+
+
+def _session(cluster, cfg, model, pool, rank: int, rendezvous, comm) -> tuple[int, object]:
+    """Meets rank 0, runs its forwards until its stop (status 0) or a failure (1); returns the
+    status and the collectives (None if it never joined)."""
+    try:
+        group, comm = join_tensor_parallel(cluster, cfg, model, rank, rendezvous, comm)
+    except Exception as exc:  # rank 0 fails to meet this rank and reports the node
+        log.error("rank %d could not join rank 0: %s", rank, exc)
+        return 1, comm
+    log.info("rank %d ready", rank)
     try:
         num_forwards = follow(model, pool, group)
     except Exception as exc:  # a broken peer: rank 0 fails the node (or is gone already)
-        log.error("rank %d failed: %s", args.rank, exc)
-        return 1
+        log.error("rank %d failed: %s", rank, exc)
+        return 1, comm
     finally:
         group.close()
-    log.info("rank %d: %d forwards", args.rank, num_forwards)
-    return 0
+    log.info("rank %d: %d forwards", rank, num_forwards)
+    return 0, comm
 
 
 if __name__ == "__main__":

@@ -171,6 +171,13 @@ def test_a_tensor_parallel_prefill_pod_gets_a_dev_shm_for_its_segment(tiny):
         assert all(v["name"] != "dshm" for v in spec["volumes"])
 
 
+def test_ranks_on_other_hosts_are_refused_for_kubernetes(tiny):
+    raw = tomllib.loads((ROOT / "deploy" / "configs" / "1p1d.toml").read_text())
+    raw["prefill"][0].update(ranks=2, rank_hosts=["10.0.0.9"], all_reduce="gloo", group_port=7150)
+    with pytest.raises(ConfigError, match="rank_hosts .* is not rendered for Kubernetes"):
+        render_tree(ClusterConfig.from_dict(raw), tiny, name="r")
+
+
 def _pod_spec(tree: dict[str, str], role: str) -> dict:
     docs = list(yaml.safe_load_all(tree[f"overlays/r/{role}.yaml"]))
     (sts,) = [d for d in docs if d["kind"] == "StatefulSet"]

@@ -182,3 +182,34 @@ def test_prefill_ranks_default_to_one_and_their_settings_are_checked():
     with pytest.raises(ConfigError, match="node p: a prefill node of ranks > 1 cannot run the MTP"):
         _cfg(prefill={"ranks": 2}, decode={"mtp": True})
     assert _cfg(decode={"mtp": True}).prefill[0].ranks == 1  # one rank runs it
+
+
+def test_ranks_on_other_hosts_need_gloo_a_group_port_and_one_host_a_rank():
+    ok = {"ranks": 3, "rank_hosts": ["10.0.0.5", "10.0.0.6"], "all_reduce": "gloo",
+          "group_port": 7150}  # fmt: skip
+    p = _cfg(prefill={"host": "10.0.0.4", **ok}).prefill[0]
+    assert p.hosts_of_ranks == ("10.0.0.4", "10.0.0.5", "10.0.0.6")
+    assert _cfg(prefill={"host": "10.0.0.4", "ranks": 2}).prefill[0].hosts_of_ranks == (
+        "10.0.0.4", "10.0.0.4",
+    )  # fmt: skip
+    for change, match in (
+        ({"rank_hosts": ["10.0.0.5"]}, "rank_hosts names 1 hosts for ranks 1..2"),
+        ({"all_reduce": "shm"}, 'need all_reduce = "gloo" and a group_port'),
+        ({"group_port": 0}, 'need all_reduce = "gloo" and a group_port'),
+        ({"rank_hosts": ["0.0.0.0", "10.0.0.6"]}, "nor may it be a wildcard"),
+        ({"rank_hosts": ["tcp://a", "10.0.0.6"]}, "'tcp://a' is not a host name"),
+        ({"group_port": 70000}, r"group_port must be in \[0, 65535\]"),
+        ({"group_port": 7100}, "two sockets of the cluster share a host:port"),  # control's
+    ):
+        with pytest.raises(ConfigError, match=match):
+            _cfg(prefill={**ok, **change})
+    with pytest.raises(ConfigError, match="list each replica as its own entry"):
+        _cfg(prefill={**ok, "replicas": 2})
+    # Replicas shift a fixed group_port like every port; a free one (0) stays free.
+    raw = {"router": {}, "decode": [{"name": "d"}]}
+    two = ClusterConfig.from_dict({**raw, "prefill": [{"name": "p", "replicas": 2, "ranks": 2}]})
+    assert [n.group_port for n in two.prefill] == [0, 0]
+    two = ClusterConfig.from_dict(
+        {**raw, "prefill": [{"name": "p", "replicas": 2, "ranks": 2, "group_port": 7150}]}
+    )
+    assert [n.group_port for n in two.prefill] == [7150, 7151]

@@ -115,3 +115,15 @@ def test_memory_bound_to_node_0_is_the_policy_of_the_process():
     assert "bind:0" in policies  # the mappings that follow the process's policy
     *_, policies = _in_child(PrefillNodeConfig(name="p"))
     assert "bind:0" not in policies
+
+
+def test_ranks_on_other_hosts_share_only_their_own_hosts_cores():
+    """rank_hosts: a rank alone on its host is left to the OS; ranks that share a host split
+    its cores as the ranks of one machine do."""
+    allowed = sorted(os.sched_getaffinity(0))
+    alone = PrefillNodeConfig(name="p", ranks=2, rank_hosts=("10.0.0.9",))
+    assert _in_child(alone, rank=1)[:2] == (None, allowed)
+    shared = PrefillNodeConfig(name="p", ranks=3, rank_hosts=("10.0.0.9", "10.0.0.9"))
+    placement, affinity, _ = _in_child(shared, rank=2)
+    assert affinity == placement.cpus == plan_rank(1, 2, allowed, numa_nodes()).cpus
+    assert _in_child(shared, rank=0)[:2] == (None, allowed)  # rank 0 alone on 127.0.0.1

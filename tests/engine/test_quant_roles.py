@@ -55,7 +55,7 @@ def test_misspelled_quant_names_the_node_and_the_key():
 
 def test_up_overrides_every_node_of_a_role():
     args = SimpleNamespace(
-        config=None, prefill=2, decode=1, port=8123, threads=1, decode_ranks=None,
+        config=None, prefill=2, decode=1, port=8123, threads=1, decode_ranks=None, prefill_ranks=None,
         dtype=None, model=str(ensure_tiny_model()), prefill_quant=None, decode_quant="fp8",
         mtp_tokens=None,
     )  # fmt: skip

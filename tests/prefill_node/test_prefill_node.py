@@ -251,6 +251,22 @@ def test_shutdown_fails_queued_requests(rig):
     assert not rig.events()["a"].is_ready
 
 
+def test_a_failed_node_tells_the_router_first_and_d_nothing(rig):
+    """A fatal failure (a tensor-parallel rank died): NodeFailed, then each request's error,
+    to the router, which moves them; no kv_abort to D, which would report the request failed
+    to the router on its own connection, maybe before the NodeFailed arrives (the router's
+    move aborts D's reservation)."""
+    rig.expect("a", 1, len(PROMPT_A))
+    rig.prefill("a", 1, PROMPT_A)
+    rig.node.step()  # the first chunk went out
+    rig.node.report_failure(RuntimeError("prefill rank 1 exited"))
+    rig.node.close("the prefill node is shutting down")
+    sent = [type(m).__name__ for m in rig.outbox.take()]
+    assert sent[-2:] == ["NodeFailed", "RequestError"], sent
+    assert "a" not in rig.events()  # D heard nothing: its reservation waits for the router
+    assert rig.node.scheduler.num_request_pages == 0
+
+
 def test_a_cached_prefix_is_not_recomputed_and_d_still_gets_every_row(rig, model):
     """PROMPT_A twice: the second computes only the tokens after its cached pages, yet D's
     pages hold exactly the offline rows of the whole prompt and the same first token."""
