@@ -165,8 +165,9 @@ class RankPrefillNode(PrefillNode):
 
 class RankWatchdog:
     """A thread of rank 0 that polls its children every WATCH_S: the first to exit (before
-    `stop`) is the finding, and `abort` (the shared-memory collectives' abort; None over gloo,
-    whose waits fail by themselves) ends every rank's wait for it at once."""
+    `stop`) is the finding, and `abort` (the collectives': the shared-memory one ends every
+    rank's wait at once; gloo's waits fail by themselves when the dead rank's sockets close)
+    is called."""
 
     def __init__(self, children: list[subprocess.Popen], abort=None):
         self.children, self.abort = children, abort

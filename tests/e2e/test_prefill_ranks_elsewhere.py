@@ -21,6 +21,7 @@ from e2e_helpers import (
     generate_reference,
 )
 from e2e_helpers import wait_until as _wait
+from listeners import listening_sockets
 
 from deploy.local_cluster import dump_toml
 
@@ -28,30 +29,6 @@ ROOT = Path(__file__).resolve().parents[2]
 RANK_HOST = "127.0.0.3"
 PROMPTS = [[(5 * i + 7) % 290 + 5 for i in range(40)], [9, 8, 7, 6, 5, 4, 3]]
 MAX_NEW = 8
-
-
-def _listeners(pid: int) -> set[tuple[str, int]]:
-    """(IPv4 address, port) of the TCP sockets process `pid` listens on (IPv6 ones as "v6")."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = fd.readlink().name
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    found = set()
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] != "0A" or fields[9] not in inodes:  # TCP_LISTEN, one of its own
-                continue
-            hex_addr, hex_port = fields[1].split(":")
-            addr = (
-                ".".join(str(b) for b in bytes.fromhex(hex_addr)[::-1]) if table == "tcp" else "v6"
-            )
-            found.add((addr, int(hex_port, 16)))
-    return found
 
 
 def _outputs(up) -> list[str]:
@@ -88,7 +65,7 @@ def test_a_rank_on_another_host_serves_rank_0_and_its_restart(tmp_path):
     try:
         up.wait_ready()
         assert _outputs(up) == refs
-        listening = _listeners(rank.pid)
+        listening = listening_sockets(rank.pid)
         assert listening and {addr for addr, _ in listening} == {RANK_HOST}, listening
         os.kill(up.child_pids["prefill-0"], signal.SIGKILL)
         ready = lambda: up.log().count("node prefill-0 (prefill) is ready") >= 2  # noqa: E731

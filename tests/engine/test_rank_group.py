@@ -11,36 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
+from listeners import listening_sockets
 
 from engine.cluster_config import DecodeNodeConfig
 from engine.errors import ConfigError
 from engine.rank_group import RankGroup, rendezvous_listener
 
 HOST = "127.0.0.2"
-
-
-def _own_listeners() -> set[tuple[str, int]]:
-    """(IPv4 address, port) of the TCP sockets this process listens on (IPv6 ones as "v6")."""
-    inodes = set()
-    for fd in Path("/proc/self/fd").iterdir():
-        try:
-            target = fd.readlink().name
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    found = set()
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] != "0A" or fields[9] not in inodes:  # TCP_LISTEN, one of ours
-                continue
-            hex_addr, hex_port = fields[1].split(":")
-            addr = (
-                ".".join(str(b) for b in bytes.fromhex(hex_addr)[::-1]) if table == "tcp" else "v6"
-            )
-            found.add((addr, int(hex_port, 16)))
-    return found
 
 
 def _rank_main(rank: int, out_dir: str):
@@ -59,7 +36,7 @@ def _rank_main(rank: int, out_dir: str):
     try:
         rows = group.all_gather([rank, 10 + rank])
         plan = group.broadcast_bytes(b"plan" if rank == 0 else None)
-        listening = sorted(_own_listeners())
+        listening = sorted(listening_sockets())
         group.all_gather([0])  # both ranks looked before either closes
         result = {"rows": rows, "plan": plan.decode(), "listening": listening}
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))

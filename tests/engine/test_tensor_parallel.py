@@ -147,6 +147,15 @@ def test_a_split_that_is_not_even_is_refused(model_dir):
         DeepseekModel.from_pretrained(
             model_dir, torch.float32, progress=False, tensor_parallel=(0, 3)
         )
+    # "tp_sp" splits the heads only: 4 ranks (one head each) go, 3 do not; experts stay whole,
+    # so more ranks than experts is no limit of its own.
+    check_tensor_parallel(cfg, 4, "tp_sp")
+    with pytest.raises(ConfigError, match=r"num_attention_heads \(4\) divisible by 3"):
+        check_tensor_parallel(cfg, 3, "tp_sp")
+    with pytest.raises(ConfigError, match="divisible by 3"):
+        DeepseekModel.from_pretrained(
+            model_dir, torch.float32, progress=False, tensor_parallel=(0, 3), parallel="tp_sp"
+        )
 
 
 SIZES = [1, 1000, 2 * 64 + 5]  # the last one longer than the slots (64 floats): in pieces
