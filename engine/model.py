@@ -380,7 +380,7 @@ class DeepseekModel:
         residual = None
         for idx, layer in enumerate(self.layers):
             h, residual = layer(h, residual, batch, pool.layer(idx))
-        rows = self._logit_rows(batch)
+        rows = self.logit_rows(batch)
         x, _ = ops.fused_add_rms_norm(h[rows], residual[rows], self.norm, self.cfg.rms_norm_eps)
         return self.lm_head(x).float(), (h + residual if keep_hidden else None)
 
@@ -407,12 +407,14 @@ class DeepseekModel:
             hidden = self.mtp.hidden(embedded, main_hidden, batch, kv_cache, keep=logit_rows)
             return self.lm_head(self.mtp.head_input(hidden)).float(), hidden
         hidden = self.mtp.hidden(embedded, main_hidden, batch, kv_cache)
-        rows = self._logit_rows(batch) if logit_rows is None else logit_rows
+        rows = self.logit_rows(batch) if logit_rows is None else logit_rows
         x = self.mtp.head_input(hidden[rows])
         return self.lm_head(x).float(), hidden
 
     @staticmethod
-    def _logit_rows(batch: ForwardBatch) -> torch.Tensor:
+    def logit_rows(batch: ForwardBatch) -> torch.Tensor:
+        """The packed rows whose logits `forward` returns: each sequence's last new token,
+        then `extra_logit_index`."""
         last = batch.last_token_index
         if batch.extra_logit_index is not None:
             last = torch.cat([last, batch.extra_logit_index])

@@ -61,7 +61,7 @@ class SequenceParallel:
             h = self._attention(layer.attn, x, batch, pool.layer(idx), num_tokens, piece)
             x, residual = ops.fused_add_rms_norm(h, residual, layer.post_attention_norm, layer.eps)
             h = layer.mlp(x)
-        rows = model._logit_rows(batch)
+        rows = model.logit_rows(batch)
         mine = (rows >= start) & (rows < start + piece)
         x = torch.zeros(rows.shape[0], cfg.hidden_size, dtype=h.dtype)
         if mine.any():
