@@ -471,10 +471,10 @@ def _validate_prefill_ranks(node: PrefillNodeConfig, uses_mtp: bool) -> None:
             )
     if not 0 <= node.group_port < 65536:
         raise ConfigError(f"node {node.name}: group_port must be in [0, 65535]")
-    if node.ranks > 1 and uses_mtp:
+    if node.ranks > 1 and uses_mtp and node.parallel == "tp_sp":
         raise ConfigError(
-            f"node {node.name}: a prefill node of ranks > 1 cannot run the MTP layer yet "
-            "(mtp = true on the decode nodes)"
+            f'node {node.name}: parallel = "tp_sp" cannot run the MTP layer (mtp = true on the '
+            'decode nodes) yet: use "tp"'
         )
 
 

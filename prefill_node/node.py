@@ -266,7 +266,7 @@ class PrefillNode:
             if self.model.mtp is None:
                 logits = self._forward(batch)  # [B (+ N), vocab] fp32
             else:  # MTP: sample the first tokens now, the MTP layer needs them before the send
-                logits, hidden = self.model.forward_with_hidden(batch, self.pool)
+                logits, hidden = self._forward_with_hidden(batch)
                 firsts = self._first_tokens_of(chunks, logits)
                 firsts = self._run_mtp(chunks, hidden, firsts)
         except Exception as exc:  # fail these requests loudly, keep serving the others
@@ -294,8 +294,15 @@ class PrefillNode:
         ):
             self._finish(request, tokens, lps)
 
+    # The model's three forwards (a multi-rank node runs each on every rank).
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model.forward(batch, self.pool)
+
+    def _forward_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.forward_with_hidden(batch, self.pool)
+
+    def _forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor):
+        return self.model.forward_mtp(batch, hidden, self.pool)
 
     def _first_tokens_of(self, chunks: list[Chunk], logits: torch.Tensor) -> dict[int, tuple]:
         """The first tokens and logprobs of the requests whose prompt ends in this forward, by
@@ -322,7 +329,7 @@ class PrefillNode:
         mtp_batch = ForwardBatch.build(
             self.pool, [c.request.table for c in chunks], ahead, [c.start for c in chunks], False
         )
-        logits, _ = self.model.forward_mtp(mtp_batch, hidden, self.pool)
+        logits, _ = self._forward_mtp(mtp_batch, hidden)
         drafts = logits[: len(chunks)].argmax(-1).tolist()
         return {
             id(c.request): (*firsts[id(c.request)], (drafts[i],))

@@ -50,14 +50,16 @@ DTYPES = {str(t): t for t in (torch.int32, torch.int64)}
 
 
 # ---- the wire between the ranks --------------------------------------------------------------
-def encode_forward(batch: ForwardBatch) -> bytes:
+def encode_forward(batch: ForwardBatch, op: str = "forward") -> bytes:
+    """`op`: "forward", "forward_hidden" (the main forward that keeps its hidden states) or
+    "mtp" (the MTP layer over them: speculative decoding's first draft)."""
     tensors = {}
     for name in BATCH_TENSORS:
         t = getattr(batch, name)
         if t is not None:
             t = t.contiguous()
             tensors[name] = [str(t.dtype), list(t.shape), t.numpy().tobytes()]
-    return msgpack.packb({"op": "forward", "is_decode": batch.is_decode, "tensors": tensors})
+    return msgpack.packb({"op": op, "is_decode": batch.is_decode, "tensors": tensors})
 
 
 def decode_forward(body: dict) -> ForwardBatch:
@@ -143,9 +145,19 @@ class RankPrefillNode(PrefillNode):
             self._broadcast(TICK)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        self._broadcast(encode_forward(batch))
+        return self._on_every_rank("forward", batch, super()._forward, batch)
+
+    def _forward_with_hidden(self, batch: ForwardBatch):
+        return self._on_every_rank("forward_hidden", batch, super()._forward_with_hidden, batch)
+
+    def _forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor):
+        return self._on_every_rank("mtp", batch, super()._forward_mtp, batch, hidden)
+
+    def _on_every_rank(self, op: str, batch: ForwardBatch, forward, *args):
+        """Sends the other ranks `op` over `batch`, then runs `forward(*args)` here."""
+        self._broadcast(encode_forward(batch, op))
         try:
-            return super()._forward(batch)
+            return forward(*args)
         except Exception as exc:
             if self.watchdog.finding:
                 raise RuntimeError(f"{self.watchdog.finding} ({exc})") from exc
@@ -198,15 +210,24 @@ class RankWatchdog:
 
 # ---- ranks 1..R-1 ----------------------------------------------------------------------------
 def follow(model, pool, group: RankGroup) -> int:
-    """Runs rank 0's forwards on this rank's shard until its stop; the forwards run."""
-    num_forwards = 0
+    """Runs rank 0's forwards on this rank's shard until its stop; the forwards run. The MTP
+    layer runs over this rank's own hidden states of the forward before it: the same as rank
+    0's, all-reduced."""
+    num_forwards, hidden = 0, None
     while True:
         body = msgpack.unpackb(group.broadcast_bytes(None), raw=False)
-        if body["op"] == "stop":
+        op = body["op"]
+        if op == "stop":
             return num_forwards
-        if body["op"] == "forward":
+        if op == "forward":
             model.forward(decode_forward(body), pool)
-            num_forwards += 1
+        elif op == "forward_hidden":
+            _, hidden = model.forward_with_hidden(decode_forward(body), pool)
+        elif op == "mtp":
+            model.forward_mtp(decode_forward(body), hidden, pool)
+        else:  # a tick
+            continue
+        num_forwards += 1
 
 
 def worker_main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """End to end: `duet up --mtp-tokens 2` on a checkpoint with an MTP layer, served to the
 official openai client, with one decode rank and with two (expert-parallel: the MTP layer's
-experts are split like the others'). The prefill node runs the MTP layer behind the prompt and
+experts are split like the others'), and with a prefill node of two tensor-parallel ranks (the
+MTP layer split like the others, over every rank's own hidden states). The prefill node runs the MTP layer behind the prompt and
 sends its KV (one more layer) and its first draft; the decode node speculates. Greedy outputs
 equal plain `duet generate` (no MTP, the oracle), alone and concurrent (spread over both
 ranks when there are two), and seeded sampled ones `duet generate --mtp-tokens 2` (its offline twin); /metrics
@@ -29,10 +30,12 @@ def mtp_dir(tmp_path_factory):
     )
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
+@pytest.fixture(scope="module", params=[(1, 1), (1, 2), (2, 1)],
+                ids=["1rank", "2ranks", "2prefill-ranks"])  # fmt: skip
 def cluster(request, tmp_path_factory, mtp_dir):
+    prefill_ranks, decode_ranks = request.param
     args = ["--model", mtp_dir, "--threads", "1", "--mtp-tokens", "2", "--dtype", "float32",
-            "--decode-ranks", str(request.param)]  # fmt: skip
+            "--decode-ranks", str(decode_ranks), "--prefill-ranks", str(prefill_ranks)]  # fmt: skip
     up = start_cluster(args, tmp_path_factory)
     yield up
     up.stop()

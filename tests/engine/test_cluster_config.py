@@ -161,8 +161,8 @@ def test_mtp_settings_default_off_and_are_checked():
 
 def test_prefill_ranks_default_to_one_and_their_settings_are_checked():
     """Tensor-parallel prefill (issue 14): one rank, "tp" over the shared-memory all-reduce and
-    automatic placement by default; what is not built (the MTP layer on several ranks) or
-    cannot work is refused, naming the node and the key."""
+    automatic placement by default; what is not built (the MTP layer under "tp_sp") or cannot
+    work is refused, naming the node and the key."""
     p = _cfg().prefill[0]
     assert (p.ranks, p.parallel, p.all_reduce, p.pin, p.rank_cpus) == (1, "tp", "shm", "auto", ())
     p = _cfg(prefill={"ranks": 2, "all_reduce": "gloo", "rank_cpus": ["0", "1-3"]}).prefill[0]
@@ -179,9 +179,9 @@ def test_prefill_ranks_default_to_one_and_their_settings_are_checked():
     ):
         with pytest.raises(ConfigError, match=match):
             _cfg(prefill=prefill)
-    with pytest.raises(ConfigError, match="node p: a prefill node of ranks > 1 cannot run the MTP"):
-        _cfg(prefill={"ranks": 2}, decode={"mtp": True})
-    assert _cfg(decode={"mtp": True}).prefill[0].ranks == 1  # one rank runs it
+    with pytest.raises(ConfigError, match='node p: parallel = "tp_sp" cannot run the MTP layer'):
+        _cfg(prefill={"ranks": 2, "parallel": "tp_sp"}, decode={"mtp": True})
+    assert _cfg(prefill={"ranks": 2}, decode={"mtp": True}).prefill[0].ranks == 2  # "tp" runs it
 
 
 def test_ranks_on_other_hosts_need_gloo_a_group_port_and_one_host_a_rank():
