@@ -96,9 +96,9 @@ class _TimedComm:
 
 
 def _rank_main(rank, world, port, model_dir, threads, prompt_len, chunk, repeats, comm, out_dir,
-               pin, scheme):  # fmt: skip
-    if pin and world > 1:  # as a prefill node's ranks with pin = "auto" (engine.placement)
-        os.sched_setaffinity(0, plan_rank(rank, world, pin, numa_nodes()).cpus)
+               allowed_cpus, scheme):  # fmt: skip
+    if allowed_cpus and world > 1:  # as a prefill node's ranks with pin = "auto"
+        os.sched_setaffinity(0, plan_rank(rank, world, allowed_cpus, numa_nodes()).cpus)
     ops.set_num_threads(threads)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -147,9 +147,9 @@ def _rank_main(rank, world, port, model_dir, threads, prompt_len, chunk, repeats
 
 def run_config(model_dir, world, threads, args, comm="gloo", scheme="tp") -> dict:
     with tempfile.TemporaryDirectory() as out:
-        pin = sorted(os.sched_getaffinity(0)) if args.pin == "auto" else None
+        allowed_cpus = sorted(os.sched_getaffinity(0)) if args.pin == "auto" else None
         params = (world, free_port(), str(model_dir), threads, args.prompt_len, args.chunk,
-                  args.repeats, comm, out, pin, scheme)  # fmt: skip
+                  args.repeats, comm, out, allowed_cpus, scheme)  # fmt: skip
         mp.spawn(_rank_main, args=params, nprocs=world, join=True)
         return json.load(open(Path(out) / "rank0.json"))
 

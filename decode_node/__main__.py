@@ -6,11 +6,11 @@ before loading its own expert shard, so the ranks load in parallel."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from engine.cluster_config import ClusterConfig, DecodeNodeConfig
 from engine.node_process import load_model, run_node_process
+from engine.rank_group import RankZero
 
 
 def _build(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, inbox, outbox, security):
@@ -28,30 +28,16 @@ def _build(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, inbox, outbox, 
     return DecodeNode(cfg.name, model, cfg, cluster.timeouts, inbox, outbox, receiver, cluster.sla)
 
 
-class _Rank0:
+class _Rank0(RankZero):
     """Loader and builder of rank 0 of a multi-rank node (a one-rank node uses neither)."""
-
-    def __init__(self, argv: list[str] | None):
-        p = argparse.ArgumentParser(add_help=False)
-        p.add_argument("--config")
-        p.add_argument("--node")
-        p.add_argument("--model")
-        self.args, _ = p.parse_known_args(argv)
-        self.children: list = []
-        self.listener = None  # the ranks' rendezvous: rank 0 serves the group's store on it
 
     def load(self, cluster: ClusterConfig, cfg: DecodeNodeConfig, model_dir: str | None):
         if cfg.ranks == 1:
             return load_model(cluster, cfg, model_dir)
         from decode_node.ranks import shard_of
-        from engine.rank_group import rendezvous_listener, spawn_ranks
 
         shard = shard_of(cluster, cfg, model_dir, 0)  # refuses too many ranks before spawning
-        self.listener = rendezvous_listener(cfg)
-        where = self.listener.getsockname()[:2]
-        self.children = spawn_ranks(
-            "decode_node.ranks", self.args.config, cfg.name, cfg.ranks, where, self.args.model
-        )
+        self.start_ranks("decode_node.ranks", cfg)
         return load_model(cluster, cfg, model_dir, expert_range=shard)
 
     def build(self, cluster: ClusterConfig, cfg: DecodeNodeConfig, model, inbox, outbox, security):
@@ -64,8 +50,7 @@ class _Rank0:
                 cluster, cfg, model, 0, self.listener, inbox, outbox, self.children, security
             )
         except BaseException:
-            for proc in self.children:
-                proc.kill()
+            self.kill_children()
             raise
 
 

@@ -262,9 +262,9 @@ def build_rank(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, rank: int,
 def shard_of(cluster: ClusterConfig, cfg: DecodeNodeConfig, model_dir: str | None, rank: int):
     """This rank's expert range (ConfigError if the model has fewer experts than ranks)."""
     from engine.config import ModelConfig
-    from engine.tiny_model import ensure_tiny_model
+    from engine.node_process import model_dir_of
 
-    mcfg = ModelConfig.from_model_dir(model_dir or cluster.model or str(ensure_tiny_model()))
+    mcfg = ModelConfig.from_model_dir(model_dir_of(cluster, model_dir))
     check_shardable(mcfg.n_routed_experts, cfg.ranks)
     return expert_shard(mcfg.n_routed_experts, rank, cfg.ranks)
 

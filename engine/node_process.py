@@ -40,6 +40,14 @@ def _parse(role: str, argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def model_dir_of(cluster: ClusterConfig, model_dir: str | None) -> str:
+    """The checkpoint a node serves: the command line's, else the config's, else the tiny
+    model (made once)."""
+    from engine.tiny_model import ensure_tiny_model
+
+    return model_dir or cluster.model or str(ensure_tiny_model())
+
+
 def load_model(cluster: ClusterConfig, node_cfg: Any, model_dir: str | None, expert_range=None,
                tensor_parallel: tuple[int, int] | None = None, parallel: str = "tp"):  # fmt: skip
     """The node's model on its device and threads, its weights in the node's `quant` scheme
@@ -47,7 +55,6 @@ def load_model(cluster: ClusterConfig, node_cfg: Any, model_dir: str | None, exp
     expert-parallel rank's shard); `tensor_parallel` = (rank, world) loads a tensor-parallel
     rank's shard of the `parallel` scheme ("tp" or "tp_sp")."""
     from engine.model import DeepseekModel
-    from engine.tiny_model import ensure_tiny_model
     from native import ops
 
     if node_cfg.device != "cpu":
@@ -55,7 +62,7 @@ def load_model(cluster: ClusterConfig, node_cfg: Any, model_dir: str | None, exp
             f"node {node_cfg.name}: device {node_cfg.device!r} is not supported yet (cpu only)"
         )
     ops.set_num_threads(node_cfg.threads)
-    model_dir = model_dir or cluster.model or str(ensure_tiny_model())
+    model_dir = model_dir_of(cluster, model_dir)
     try:
         return DeepseekModel.from_pretrained(
             model_dir,

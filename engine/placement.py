@@ -94,9 +94,8 @@ def place_rank(node_cfg, rank: int) -> Placement | None:
     if node_cfg.pin == "off" or (len(here) == 1 and not node_cfg.rank_cpus):
         return None
     allowed = sorted(os.sched_getaffinity(0))
-    if node_cfg.rank_cpus:
-        explicit = (node_cfg.rank_cpus[rank],)
-        placement = plan_rank(0, 1, allowed, numa_nodes(), explicit)
+    if node_cfg.rank_cpus:  # (indexed by rank, whichever host it is on)
+        placement = plan_rank(rank, node_cfg.ranks, allowed, numa_nodes(), node_cfg.rank_cpus)
     else:
         placement = plan_rank(here.index(rank), len(here), allowed, numa_nodes())
     try:

@@ -138,6 +138,34 @@ def rendezvous_listener(cfg) -> socket.socket:
     )
 
 
+class RankZero:
+    """Rank 0's side of a node's ranks, as its role's `__main__` loads and builds it: the
+    --config and --model of its command line (the ranks it starts get the same), the
+    rendezvous listener, the ranks it started, and their end when the node fails to build."""
+
+    def __init__(self, argv: list[str] | None):
+        p = argparse.ArgumentParser(add_help=False)
+        p.add_argument("--config")
+        p.add_argument("--model")
+        self.args, _ = p.parse_known_args(argv)
+        self.children: list[subprocess.Popen] = []
+        self.listener: socket.socket | None = None  # the group's store is served on it
+
+    def start_ranks(self, module: str, cfg, spawn: bool = True) -> None:
+        """Listens for the ranks (`rendezvous_listener`) and, with `spawn`, starts ranks
+        1..R-1 (`python -m <module>`) on this machine to meet there."""
+        self.listener = rendezvous_listener(cfg)
+        if spawn:
+            where = self.listener.getsockname()[:2]
+            self.children = spawn_ranks(
+                module, self.args.config, cfg.name, cfg.ranks, where, self.args.model
+            )
+
+    def kill_children(self) -> None:
+        for proc in self.children:
+            proc.kill()
+
+
 def spawn_ranks(module: str, config: str, node: str, world: int, rendezvous: tuple[str, int],
                 model_dir: str | None):  # fmt: skip
     """Starts ranks 1..world-1 (`python -m <module> ... --rank r`, parsed by `rank_args`) as

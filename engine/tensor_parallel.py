@@ -44,7 +44,7 @@ def gloo_all_reduce(group=None) -> GlooComm:
 
 class GlooComm:
     """The ranks' collectives over `torch.distributed`: called, the fp32 all-reduce;
-    `all_gather` for the sequence-split scheme (`engine.sequence_parallel`)."""
+    `all_gather` and `all_to_all` for the sequence-split scheme (`engine.sequence_parallel`)."""
 
     def __init__(self, group=None):
         self.group = group
@@ -106,8 +106,8 @@ def shm_all_reduce(
 
 
 class ShmComm:
-    """The collectives `shm_all_reduce` makes: called, the fp32 all-reduce; `all_gather` as
-    GlooComm's; `abort()` fails every rank's wait at once (rank 0's watchdog calls it when a
+    """The collectives `shm_all_reduce` makes: called, the fp32 all-reduce; `all_gather` and
+    `all_to_all` as GlooComm's; `abort()` fails every rank's wait at once (rank 0's watchdog calls it when a
     rank dies: the others would wait for it until the timeout)."""
 
     def __init__(self, shm, world: int):

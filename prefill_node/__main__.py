@@ -7,11 +7,11 @@ With `ranks = R > 1` this process is rank 0 of a tensor-parallel node: it starts
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from engine.cluster_config import ClusterConfig, PrefillNodeConfig
-from engine.node_process import load_model, run_node_process
+from engine.node_process import load_model, model_dir_of, run_node_process
+from engine.rank_group import RankZero
 
 
 def _build(cluster: ClusterConfig, cfg: PrefillNodeConfig, model, inbox, outbox, security,
@@ -37,17 +37,9 @@ def _build(cluster: ClusterConfig, cfg: PrefillNodeConfig, model, inbox, outbox,
     return RankPrefillNode(*args, **ranks)
 
 
-class _Rank0:
+class _Rank0(RankZero):
     """Loader and builder of the node's process: pinned to its cores (`engine.placement`); with
     R > 1 ranks, rank 0 that starts the others and joins their group."""
-
-    def __init__(self, argv: list[str] | None):
-        p = argparse.ArgumentParser(add_help=False)
-        p.add_argument("--config")
-        p.add_argument("--model")
-        self.args, _ = p.parse_known_args(argv)
-        self.children: list = []
-        self.listener = None  # the ranks' rendezvous: rank 0 serves the group's store on it
 
     def load(self, cluster: ClusterConfig, cfg: PrefillNodeConfig, model_dir: str | None):
         from engine.placement import place_rank
@@ -56,20 +48,13 @@ class _Rank0:
             place_rank(cfg, 0)
             return load_model(cluster, cfg, model_dir)
         from engine.config import ModelConfig
-        from engine.rank_group import rendezvous_listener, spawn_ranks
         from engine.sharding import check_tensor_parallel
-        from engine.tiny_model import ensure_tiny_model
 
-        model_dir = model_dir or cluster.model or str(ensure_tiny_model())
+        model_dir = model_dir_of(cluster, model_dir)
         mcfg = ModelConfig.from_model_dir(model_dir)
         check_tensor_parallel(mcfg, cfg.ranks, cfg.parallel)  # before spawning
-        self.listener = rendezvous_listener(cfg)
-        where = self.listener.getsockname()[:2]
-        if not cfg.rank_hosts:  # else each rank is started on its host and comes to `where`
-            self.children = spawn_ranks(
-                "prefill_node.ranks", self.args.config, cfg.name, cfg.ranks, where,
-                self.args.model,
-            )  # fmt: skip
+        # With rank_hosts each rank is started on its host and comes to the listener.
+        self.start_ranks("prefill_node.ranks", cfg, spawn=not cfg.rank_hosts)
         place_rank(cfg, 0)  # after the spawn: the ranks start with every core this one has
         return load_model(cluster, cfg, model_dir, tensor_parallel=(0, cfg.ranks),
                           parallel=cfg.parallel)  # fmt: skip
@@ -84,8 +69,7 @@ class _Rank0:
             ranks = {"group": group, "all_reduce": all_reduce, "children": self.children}
             return _build(cluster, cfg, model, inbox, outbox, security, ranks)
         except BaseException:
-            for proc in self.children:
-                proc.kill()
+            self.kill_children()
             raise
 
 

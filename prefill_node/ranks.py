@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import msgpack
 import torch
@@ -116,7 +117,7 @@ class RankPrefillNode(PrefillNode):
         super().__init__(*args)
         self.group, self.all_reduce, self.children = group, all_reduce, children
         self._last_broadcast = time.monotonic()
-        self.watchdog = RankWatchdog(children, getattr(all_reduce, "abort", None))
+        self.watchdog = RankWatchdog(children, all_reduce.abort)
 
     def ready_info(self):
         return {**super().ready_info(), "ranks": self.group.world}
@@ -181,7 +182,7 @@ class RankWatchdog:
     rank's wait at once; gloo's waits fail by themselves when the dead rank's sockets close)
     is called."""
 
-    def __init__(self, children: list[subprocess.Popen], abort=None):
+    def __init__(self, children: list[subprocess.Popen], abort: Callable[[], None]):
         self.children, self.abort = children, abort
         self.finding = ""
         self._watching = threading.Event()
@@ -201,8 +202,7 @@ class RankWatchdog:
                 if code is not None and self._watching.is_set():
                     self.finding = f"prefill rank {r} exited with status {code}"
                     log.error("%s: aborting the group", self.finding)
-                    if self.abort is not None:
-                        self.abort()
+                    self.abort()
                     self._watching.clear()
                     return
             time.sleep(WATCH_S)
@@ -250,7 +250,7 @@ def worker_main(argv: list[str] | None = None) -> int:
         cfg = cluster.node(args.node)
         if not isinstance(cfg, PrefillNodeConfig) or not 0 < args.rank < cfg.ranks:
             raise ConfigError(f"node {args.node!r} has no prefill rank {args.rank}")
-        if not spawned and not (cfg.rank_hosts and args.dist_port is None):
+        if not spawned and not cfg.rank_hosts:
             raise ConfigError(
                 f"node {args.node}: rank {args.rank} is started by rank 0 unless the node names "
                 "rank_hosts"

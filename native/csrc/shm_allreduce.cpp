@@ -1,5 +1,5 @@
-// Shared-memory all-reduce (and all-gather) for the tensor-parallel ranks of one node on one
-// host (issue 14).
+// Shared-memory collectives (all-reduce, all-gather, all-to-all) for the tensor-parallel ranks
+// of one node on one host (issue 14).
 //
 // One segment per node (a file under /dev/shm that rank 0 creates and unlinks once every rank
 // has mapped it): a header with an arrival counter, then two buffers of `world` slots of
@@ -55,7 +55,11 @@ class ShmAllReduce {
  public:
   ShmAllReduce(const std::string& path, int rank, int world, int64_t capacity, bool create,
                double timeout_s)
-      : rank_(rank), world_(world), capacity_(capacity), timeout_s_(timeout_s) {
+      : rank_(rank),
+        world_(world),
+        capacity_(capacity),
+        slot_bytes_(capacity * static_cast<int64_t>(sizeof(float))),
+        timeout_s_(timeout_s) {
     if (world < 1 || rank < 0 || rank >= world || capacity < 1) {
       throw std::invalid_argument("shm all-reduce: bad rank, world or capacity");
     }
@@ -87,7 +91,7 @@ class ShmAllReduce {
     float* x = reinterpret_cast<float*>(data);
     for (int64_t start = 0; start < n; start += capacity_) {
       const int64_t len = std::min(capacity_, n - start);
-      float* buffer = slots_ + (calls_ & 1) * world_ * capacity_;
+      float* buffer = turn_buffer();
       std::memcpy(buffer + rank_ * capacity_, x + start, len * sizeof(float));
       barrier();
       float* out = x + start;
@@ -108,14 +112,13 @@ class ShmAllReduce {
   void all_gather(uintptr_t src, int64_t nbytes, uintptr_t dst) {
     const char* in = reinterpret_cast<const char*>(src);
     char* out = reinterpret_cast<char*>(dst);
-    const int64_t slot_bytes = capacity_ * static_cast<int64_t>(sizeof(float));
-    for (int64_t start = 0; start < nbytes; start += slot_bytes) {
-      const int64_t len = std::min(slot_bytes, nbytes - start);
-      char* buffer = reinterpret_cast<char*>(slots_ + (calls_ & 1) * world_ * capacity_);
-      std::memcpy(buffer + rank_ * slot_bytes, in + start, len);
+    for (int64_t start = 0; start < nbytes; start += slot_bytes_) {
+      const int64_t len = std::min(slot_bytes_, nbytes - start);
+      char* buffer = reinterpret_cast<char*>(turn_buffer());
+      std::memcpy(buffer + rank_ * slot_bytes_, in + start, len);
       barrier();
       for (int r = 0; r < world_; ++r) {
-        std::memcpy(out + r * nbytes + start, buffer + r * slot_bytes, len);
+        std::memcpy(out + r * nbytes + start, buffer + r * slot_bytes_, len);
       }
       ++calls_;
     }
@@ -126,18 +129,17 @@ class ShmAllReduce {
   void all_to_all(uintptr_t src, int64_t piece_bytes, uintptr_t dst) {
     const char* in = reinterpret_cast<const char*>(src);
     char* out = reinterpret_cast<char*>(dst);
-    const int64_t slot_bytes = capacity_ * static_cast<int64_t>(sizeof(float));
-    const int64_t step = slot_bytes / world_;
+    const int64_t step = slot_bytes_ / world_;
     for (int64_t start = 0; start < piece_bytes; start += step) {
       const int64_t len = std::min(step, piece_bytes - start);
-      char* buffer = reinterpret_cast<char*>(slots_ + (calls_ & 1) * world_ * capacity_);
-      char* mine = buffer + rank_ * slot_bytes;
+      char* buffer = reinterpret_cast<char*>(turn_buffer());
+      char* mine = buffer + rank_ * slot_bytes_;
       for (int r = 0; r < world_; ++r) {
         std::memcpy(mine + r * step, in + r * piece_bytes + start, len);
       }
       barrier();
       for (int r = 0; r < world_; ++r) {
-        std::memcpy(out + r * piece_bytes + start, buffer + r * slot_bytes + rank_ * step, len);
+        std::memcpy(out + r * piece_bytes + start, buffer + r * slot_bytes_ + rank_ * step, len);
       }
       ++calls_;
     }
@@ -163,6 +165,9 @@ class ShmAllReduce {
   }
 
  private:
+  // This call's buffer (the two alternate by call: see the file's comment).
+  float* turn_buffer() const { return slots_ + (calls_ & 1) * world_ * capacity_; }
+
   static bool passed(uint32_t now, uint32_t target) {
     return static_cast<int32_t>(now - target) >= 0;  // the counter wraps: compare mod 2^32
   }
@@ -203,12 +208,13 @@ class ShmAllReduce {
 
   int rank_, world_;
   int64_t capacity_;
+  int64_t slot_bytes_;  // capacity_ floats
   double timeout_s_;
   int64_t bytes_ = 0;
   char* base_ = nullptr;
   Header* header_ = nullptr;
   float* slots_ = nullptr;
-  int64_t calls_ = 0;     // all_reduce pieces so far (their parity picks the buffer)
+  int64_t calls_ = 0;     // collective pieces so far (their parity picks the buffer)
   int64_t meetings_ = 0;  // barriers passed, the pieces' included
 };
 
