@@ -68,7 +68,7 @@ class CheckpointReader:
         fp8_block: (rows, cols) of the FP8 scale blocks, from the config's
             `quantization_config.weight_block_size`; needed only if FP8 tensors are present.
         keep_fp8: `pop` hands FP8 tensors over as `Fp8Weight` instead of dequantizing them.
-        progress: a tqdm bar on stderr, one step per tensor read (only when stderr is a tty).
+        progress: a tqdm bar on stderr of the bytes read and their rate (only on a tty).
 
     `reader[name]` reads once and keeps the tensor (norms, the embedding: what the model holds
     as read); `pop(name)` reads and keeps nothing. Use as a context manager: leaving it closes
@@ -103,9 +103,10 @@ class CheckpointReader:
         self._read_names: set[str] = set()
         self._bar = self._stack.enter_context(
             tqdm(
-                total=len(expected),
-                desc=f"loading {self.model_dir.name}",
-                unit="tensor",
+                desc=f"reading {self.model_dir.name}",
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1000,  # GB and GB/s, as disks are rated
                 disable=True if not progress else None,  # None: tqdm turns itself off off a tty
                 leave=False,
             )
@@ -152,8 +153,13 @@ class CheckpointReader:
             self._files, name, self.expected[name], self.dtype, self.fp8_block, keep_fp8
         )
         self._read_names.add(name)
-        self._bar.update(1)
+        self._bar.update(self._files.bytes_read - self._bar.n)
         return tensor
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes of the checkpoint's files read so far (as stored)."""
+        return self._files.bytes_read
 
 
 def _weight_map(model_dir: Path) -> dict[str, str] | None:
@@ -183,6 +189,7 @@ class _FileCache:
         self._stack = stack
         self._open: dict[str, object] = {}
         self._names: dict[str, set[str]] = {}
+        self.bytes_read = 0
 
     def file_of(self, tensor: str) -> str:
         return SINGLE_FILE if self._map is None else self._map.get(tensor, "")
@@ -224,7 +231,9 @@ def _read(files: _FileCache, name: str) -> tuple[torch.Tensor, Path]:
                 f"tensor '{name}' in {path}: unsupported dtype {dtype} "
                 "(supported: BF16, F16, F32, F8_E4M3 with a scale)"
             )
-        return handle.get_tensor(name), path
+        tensor = handle.get_tensor(name)
+        files.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor, path
     except WeightLoadError:
         raise
     except Exception as exc:

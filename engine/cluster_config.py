@@ -10,10 +10,10 @@
     [security]  curve_key_file (ZeroMQ CURVE on every inter-node socket), insecure,
                 api_key_file / api_keys (HTTP Bearer keys), metrics_need_key
     [[prefill]] name, host, bind_host, control_port, threads, page_size, chunk_size, replicas,
-                device, prefix_cache, quant
+                device, prefix_cache, quant, pack, weights_cache
     [[decode]]  name, host, bind_host, control_port, kv_port, threads, page_size, num_pages,
                 max_batch, ranks, replicas, device, kv_reservation, kv_headroom_tokens, quant,
-                mtp, mtp_tokens, overlap
+                pack, weights_cache, mtp, mtp_tokens, overlap
 
 `quant` ("none", "int8", "fp8"; engine.quant) is each node's own weight scheme: the KV it
 produces or consumes is the same whatever the scheme, so any prefill node feeds any decode node.
@@ -151,6 +151,12 @@ class PrefillNodeConfig(_Addresses):
     # (and the router pairs this node by load alone).
     prefix_cache: bool = True
     quant: str = "none"  # weight quantization (issue 9): "none" | "int8" | "fp8"
+    # Packed weights (`engine.weight_pack`): `pack` maps this packed weight store (made by
+    # `duet pack`) instead of loading the checkpoint; else with `weights_cache` the node builds
+    # the pack once under the cache dir (keyed by checkpoint, scheme, dtype and shard) and maps
+    # it, so every process on the host shares one copy and a restart maps instead of rebuilding.
+    pack: str = ""
+    weights_cache: bool = True
     # Tensor parallelism (issue 14, `prefill_node.ranks`): `ranks` processes on this machine,
     # each holding its share of the heads, MLP columns and routed experts, `threads` each; rank
     # 0 talks to the router and streams the KV, which is the same whatever the ranks.
@@ -198,6 +204,12 @@ class DecodeNodeConfig(_Addresses):
     kv_reservation: str = "on_demand"
     kv_headroom_tokens: int = 32
     quant: str = "none"  # weight quantization (issue 9): "none" | "int8" | "fp8"
+    # Packed weights (`engine.weight_pack`): `pack` maps this packed weight store (made by
+    # `duet pack`) instead of loading the checkpoint; else with `weights_cache` the node builds
+    # the pack once under the cache dir (keyed by checkpoint, scheme, dtype and shard) and maps
+    # it, so every process on the host shares one copy and a restart maps instead of rebuilding.
+    pack: str = ""
+    weights_cache: bool = True
     # MTP speculative decoding (issue 12): draft with the checkpoint's MTP layer, verify
     # mtp_tokens drafts per step.
     mtp: bool = False

@@ -10,7 +10,9 @@ Parallelism is a transform of this model (see `MoE.routed_experts`), not a branc
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,21 +23,23 @@ from engine.errors import ConfigError
 from engine.heap import release_free_heap
 from engine.kv_pool import KVPool
 from engine.mtp import MTPLayer
-from engine.quant import Quantizer, as_tensor, quantizer
+from engine.quant import quantizer
 from engine.rope import rope_cos_sin
 from engine.sharding import ShardedWeights, expert_shard
 from engine.weight_names import checkpoint_shapes, mtp_shapes
+from engine.weight_pack import PackError
+from engine.weight_source import CheckpointSource, PackSource, WeightSource
 from native import ops
 
-Weights = dict[str, torch.Tensor]
+if TYPE_CHECKING:
+    from engine.weight_pack import MappedPack, PackWriter
 
 
 class MLP:
     """SiLU-gated MLP (dense layers and shared experts): down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, weights: Weights, prefix: str, quant: Quantizer):
-        gate, up, down = (weights.pop(f"{prefix}.{p}_proj.weight") for p in ("gate", "up", "down"))
-        self.w13, self.w2 = quant.gated_mlp(gate, up, down)  # [2I, D] (one GEMM), [D, I]
+    def __init__(self, weights: WeightSource, prefix: str):
+        self.w13, self.w2 = weights.gated_mlp(prefix)  # [2I, D] (one GEMM), [D, I]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(ops.silu_and_mul(self.w13(x)))
@@ -47,30 +51,16 @@ RoutedExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tenso
 class MoE:
     """Routed experts chosen by the grouped top-k gate, plus always-on shared experts."""
 
-    def __init__(
-        self, cfg: ModelConfig, weights: Weights, prefix: str, expert_range: range, quant: Quantizer
-    ):
+    def __init__(self, cfg: ModelConfig, weights: WeightSource, prefix: str, expert_range: range):
         self.cfg = cfg
-        self.gate = weights[f"{prefix}.gate.weight"].float()  # [E, D], routing runs in fp32
+        self.gate = weights.raw(f"{prefix}.gate.weight").float()  # [E, D], routing runs in fp32
         bias = f"{prefix}.gate.e_score_correction_bias"
-        self.correction_bias = weights[bias].float() if bias in weights else None
+        self.correction_bias = weights.raw(bias).float() if bias in weights else None
         self.expert_offset = expert_range.start
-        # Per-expert loaders: each expert is read (from a CheckpointReader) only as it is packed,
-        # so loading holds one expert in flight, never a layer's experts (most of the model).
-        expert = f"{prefix}.experts.{{}}.{{}}_proj.weight".format
-
-        def load(e: int, *projections: str):
-            release_free_heap()  # the last matrix's packing temporaries (engine.heap)
-            return tuple(weights.pop(expert(e, p)) for p in projections)
-
-        w13 = [lambda e=e: load(e, "gate", "up") for e in expert_range]  # E_local x [2I, D]
-        w2 = [lambda e=e: load(e, "down")[0] for e in expert_range]  # E_local x [D, I]
         # The shared experts first: packing their fused gate|up is the layer's largest
         # transient, better held beside the layers before than beside this layer's experts too.
-        self.shared = (
-            MLP(weights, f"{prefix}.shared_experts", quant) if cfg.n_shared_experts else None
-        )
-        self.experts = quant.experts(w13, w2)
+        self.shared = MLP(weights, f"{prefix}.shared_experts") if cfg.n_shared_experts else None
+        self.experts = weights.experts(prefix, expert_range)
         # Expert parallelism replaces this with a dispatch/combine around the local experts;
         # `routed_adds_shared` then says its hook adds the shared experts itself (computed
         # while the dispatch is in flight).
@@ -112,10 +102,9 @@ class MLA:
     def __init__(
         self,
         cfg: ModelConfig,
-        weights: Weights,
+        weights: WeightSource,
         prefix: str,
         cos_sin: torch.Tensor,
-        quant: Quantizer,
         num_heads: int | None = None,
     ):
         """`num_heads`: the heads this rank holds (tensor parallelism: `weights` then holds
@@ -123,23 +112,20 @@ class MLA:
         self.cfg = cfg
         self.cos_sin = cos_sin
         self.num_heads = num_heads or cfg.num_attention_heads
-        w = lambda name: weights.pop(f"{prefix}.{name}")  # noqa: E731
+        name = f"{prefix}.{{}}.weight".format
         if cfg.q_lora_rank is None:
-            self.q_proj = quant.linear(w("q_proj.weight"))
+            self.q_proj = weights.linear(name("q_proj"))
         else:
-            self.q_a_proj = quant.linear(w("q_a_proj.weight"))
-            self.q_a_norm = w("q_a_layernorm.weight")
-            self.q_b_proj = quant.linear(w("q_b_proj.weight"))
-        self.kv_a_proj = quant.linear(w("kv_a_proj_with_mqa.weight"))  # [L + R, D]
-        self.kv_a_norm = w("kv_a_layernorm.weight")
-        # kv_b stays in the model dtype whatever the scheme: it decompresses the latent cache
-        # (extend) and is absorbed into q and the output (decode), attention's own precision.
-        kv_b = as_tensor(w("kv_b_proj.weight"), quant.dtype)  # [H * (Dn + Dv), L]
-        self.kv_b_proj = quant.dense(kv_b)
-        kv_b = kv_b.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        self.w_uk = ops.prepack_bmm(kv_b[:, : cfg.qk_nope_head_dim])  # [H, Dn, L]
-        self.w_uv_t = ops.prepack_bmm(kv_b[:, cfg.qk_nope_head_dim :].transpose(1, 2))  # [H, L, Dv]
-        self.o_proj = quant.linear(w("o_proj.weight"))  # [D, H * Dv]
+            self.q_a_proj = weights.linear(name("q_a_proj"))
+            self.q_a_norm = weights.raw(name("q_a_layernorm"))
+            self.q_b_proj = weights.linear(name("q_b_proj"))
+        self.kv_a_proj = weights.linear(name("kv_a_proj_with_mqa"))  # [L + R, D]
+        self.kv_a_norm = weights.raw(name("kv_a_layernorm"))
+        # kv_b_proj [H * (Dn + Dv), L] in the model dtype, W_UK [H, Dn, L] and W_UV^T [H, L, Dv]
+        self.kv_b_proj, self.w_uk, self.w_uv_t = weights.absorbed(
+            name("kv_b_proj"), cfg, self.num_heads
+        )
+        self.o_proj = weights.linear(name("o_proj"))  # [D, H * Dv]
 
     def __call__(
         self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
@@ -217,22 +203,21 @@ class DecoderLayer:
     def __init__(
         self,
         cfg,
-        weights: Weights,
+        weights: WeightSource,
         idx: int,
         cos_sin: torch.Tensor,
         expert_range: range,
-        quant: Quantizer,
         num_heads: int | None = None,
     ):
         prefix = f"model.layers.{idx}"
         self.eps = cfg.rms_norm_eps
-        self.input_norm = weights[f"{prefix}.input_layernorm.weight"]
-        self.post_attention_norm = weights[f"{prefix}.post_attention_layernorm.weight"]
-        self.attn = MLA(cfg, weights, f"{prefix}.self_attn", cos_sin, quant, num_heads)
+        self.input_norm = weights.raw(f"{prefix}.input_layernorm.weight")
+        self.post_attention_norm = weights.raw(f"{prefix}.post_attention_layernorm.weight")
+        self.attn = MLA(cfg, weights, f"{prefix}.self_attn", cos_sin, num_heads)
         if cfg.is_moe_layer(idx):
-            self.mlp: MLP | MoE = MoE(cfg, weights, f"{prefix}.mlp", expert_range, quant)
+            self.mlp: MLP | MoE = MoE(cfg, weights, f"{prefix}.mlp", expert_range)
         else:
-            self.mlp = MLP(weights, f"{prefix}.mlp", quant)
+            self.mlp = MLP(weights, f"{prefix}.mlp")
 
     def __call__(self, h, residual, batch, kv_cache):
         """Pre-norm block; the residual add is fused into the next norm."""
@@ -263,13 +248,14 @@ class DeepseekModel:
     def __init__(
         self,
         cfg: ModelConfig,
-        weights: Weights,
+        weights,
         dtype: torch.dtype,
         expert_range=None,
         quant: str | None = None,
         mtp: bool = False,
         tensor_parallel: tuple[int, int] | None = None,
         parallel: str = "tp",
+        sink: PackWriter | None = None,
     ):
         self.cfg = cfg
         self.tensor_parallel = tensor_parallel
@@ -277,13 +263,16 @@ class DeepseekModel:
         # The sequence-split forward (`engine.sequence_parallel.install_sequence_parallel`).
         self.sequence_parallel = None
         num_heads = None
+        q = quantizer(quant, dtype)
         if tensor_parallel is not None:
             rank, world = tensor_parallel
-            weights = ShardedWeights(weights, cfg, rank, world, parallel)
+            if not isinstance(weights, PackSource):  # a pack holds the shard as it was cut
+                weights = ShardedWeights(weights, cfg, rank, world, parallel)
             num_heads = cfg.num_attention_heads // world
             if parallel == "tp":
                 expert_range = expert_range or expert_shard(cfg.n_routed_experts, rank, world)
-        q = quantizer(quant, dtype)
+        if not isinstance(weights, PackSource):
+            weights = CheckpointSource(weights, q, sink)
         self.quant = q.name
         # Where it was loaded from (`from_pretrained`): structured output loads the tokenizer
         # there. None for a model built from weights in memory.
@@ -291,25 +280,26 @@ class DeepseekModel:
         self.dtype = dtype
         self.expert_range = expert_range or range(cfg.n_routed_experts)
         self.cos_sin = rope_cos_sin(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
-        self.embed_tokens = weights["model.embed_tokens.weight"]
+        self.embed_tokens = weights.raw("model.embed_tokens.weight")
         # The head (the largest matrix) first: its raw and packed copies are held together
         # while little else is loaded, not on top of the whole model.
-        head = self.embed_tokens if cfg.tie_word_embeddings else weights.pop("lm_head.weight")
-        self.lm_head = q.dense(head)
-        del head
+        if cfg.tie_word_embeddings:
+            self.lm_head = weights.dense("model.embed_tokens.weight", tied=True)
+        else:
+            self.lm_head = weights.dense("lm_head.weight")
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             self.layers.append(
-                DecoderLayer(cfg, weights, i, self.cos_sin, self.expert_range, q, num_heads)
+                DecoderLayer(cfg, weights, i, self.cos_sin, self.expert_range, num_heads)
             )
             release_free_heap()  # the layer's packing temporaries (engine.heap)
-        self.norm = weights["model.norm.weight"]
+        self.norm = weights.raw("model.norm.weight")
         self.mtp: MTPLayer | None = None
         if mtp:
             check_has_mtp(cfg)
             n = cfg.num_hidden_layers
-            layer = DecoderLayer(cfg, weights, n, self.cos_sin, self.expert_range, q, num_heads)
-            self.mtp = MTPLayer(cfg, weights, layer, q)
+            layer = DecoderLayer(cfg, weights, n, self.cos_sin, self.expert_range, num_heads)
+            self.mtp = MTPLayer(cfg, weights, layer)
             release_free_heap()
         # The KV pool's layers: the main ones, then the MTP layer's when loaded.
         self.num_kv_layers = cfg.num_hidden_layers + (1 if self.mtp is not None else 0)
@@ -330,7 +320,20 @@ class DeepseekModel:
         `expert_range` limits the routed experts held (an expert-parallel rank loads only its
         shard); `quant` is the weights' scheme (`engine.quant`: "none", "int8", "fp8");
         `tensor_parallel` = (rank, world): a tensor-parallel rank's shard of the `parallel`
-        scheme ("tp" or "tp_sp", see the class)."""
+        scheme ("tp" or "tp_sp", see the class). `engine.pack_cache.load_model` loads through a
+        packed weight store instead."""
+        args = (dtype, expert_range, progress, quant, mtp, tensor_parallel, parallel)
+        with cls.open_checkpoint(model_dir, *args) as (cfg, weights, expert_range):
+            model = cls(cfg, weights, dtype, expert_range, quant, mtp, tensor_parallel, parallel)
+        model.model_dir = Path(model_dir)
+        return model
+
+    @classmethod
+    @contextmanager
+    def open_checkpoint(cls, model_dir, dtype, expert_range, progress, quant, mtp,
+                        tensor_parallel, parallel):  # fmt: skip
+        """(config, CheckpointReader of the tensors these arguments read, the experts held);
+        on leaving, checks that the model built from it read every one."""
         cfg = ModelConfig.from_model_dir(model_dir)
         if tensor_parallel is not None and expert_range is None and parallel == "tp":
             # Which experts to read; the split itself is checked by ShardedWeights, before any
@@ -345,11 +348,23 @@ class DeepseekModel:
         block = cfg.quant.weight_block_size if cfg.quant else None
         keep_fp8 = quantizer(quant, dtype).keeps_fp8
         with CheckpointReader(model_dir, shapes, dtype, block, keep_fp8, progress) as weights:
-            model = cls(cfg, weights, dtype, expert_range, quant, mtp, tensor_parallel, parallel)
+            yield cfg, weights, expert_range
             unread = weights.unread()
         if unread:  # checkpoint_shapes and the model disagree: a bug, not the user's input
             raise RuntimeError(f"the model did not read {len(unread)} tensors: {unread[:3]}")
-        model.model_dir = Path(model_dir)
+
+    @classmethod
+    def from_pack(cls, cfg: ModelConfig, pack: MappedPack, dtype: torch.dtype,
+                  expert_range: range | None,
+                  quant: str | None, mtp: bool, tensor_parallel: tuple[int, int] | None,
+                  parallel: str) -> DeepseekModel:  # fmt: skip
+        """The model around a mapped pack's weights (`engine.weight_pack`), which must be of
+        these arguments (`engine.pack_cache.load_model` checks its spec)."""
+        source = PackSource(pack, quantizer(quant, dtype))
+        model = cls(cfg, source, dtype, expert_range, quant, mtp, tensor_parallel, parallel)
+        if unused := set(pack.keys()) - source.taken:
+            raise PackError(f"pack {pack.path}: holds {len(unused)} weights the model did not take")
+        model.pack = pack  # the mapping lives as long as the model
         return model
 
     def new_kv_pool(self, num_pages: int, page_size: int, device="cpu") -> KVPool:

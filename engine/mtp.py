@@ -26,18 +26,18 @@ from native import ops
 
 if TYPE_CHECKING:
     from engine.model import DecoderLayer
-    from engine.quant import Quantizer
+    from engine.weight_source import WeightSource
 
 
 class MTPLayer:
-    def __init__(self, cfg: ModelConfig, weights, decoder_layer: DecoderLayer, quant: Quantizer):
+    def __init__(self, cfg: ModelConfig, weights: WeightSource, decoder_layer: DecoderLayer):
         prefix = mtp_prefix(cfg)
         self.eps = cfg.rms_norm_eps
-        self.enorm = weights[f"{prefix}.enorm.weight"]
-        self.hnorm = weights[f"{prefix}.hnorm.weight"]
-        self.eh_proj = quant.linear(weights.pop(f"{prefix}.eh_proj.weight"))  # [D, 2D]
+        self.enorm = weights.raw(f"{prefix}.enorm.weight")
+        self.hnorm = weights.raw(f"{prefix}.hnorm.weight")
+        self.eh_proj = weights.linear(f"{prefix}.eh_proj.weight")  # [D, 2D]
         self.layer = decoder_layer
-        self.head_norm = weights[f"{prefix}.shared_head.norm.weight"]
+        self.head_norm = weights.raw(f"{prefix}.shared_head.norm.weight")
 
     def hidden(
         self,

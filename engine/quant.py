@@ -97,6 +97,19 @@ class Quantizer:
         """Routed experts from per-expert loaders: w13 returns (gate, up), w2 the down matrix."""
         return Experts(self._pack_experts(w13, w2), self._moe_op)
 
+    # the ops around weights packed before (a mapped pack, engine.weight_source) ------------
+    def wrap_linear(self, packed) -> Linear:
+        """The projection of a weight this scheme packed (`linear(...).weight`)."""
+        return Linear(packed, self._linear_op)
+
+    def wrap_dense(self, packed) -> Linear:
+        """The model-dtype projection of a weight `dense` packed."""
+        return Linear(packed, ops.linear)
+
+    def wrap_experts(self, packed: tuple) -> Experts:
+        """The routed experts of (w13, w2) as this scheme packed them."""
+        return Experts(packed, self._moe_op)
+
     # the scheme ------------------------------------------------------------------------------
     _linear_op = staticmethod(ops.linear)
     _moe_op = staticmethod(ops.fused_moe)

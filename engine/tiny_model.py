@@ -10,18 +10,17 @@ library with one MTP layer (`engine.tiny_train_model`). Everything is seed-deter
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.config import ModelConfig
+from engine.file_lock import FileLock, LockTimeout
 from engine.weight_names import checkpoint_shapes, mtp_copy_names, mtp_shapes
 from engine.weights import quantize_fp8_blockwise, save_checkpoint
 
@@ -416,35 +415,12 @@ def ensure_tiny_model() -> Path:
     return final
 
 
-class TinyModelLockTimeout(RuntimeError):
-    pass
+TinyModelLockTimeout = LockTimeout
 
 
-class _locked:
-    """An exclusive flock on `path`, waited for at most LOCK_TIMEOUT_S."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + LOCK_TIMEOUT_S
-        while True:
-            try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return self
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    os.close(self.fd)
-                    raise TinyModelLockTimeout(
-                        f"waited {LOCK_TIMEOUT_S:.0f} s for another process to build the tiny "
-                        f"model (lock {self.path}); remove the lock's holder or the cache"
-                    ) from None
-                time.sleep(0.2)
-
-    def __exit__(self, *exc):
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
+def _locked(path: Path) -> FileLock:
+    """The tiny model's build lock, waited for at most LOCK_TIMEOUT_S."""
+    return FileLock(path, LOCK_TIMEOUT_S, "the tiny model")
 
 
 def _publish(final: Path, key: str) -> None:

@@ -55,13 +55,17 @@ class PackedLinearInt8:
         self.packed = blocked.transpose(1, 2).contiguous()
         self.scale = F.pad(scale.float(), (0, pad_n)).contiguous()
         self.comp = (128 * q.sum(1, dtype=torch.int32)).to(torch.int32).contiguous()
-        # The weight's arguments of _C.linear_int8, read once here rather than on every call
-        # (the decode step calls this a few hundred times).
+        self.bind_kernel_args()
+
+    def bind_kernel_args(self) -> None:
+        """The weight's arguments of _C.linear_int8, read once here rather than on every call
+        (the decode step calls this a few hundred times); again after the tensors move (a
+        mapped pack, native.packed_state)."""
         self.kernel_args = (
             self.packed.data_ptr(), _TAGS[self.packed.dtype],
             self.scale.data_ptr(), _TAGS[self.scale.dtype],
             self.comp.data_ptr(), _TAGS[self.comp.dtype],
-            self.n, k_groups,
+            self.n, self.k_groups,
         )  # fmt: skip
 
     @property

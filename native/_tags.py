@@ -13,6 +13,7 @@ DTYPE_TAGS = {
     torch.int64: 4,
     torch.int8: 5,
     torch.float8_e4m3fn: 6,
+    torch.uint8: 7,
 }
 UNKNOWN = -1  # a dtype the kernels have no tag for: every check refuses it
 

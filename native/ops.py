@@ -79,3 +79,4 @@ page_slots = reference.page_slots
 race_sample = _sampling_ops.race_sample
 race_exponentials = _sampling_ops.race_exponentials
 random_uniform = _sampling_ops.random_uniform
+checksum = _small_ops.checksum

@@ -501,3 +501,34 @@ def store_kv_rows(kv_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tenso
 def gather_kv_rows(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Rows at the given flat slots: [S, W]."""
     return kv_cache.view(-1, kv_cache.shape[-1]).index_select(0, slots.long())
+
+
+# ---- checksum ------------------------------------------------------------------------------
+CHECKSUM_CHUNK_ROWS = 16384  # rows of 8 uint64 lanes per chunk (1 MiB)
+_CHECKSUM_MIX = 0x9E3779B97F4A7C15
+
+
+def _as_int64(value: int) -> int:
+    """A uint64 as the int64 of the same bits (torch's integer arithmetic wraps mod 2^64)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def checksum(data: torch.Tensor) -> int:
+    """A 64-bit checksum of a tensor's bytes (any dtype, contiguous), as an unsigned int.
+
+    The bytes, zero-padded to a multiple of 64, are rows of 8 little-endian uint64 lanes, cut
+    into chunks of CHECKSUM_CHUNK_ROWS rows. Per chunk c and lane j, with n the chunk's rows,
+    a = sum_k w[k][j] and b = sum_k (n - k) w[k][j]; the checksum is
+    sum_{c,j} (a * 0x9E3779B97F4A7C15 + b) * (2 (8c + j) + 1), all mod 2^64."""
+    raw = data.detach().contiguous().view(-1).view(torch.uint8)
+    raw = F.pad(raw, (0, -raw.numel() % 64))
+    words = raw.view(torch.int64).view(-1, 8)
+    total = 0
+    for c, chunk in enumerate(words.split(CHECKSUM_CHUNK_ROWS)):
+        n = chunk.shape[0]
+        a = chunk.sum(0)
+        b = (chunk * torch.arange(n, 0, -1, dtype=torch.int64)[:, None]).sum(0)
+        lanes = torch.arange(8, dtype=torch.int64) + 8 * c
+        mixed = (a * _as_int64(_CHECKSUM_MIX) + b) * (2 * lanes + 1)
+        total += int(mixed.sum())
+    return total % (1 << 64)

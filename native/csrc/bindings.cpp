@@ -24,6 +24,7 @@ void register_extend_attention(py::module_& m);  // extend_attention.cpp
 void register_mla_decode(py::module_& m);        // mla_decode.cpp
 void register_sampling(py::module_& m);  // sampling.cpp (race_sample, random_uniform)
 void register_shm_allreduce(py::module_& m);  // shm_allreduce.cpp (ShmAllReduce)
+void register_checksum(py::module_& m);  // checksum.cpp (checksum)
 }  // namespace duet
 
 PYBIND11_MODULE(_C, m) {
@@ -46,4 +47,5 @@ PYBIND11_MODULE(_C, m) {
   duet::register_mla_decode(m);
   duet::register_sampling(m);
   duet::register_shm_allreduce(m);
+  duet::register_checksum(m);
 }

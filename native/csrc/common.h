@@ -24,6 +24,7 @@ enum class DType : int {
   kInt64 = 4,
   kInt8 = 5,  // INT8 W8A8 packed weights (gemm_int8.cpp)
   kFloat8E4M3 = 6,  // FP8 e4m3fn packed weights (gemm_fp8.cpp)
+  kUInt8 = 7,  // raw bytes (checksum.cpp)
 };
 
 using bf16_t = uint16_t;
@@ -37,6 +38,7 @@ inline const char* dtype_name(int tag) {
     case 4: return "int64";
     case 5: return "int8";
     case 6: return "float8_e4m3fn";
+    case 7: return "uint8";
     default: return "a dtype the kernels do not know";
   }
 }

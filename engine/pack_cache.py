@@ -1,0 +1,256 @@
+"""Loading a model through packed weights: build a pack once, map it everywhere.
+
+`load_model` is how nodes and the CLI load a model:
+- `pack=PATH` maps that pack (made by `duet pack`); any mismatch or corruption is an error;
+- `weights_cache=True` maps the pack of this checkpoint, scheme and shard under
+  `$DUET_CACHE_DIR/packs/`, building it first if it is missing, stale or corrupt (under a file
+  lock, so concurrent processes build it once; a bad one is logged and rebuilt);
+- neither: the checkpoint is read and packed in the process's heap (`from_pretrained`).
+
+A pack is keyed by content: `checkpoint_fingerprint` hashes config.json, every safetensors
+file's name, size and header (names, dtypes, shapes, offsets), and 64 KiB samples at four places
+of each file's data; the key adds the scheme, dtype, shard, MTP layer and packed layout.
+
+Where the weights live (`weights_backing`): on a host with a tmpfs that serves huge pages
+(`$DUET_HUGEPAGE_DIR`, or /dev/shm when it is mounted `huge=always|within_size|advise`), the
+pack is copied there once and mapped from the copy, since a bandwidth-bound decode reads its
+weights faster on 2 MiB pages; elsewhere the file is mapped with MADV_HUGEPAGE, which the file
+system honours or not. A process bound to one NUMA node of several (`engine.placement`) maps a
+copy of its own node in /dev/shm (written while bound there, so its pages are that node's),
+never weights across the interconnect.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.checkpoint_reader import INDEX_FILE, SINGLE_FILE
+from engine.config import ModelConfig
+from engine.file_lock import FileLock
+from engine.tiny_model import default_tiny_model_dir
+from engine.weight_pack import MappedPack, PackError, PackSpec, PackWriter, read_manifest
+from native import ops
+
+log = logging.getLogger("duet.pack")
+PACK_LOCK_TIMEOUT_S = 3600.0  # a full-depth pack takes minutes to build
+_SAMPLES, _SAMPLE_BYTES = 4, 64 << 10
+
+
+def cache_dir() -> Path:
+    """`$DUET_CACHE_DIR/packs` (the cache defaulting to ~/.cache/duet-serve)."""
+    return default_tiny_model_dir().parent / "packs"
+
+
+def checkpoint_fingerprint(model_dir: str | Path) -> str:
+    """A content hash of a checkpoint that reads a few MB however large it is (see module)."""
+    model_dir = Path(model_dir)
+    h = hashlib.sha256()
+    for name in ("config.json", INDEX_FILE):
+        if (model_dir / name).is_file():
+            h.update(name.encode() + b"\0" + (model_dir / name).read_bytes())
+    files = sorted(p for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise PackError(f"{model_dir}: no {SINGLE_FILE} or shards to fingerprint")
+    for path in files:
+        size = path.stat().st_size
+        h.update(f"{path.name}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            head = f.read(8)
+            header_len = int.from_bytes(head, "little") if len(head) == 8 else 0
+            h.update(head + f.read(min(header_len, size)))
+            data_start = 8 + header_len
+            for i in range(_SAMPLES):
+                f.seek(data_start + (size - data_start) * i // _SAMPLES)
+                h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def pack_spec(model_dir, dtype: torch.dtype, quant: str | None, expert_range: range | None = None,
+              tensor_parallel=None, parallel: str = "tp", mtp: bool = False) -> PackSpec:  # fmt: skip
+    """The spec of the pack a process loading these arguments needs."""
+    return PackSpec(
+        fingerprint=checkpoint_fingerprint(model_dir),
+        quant=quant or "none",
+        dtype=str(dtype).removeprefix("torch."),
+        expert_range=None if expert_range is None else (expert_range.start, expert_range.stop),
+        tensor_parallel=None if tensor_parallel is None else tuple(tensor_parallel),
+        parallel=parallel if tensor_parallel is not None else "tp",
+        mtp=mtp,
+        layout="native" if ops.native_available() else "reference",
+    )
+
+
+@dataclass
+class BuildStats:
+    seconds: float
+    checkpoint_bytes: int
+    pack_bytes: int
+
+    def __str__(self) -> str:
+        rate = self.checkpoint_bytes / max(self.seconds, 1e-9) / 1e9
+        return (
+            f"read {self.checkpoint_bytes / 1e9:.2f} GB of checkpoint at {rate:.2f} GB/s, wrote "
+            f"{self.pack_bytes / 1e9:.2f} GB of pack in {self.seconds:.1f} s"
+        )
+
+
+def build_pack(model_dir, out: str | Path, spec: PackSpec, progress: bool = True) -> BuildStats:
+    """Reads the checkpoint once, packs every weight as `spec` says, and writes the pack to
+    `out` (atomically). The model built on the way is a husk: each packed weight goes to the
+    file and is freed, so building holds one weight in flight, not the model."""
+    from engine.model import DeepseekModel  # the model is built by the packer, not its caller
+
+    start = time.perf_counter()
+    writer = PackWriter(out, spec)
+    try:
+        expert_range = None if spec.expert_range is None else range(*spec.expert_range)
+        with DeepseekModel.open_checkpoint(
+            model_dir, getattr(torch, spec.dtype), expert_range, progress, spec.quant, spec.mtp,
+            spec.tensor_parallel, spec.parallel,
+        ) as (cfg, reader, experts):  # fmt: skip
+            DeepseekModel(
+                cfg, reader, getattr(torch, spec.dtype), experts, spec.quant, spec.mtp,
+                spec.tensor_parallel, spec.parallel, sink=writer,
+            )  # fmt: skip
+            read = reader.bytes_read
+        path = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    return BuildStats(time.perf_counter() - start, read, path.stat().st_size)
+
+
+def load_model(model_dir, dtype: torch.dtype = torch.bfloat16, quant: str | None = None,
+               expert_range: range | None = None, tensor_parallel=None, parallel: str = "tp",
+               mtp: bool = False, progress: bool = True, pack: str | Path | None = None,
+               weights_cache: bool = False, numa_node: int | None = None):  # fmt: skip
+    """The model of `model_dir` as `from_pretrained` gives it, through a pack when asked (see
+    the module). `numa_node`: the node this process is bound to, on a host of several."""
+    from engine.model import DeepseekModel
+
+    args = (dtype, expert_range, quant, mtp, tensor_parallel, parallel)
+    if not pack and not weights_cache:
+        return DeepseekModel.from_pretrained(
+            model_dir, dtype, expert_range, progress, quant, mtp, tensor_parallel, parallel
+        )
+    spec = pack_spec(model_dir, dtype, quant, expert_range, tensor_parallel, parallel, mtp)
+    path = Path(pack) if pack else ensure_cached_pack(model_dir, spec, progress)
+    mapped = MappedPack(local_copy(path, numa_node), expect=spec)
+    log.info("weights: %s (%.2f GB), %s", mapped.path, mapped.nbytes / 1e9, weights_backing(mapped))
+    model = DeepseekModel.from_pack(ModelConfig.from_model_dir(model_dir), mapped, *args)
+    model.model_dir = Path(model_dir)
+    return model
+
+
+def ensure_cached_pack(model_dir, spec: PackSpec, progress: bool = True) -> Path:
+    """The cache's pack for `spec`, built once: a missing, stale or corrupt one is rebuilt."""
+    key = hashlib.sha256(json.dumps(spec.to_json(), sort_keys=True).encode()).hexdigest()[:32]
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{Path(model_dir).name}-{spec.quant}-{key}.pack"
+    if _usable(path, spec):
+        return path
+    with FileLock(folder / f".{path.name}.lock", PACK_LOCK_TIMEOUT_S, f"the pack {path}"):
+        if not _usable(path, spec):  # another process may have built it meanwhile
+            log.info("building %s from %s", path, model_dir)
+            log.info("built %s: %s", path.name, build_pack(model_dir, path, spec, progress))
+    return path
+
+
+def _usable(path: Path, spec: PackSpec) -> bool:
+    """Whether the cached pack exists and is whole and of `spec` (the tensors' checksums are
+    checked when it is mapped; a corrupt one is removed here so the next look rebuilds it)."""
+    if not path.exists():
+        return False
+    try:
+        manifest = read_manifest(path)
+        if why := spec.mismatch(PackSpec.from_json(manifest["spec"])):
+            raise PackError(f"pack {path}: {why}")
+        MappedPack(path, expect=spec)  # every checksum
+        return True
+    except PackError as exc:
+        log.warning("%s; rebuilding it", exc)
+        return False
+
+
+def hugepage_dir() -> Path | None:
+    """A tmpfs that gives huge pages: $DUET_HUGEPAGE_DIR, or /dev/shm when mounted with huge=."""
+    if env := os.environ.get("DUET_HUGEPAGE_DIR"):
+        return Path(env)
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    for line in mounts:
+        fields = line.split()
+        if len(fields) > 3 and fields[1] == "/dev/shm" and fields[2] == "tmpfs":
+            options = fields[3].split(",")
+            if any(o in options for o in ("huge=always", "huge=within_size", "huge=advise")):
+                return Path("/dev/shm")
+    return None
+
+
+def local_copy(path: Path, numa_node: int | None) -> Path:
+    """The file this process maps: a huge-page or NUMA-node copy of the pack where the host
+    calls for one (see the module), made once per host under a lock; else the pack itself."""
+    if numa_node is not None:
+        folder, suffix = Path(os.environ.get("DUET_NUMA_COPY_DIR", "/dev/shm")), f"node{numa_node}"
+    elif (huge := hugepage_dir()) is not None:
+        folder, suffix = huge, "huge"
+    else:
+        return path
+    copy = folder / "duet-packs" / f"{path.stem}.{suffix}.pack"
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(copy.parent / f".{copy.name}.lock", PACK_LOCK_TIMEOUT_S, f"the copy {copy}"):
+        if copy.exists() and copy.stat().st_size == path.stat().st_size:
+            return copy  # its checksums are verified when mapped
+        free = shutil.disk_usage(copy.parent).free
+        if free < path.stat().st_size:
+            log.warning("no room for a %s copy of %s in %s: mapping the file", suffix, path, folder)
+            return path
+        tmp = copy.with_name(f".{copy.name}.{os.getpid()}.tmp")
+        try:
+            shutil.copyfile(path, tmp)  # written by this process: its NUMA binding places it
+            os.replace(tmp, copy)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return copy
+
+
+def weights_backing(mapped: MappedPack) -> str:
+    """How the mapping is backed, from /proc/self/smaps: shmem or file, and how much of what is
+    resident sits on huge pages."""
+    start = mapped.address
+    fields: dict[str, int] = {}
+    try:
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split()
+                if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                    low, high = (int(x, 16) for x in head[0].split("-"))
+                    inside = low <= start < high
+                elif inside and head[0].endswith(":") and len(head) >= 2 and head[1].isdigit():
+                    fields[head[0][:-1]] = int(head[1])
+    except OSError:
+        return "file mapping (backing unknown)"
+    kind = (
+        "shmem"
+        if str(mapped.path).startswith(("/dev/shm", os.environ.get("DUET_HUGEPAGE_DIR") or "\0"))
+        else "file"
+    )
+    huge = fields.get("ShmemPmdMapped" if kind == "shmem" else "FilePmdMapped", 0)
+    rss = fields.get("Rss", 0)
+    pages = "huge pages" if huge and huge >= rss // 2 else "4 KiB pages"
+    return (
+        f"{kind} mapping on {pages} ({huge >> 10} MiB of {rss >> 10} MiB resident on 2 MiB pages)"
+    )
