@@ -33,13 +33,21 @@ from statistics import median
 import torch
 
 QUANTS = ("none", "int8", "fp8")
+# "Q@pack": scheme Q mapped from a packed weight store (--pack, else the weights cache's)
+ROWS = (*QUANTS, *(f"{q}@pack" for q in QUANTS))
 GB = 1e9
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="duet bench-e2e", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="checkpoint dir (default: the built-in tiny model)")
-    p.add_argument("--quant", default="none", help="comma list of none, int8, fp8")
+    p.add_argument(
+        "--quant",
+        default="none",
+        help="comma list of none, int8, fp8; Q@pack maps Q's weights from a pack (--pack, else "
+        "the weights cache's, built once), e.g. int8,int8@pack",
+    )
+    p.add_argument("--pack", help="the pack the @pack row maps (made by duet pack)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--decode-steps", type=int, default=32)
@@ -54,7 +62,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument(
         "--no-interleave", action="store_true", help="time each quant in its own worker only"
     )
-    p.add_argument("--worker", choices=(*QUANTS, "timing"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=(*ROWS, "timing"), help=argparse.SUPPRESS)
     p.add_argument("--timing-quants", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     return p, p.parse_args(argv)
@@ -65,9 +73,11 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str
     from engine.config import ModelConfig
 
     quants = [q.strip() for q in args.quant.split(",") if q.strip()]
-    bad = [q for q in quants if q not in QUANTS]
+    bad = [q for q in quants if q not in ROWS]
     if not quants or bad:
-        p.error(f"--quant: expected a comma list of {', '.join(QUANTS)}, got {args.quant!r}")
+        p.error(f"--quant: expected a comma list of {', '.join(ROWS)}, got {args.quant!r}")
+    if args.pack and len({q for q in quants if q.endswith("@pack")}) != 1:
+        p.error("--pack holds one scheme: name exactly one Q@pack row")
     for name in ("prompt_len", "batch", "decode_steps", "repeats", "chunk_size", "page_size"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
@@ -104,6 +114,8 @@ def run_worker(args, quant: str, prefix: Path, extra: tuple[str, ...] = ()) -> d
     for name in ("prompt_len", "batch", "decode_steps", "repeats", "chunk_size", "page_size"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     cmd += ["--kl-tokens", str(args.kl_tokens)]
+    if args.pack:
+        cmd += ["--pack", args.pack]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     cmd += list(extra)

@@ -22,7 +22,7 @@ def time_interleaved(args, quants: list[str]) -> dict[str, dict[str, list[float]
 
     if args.threads:
         ops.set_num_threads(args.threads)
-    models = {q: load_model(args.model, q) for q in dict.fromkeys(quants)}
+    models = {q: load_model(args.model, q, args.pack) for q in dict.fromkeys(quants)}
     first = next(iter(models.values()))
     page = args.page_size
     pages = args.batch * -(-(args.prompt_len + args.decode_steps) // page)

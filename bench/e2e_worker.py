@@ -87,11 +87,15 @@ def held_tensor_bytes(root, skip: frozenset[str] = NOT_WEIGHTS) -> int:
     return total
 
 
-def load_model(model_dir: str, quant: str) -> DeepseekModel:
-    """The model in bf16 with its weights in `quant` ("none", "int8", "fp8")."""
-    return DeepseekModel.from_pretrained(
-        model_dir, dtype=torch.bfloat16, quant=quant, progress=False
-    )
+def load_model(model_dir: str, quant: str, pack: str | None = None) -> DeepseekModel:
+    """The model in bf16 with its weights in `quant` ("none", "int8", "fp8"); "Q@pack": mapped
+    from a pack of Q (`pack`, else the weights cache's, built once: engine.pack_cache)."""
+    from engine.pack_cache import load_model as load
+
+    scheme, _, via = quant.partition("@")
+    mapped = via == "pack"
+    return load(model_dir, torch.bfloat16, scheme, progress=False,
+                pack=pack if mapped else None, weights_cache=mapped)  # fmt: skip
 
 
 def prefill_batch(
@@ -179,7 +183,7 @@ def measure(args, quant: str, logprobs_path: Path) -> dict:
         ops.set_num_threads(args.threads)
     base = proc_status()
     start = time.perf_counter()
-    model = load_model(args.model, quant)
+    model = load_model(args.model, quant, args.pack)
     load_s = time.perf_counter() - start
     gc.collect()
     after = proc_status()  # VmHWM now: the peak of the load (nothing else has run yet)

@@ -157,6 +157,9 @@ class DecodeNode:
             "dtype": self.fingerprint["dtype"],
             "version": package_version(),
             "quant": self.model.quant,  # the weights' scheme (issue 9): "none" | "int8" | "fp8"
+            # Where the weights live: a mapped pack (file or shmem, which pages) or the heap.
+            "weights_backing": self.model.weights_backing,
+            "weights": self.model.weights_detail,
             # On-demand decode KV: the router estimates reservations by the same rule.
             "kv_reservation": self.scheduler.reservation,
             "kv_headroom_tokens": self.scheduler.headroom_tokens,

@@ -92,6 +92,7 @@ def _add_generate(sub) -> None:
         default=0,
         help="speculate with the model's MTP layer, this many drafts a step (0: off)",
     )
+    _add_pack_options(p)
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
@@ -103,7 +104,7 @@ def _run_generate(args) -> int:
     import torch
 
     from engine.generate import OfflineGenerator
-    from engine.model import DeepseekModel
+    from engine.pack_cache import load_model
     from engine.sampling import SamplingParams
     from engine.tiny_model import ensure_tiny_model
     from engine.tokenizer import Tokenizer
@@ -138,9 +139,12 @@ def _run_generate(args) -> int:
     prefill_quant = args.prefill_quant or args.quant
     decode_quant = args.decode_quant or args.quant
     mtp = args.mtp_tokens > 0
-    load = lambda quant: DeepseekModel.from_pretrained(  # noqa: E731
-        model_dir, dtype=dtype, progress=not args.json, quant=quant, mtp=mtp
-    )
+    if args.pack and decode_quant != prefill_quant:
+        raise InvalidRequestError("--pack holds one scheme: drop --prefill-quant/--decode-quant")
+    load = lambda quant: load_model(  # noqa: E731
+        model_dir, dtype, quant, mtp=mtp, progress=not args.json, pack=args.pack,
+        weights_cache=args.weights_cache,
+    )  # fmt: skip
     model = load(prefill_quant)
     decode_model = None if decode_quant == prefill_quant else load(decode_quant)
     if mtp:
@@ -161,6 +165,70 @@ def _run_generate(args) -> int:
         print(json.dumps({"token_ids": result.token_ids, "text": text}))
     else:
         print(text)
+    return 0
+
+
+def _add_pack_options(p) -> None:
+    """--pack / --weights-cache: load through a packed weight store (engine.pack_cache)."""
+    p.add_argument("--pack", help="map this packed weight store (made by duet pack)")
+    p.add_argument(
+        "--weights-cache",
+        action="store_true",
+        help="build the checkpoint's pack once under the cache dir, then map it",
+    )
+
+
+def _parse_shard(text: str) -> tuple[int, int]:
+    rank, sep, world = text.partition("/")
+    try:
+        if sep and 0 <= int(rank) < int(world):
+            return int(rank), int(world)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected RANK/WORLD with 0 <= RANK < WORLD, got {text!r}")
+
+
+def _add_pack(sub) -> None:
+    p = sub.add_parser(
+        "pack", help="write a model's packed weight store: the kernels' layout, mapped at load"
+    )
+    p.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
+    p.add_argument("--quant", choices=QUANT_SCHEMES, default="none")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--out", required=True, help="the pack file to write")
+    p.add_argument("--mtp", action="store_true", help="include the MTP layer (mtp = true nodes)")
+    p.add_argument(
+        "--expert-shard", type=_parse_shard, metavar="RANK/WORLD",
+        help="the routed experts of expert-parallel decode rank RANK of WORLD",
+    )  # fmt: skip
+    p.add_argument(
+        "--tensor-parallel", type=_parse_shard, metavar="RANK/WORLD",
+        help="the shard of tensor-parallel prefill rank RANK of WORLD",
+    )  # fmt: skip
+    p.add_argument("--parallel", choices=("tp", "tp_sp"), default="tp", help="the TP scheme")
+    p.set_defaults(func=_run_pack)
+
+
+def _run_pack(args) -> int:
+    import torch
+
+    from engine.pack_cache import build_pack, pack_spec
+    from engine.sharding import expert_shard
+    from engine.tiny_model import ensure_tiny_model
+
+    model_dir = args.model or str(ensure_tiny_model())
+    experts = None
+    if args.expert_shard is not None:
+        from engine.config import ModelConfig
+
+        num_experts = ModelConfig.from_model_dir(model_dir).n_routed_experts
+        experts = expert_shard(num_experts, *args.expert_shard)
+    dtype = getattr(torch, args.dtype)
+    spec = pack_spec(
+        model_dir, dtype, args.quant, experts, args.tensor_parallel, args.parallel, args.mtp
+    )
+    stats = build_pack(model_dir, args.out, spec, progress=True)
+    print(f"{args.out}: {stats}")
     return 0
 
 
@@ -231,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="duet", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_pack(sub)
     _add_make_tiny_model(sub)
     _add_keygen(sub)
     _add_passthrough(sub, "bench-kernels", "kernel benchmark vs roofline", "bench.kernels:main")

@@ -278,6 +278,10 @@ class DeepseekModel:
         # there. None for a model built from weights in memory.
         self.model_dir: Path | None = None
         self.dtype = dtype
+        # Where the weights live (`engine.quant_schemes.WEIGHT_BACKINGS`), and in words: what NodeReady
+        # reports. A mapped pack's loader says which mapping it got.
+        self.weights_backing = "heap"
+        self.weights_detail = "read from the checkpoint into the heap"
         self.expert_range = expert_range or range(cfg.n_routed_experts)
         self.cos_sin = rope_cos_sin(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
         self.embed_tokens = weights.raw("model.embed_tokens.weight")

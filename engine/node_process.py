@@ -51,10 +51,12 @@ def model_dir_of(cluster: ClusterConfig, model_dir: str | None) -> str:
 def load_model(cluster: ClusterConfig, node_cfg: Any, model_dir: str | None, expert_range=None,
                tensor_parallel: tuple[int, int] | None = None, parallel: str = "tp"):  # fmt: skip
     """The node's model on its device and threads, its weights in the node's `quant` scheme
-    (the tiny model when none is named); `expert_range` limits the routed experts held (an
+    (the tiny model when none is named), mapped from its `pack` or the weights cache when the
+    node says so (`engine.pack_cache`); `expert_range` limits the routed experts held (an
     expert-parallel rank's shard); `tensor_parallel` = (rank, world) loads a tensor-parallel
     rank's shard of the `parallel` scheme ("tp" or "tp_sp")."""
-    from engine.model import DeepseekModel
+    from engine.pack_cache import load_model as load_weights
+    from engine.placement import bound_node
     from native import ops
 
     if node_cfg.device != "cpu":
@@ -64,15 +66,18 @@ def load_model(cluster: ClusterConfig, node_cfg: Any, model_dir: str | None, exp
     ops.set_num_threads(node_cfg.threads)
     model_dir = model_dir_of(cluster, model_dir)
     try:
-        return DeepseekModel.from_pretrained(
+        return load_weights(
             model_dir,
             getattr(torch, cluster.dtype),
-            expert_range=expert_range,
-            progress=False,
             quant=node_cfg.quant,
-            mtp=cluster.uses_mtp,  # the MTP layer's cache is part of every node's KV
+            expert_range=expert_range,
             tensor_parallel=tensor_parallel,
             parallel=parallel,
+            mtp=cluster.uses_mtp,  # the MTP layer's cache is part of every node's KV
+            progress=False,
+            pack=node_cfg.pack or None,
+            weights_cache=node_cfg.weights_cache,
+            numa_node=bound_node(),
         )
     except DuetError as exc:  # one line that names the node (the router shows it as is)
         raise type(exc)(f"node {node_cfg.name}: {exc}") from None

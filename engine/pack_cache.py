@@ -145,9 +145,11 @@ def load_model(model_dir, dtype: torch.dtype = torch.bfloat16, quant: str | None
     spec = pack_spec(model_dir, dtype, quant, expert_range, tensor_parallel, parallel, mtp)
     path = Path(pack) if pack else ensure_cached_pack(model_dir, spec, progress)
     mapped = MappedPack(local_copy(path, numa_node), expect=spec)
-    log.info("weights: %s (%.2f GB), %s", mapped.path, mapped.nbytes / 1e9, weights_backing(mapped))
     model = DeepseekModel.from_pack(ModelConfig.from_model_dir(model_dir), mapped, *args)
     model.model_dir = Path(model_dir)
+    model.weights_backing, detail = weights_backing(mapped)
+    model.weights_detail = f"pack {mapped.path} ({mapped.nbytes / 1e9:.2f} GB), {detail}"
+    log.info("weights: %s", model.weights_detail)
     return model
 
 
@@ -226,31 +228,34 @@ def local_copy(path: Path, numa_node: int | None) -> Path:
     return copy
 
 
-def weights_backing(mapped: MappedPack) -> str:
-    """How the mapping is backed, from /proc/self/smaps: shmem or file, and how much of what is
-    resident sits on huge pages."""
-    start = mapped.address
-    fields: dict[str, int] = {}
-    try:
-        with open("/proc/self/smaps") as f:
-            inside = False
-            for line in f:
-                head = line.split()
-                if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
-                    low, high = (int(x, 16) for x in head[0].split("-"))
-                    inside = low <= start < high
-                elif inside and head[0].endswith(":") and len(head) >= 2 and head[1].isdigit():
-                    fields[head[0][:-1]] = int(head[1])
-    except OSError:
-        return "file mapping (backing unknown)"
-    kind = (
-        "shmem"
-        if str(mapped.path).startswith(("/dev/shm", os.environ.get("DUET_HUGEPAGE_DIR") or "\0"))
-        else "file"
-    )
+def weights_backing(mapped: MappedPack) -> tuple[str, str]:
+    """How the mapping is backed, from /proc/self/smaps: (one of `engine.quant_schemes.WEIGHT_BACKINGS`, a description with
+    how much of what is resident sits on 2 MiB pages)."""
+    fields = _smaps_fields(mapped.address)
+    shmem_dirs = ("/dev/shm", os.environ.get("DUET_HUGEPAGE_DIR") or "/dev/shm")
+    kind = "shmem" if str(mapped.path).startswith(shmem_dirs) else "file"
     huge = fields.get("ShmemPmdMapped" if kind == "shmem" else "FilePmdMapped", 0)
     rss = fields.get("Rss", 0)
-    pages = "huge pages" if huge and huge >= rss // 2 else "4 KiB pages"
-    return (
-        f"{kind} mapping on {pages} ({huge >> 10} MiB of {rss >> 10} MiB resident on 2 MiB pages)"
-    )
+    on_huge = huge > 0 and huge >= rss // 2
+    label = f"{kind}_hugepages" if on_huge else kind
+    pages = "huge pages" if on_huge else "4 KiB pages"
+    detail = f"{kind} mapping on {pages} ({huge >> 10} of {rss >> 10} MiB resident on 2 MiB pages)"
+    return label, detail
+
+
+def _smaps_fields(address: int) -> dict[str, int]:
+    """The kB fields of the mapping holding `address` in /proc/self/smaps ({} if unreadable)."""
+    fields: dict[str, int] = {}
+    inside = False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split()
+                if not head[0].endswith(":"):  # a mapping's first line: its address range
+                    low, high = (int(x, 16) for x in head[0].split("-"))
+                    inside = low <= address < high
+                elif inside and len(head) >= 2 and head[1].isdigit():
+                    fields[head[0][:-1]] = int(head[1])
+    except (OSError, ValueError):
+        return {}
+    return fields

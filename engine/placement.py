@@ -113,6 +113,15 @@ def place_rank(node_cfg, rank: int) -> Placement | None:
     return placement
 
 
+_BOUND_NODE: int | None = None  # the node bind_memory bound this process to
+
+
+def bound_node() -> int | None:
+    """The NUMA node this process's memory is bound to (`bind_memory`), None when unbound: a
+    bound process maps its own node's copy of the weights (`engine.pack_cache.local_copy`)."""
+    return _BOUND_NODE
+
+
 def bind_memory(numa_node: int) -> None:
     """set_mempolicy(MPOL_BIND, {numa_node}): this process's later pages come from that node
     (a warning where the architecture's syscall number is not known here)."""
@@ -129,3 +138,5 @@ def bind_memory(numa_node: int) -> None:
     if libc.syscall(number, MPOL_BIND, mask, ctypes.c_ulong(words * 64 + 1)) != 0:
         err = ctypes.get_errno()
         raise ConfigError(f"cannot bind memory to NUMA node {numa_node}: {os.strerror(err)}")
+    global _BOUND_NODE
+    _BOUND_NODE = numa_node

@@ -6,6 +6,9 @@ from __future__ import annotations
 from engine.errors import ConfigError
 
 QUANT_SCHEMES = ("none", "int8", "fp8")
+# Where a node's weights live (engine.pack_cache.weights_backing): the heap, or a mapped pack on
+# a file or shmem, on 4 KiB or 2 MiB pages. Here so the router can check a name without torch.
+WEIGHT_BACKINGS = ("heap", "file", "file_hugepages", "shmem", "shmem_hugepages")
 
 
 def parse_quant(value: object, where: str = "quant") -> str:

@@ -113,6 +113,9 @@ class PrefillNode:
             "page_size": self.pool.page_size,
             "version": package_version(),
             "quant": self.model.quant,  # the weights' scheme (issue 9): "none" | "int8" | "fp8"
+            # Where the weights live: a mapped pack (file or shmem, which pages) or the heap.
+            "weights_backing": self.model.weights_backing,
+            "weights": self.model.weights_detail,
         }
 
     def begin_drain(self) -> None:

@@ -68,6 +68,7 @@ def node_view(
         "threads": node.threads,
         "dtype": dtype,
         "quantization": _weights_form(str(info.get("quant", node.quant)), dtype),
+        "weights": str(info.get("weights", "")) or None,  # where they live (a pack, the heap)
         "page_size": state.page_size if is_decode else node.page_size,
         "ranks": int(info.get("ranks", node.ranks)) if is_decode else 1,
         "kv_pages": _kv_pages(state) if is_decode else None,

@@ -26,7 +26,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.cluster_config import SlaConfig
-from engine.quant_schemes import QUANT_SCHEMES
+from engine.quant_schemes import QUANT_SCHEMES, WEIGHT_BACKINGS
 from router.nodes import NodeRegistry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -210,11 +210,19 @@ class NodeCollector:
             "duet_node_quant_info", "The node's weight quantization (1; label quant)",
             labels=[*labels, "quant"],
         )  # fmt: skip
+        backing = GaugeMetricFamily(
+            "duet_node_weights_backing_info",
+            "Where the node's weights live (1; label backing: heap, file, file_hugepages, "
+            "shmem, shmem_hugepages)",
+            labels=[*labels, "backing"],
+        )
         for n in self.nodes.nodes.values():
             lv = [n.name, n.role]
             up.add_metric(lv, 1.0 if n.is_ready else 0.0)
             if n.info.get("quant") in QUANT_SCHEMES:  # a known name only: labels stay bounded
                 quant.add_metric([*lv, n.info["quant"]], 1.0)
+            if n.info.get("weights_backing") in WEIGHT_BACKINGS:
+                backing.add_metric([*lv, n.info["weights_backing"]], 1.0)
             hb = n.heartbeat
             if hb is None:
                 continue
@@ -255,6 +263,7 @@ class NodeCollector:
         yield from (share, sla)
         yield preempted
         yield quant
+        yield backing
         yield from prefix.families()
         yield from mtp.families()
 
