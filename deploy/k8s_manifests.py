@@ -15,11 +15,19 @@ ClusterConfig (and the model, for the pods' requests); `deploy.k8s_render` puts 
   what it holds for at most `[timeouts] drain_s`), so a node's grace period is drain_s +
   DRAIN_MARGIN_S. The router ends its streams at SIGTERM and needs only ROUTER_GRACE_S.
 - A template annotation holds the TOML's digest: a changed config rolls the pods.
+- Weights cache: a node that builds its packed weights in the cache (`weights_cache = true`
+  and no `pack`, `engine.pack_cache`) gets the `weights-cache` volume at `$DUET_CACHE_DIR/packs`
+  (`WeightsCache`): by default a hostPath, so every pod of a host maps one copy of a pack (one
+  page-cache copy per host) and a restarted pod maps the pack instead of building it again;
+  or a PersistentVolumeClaim made beforehand; or none (then such a node is refused).
 """
 
 from __future__ import annotations
 
 import math
+import posixpath
+import re
+from dataclasses import dataclass
 from typing import Any
 
 from deploy.k8s_cluster import (
@@ -35,6 +43,7 @@ from deploy.k8s_cluster import (
 from deploy.k8s_resources import MIB, ROUTER_RESOURCES, node_resources, shm_bytes
 from engine.cluster_config import ClusterConfig
 from engine.config import ModelConfig
+from engine.errors import ConfigError
 
 IMAGE = "duet-serve:0.1.0"  # what the Dockerfile at the repository root builds
 NAMESPACE = "duet"
@@ -47,6 +56,12 @@ API_SECRET = "duet-api-keys"
 DRAIN_MARGIN_S = 30  # after drain_s: moving what is left, closing sockets, stopping the ranks
 ROUTER_GRACE_S = 30  # the router ends every stream at SIGTERM, then uvicorn closes
 PROBE = ["python", "-m", "deploy.probe", "--config", config_path()]
+# The image's DUET_CACHE_DIR (Dockerfile), where the tiny model is baked in; the nodes build and
+# map their packs under CACHE_DIR/packs (`engine.pack_cache.cache_dir`), the volume's mount.
+CACHE_DIR = f"{APP_DIR}/cache"
+PACKS_DIR = f"{CACHE_DIR}/packs"
+WEIGHTS_CACHE = "weights-cache"  # the volume's name
+WEIGHTS_CACHE_KINDS = ("hostpath", "pvc", "none")
 
 Doc = dict[str, Any]
 
@@ -61,6 +76,9 @@ def labels(component: str, node_set: str | None = None) -> dict[str, str]:
 
 def meta(name: str, namespace: str, labels_: dict[str, str]) -> Doc:
     return {"name": name, "namespace": namespace, "labels": labels_}
+
+
+NODE_STARTUP_PROBES = 900  # x 2 s: 30 minutes to load or build the weights
 
 
 def _exec_probe(check: str, period_s: int, failures: int) -> Doc:
@@ -91,15 +109,22 @@ _API_VOLUME = {
         "items": [{"key": API_KEY_FILE, "path": API_KEY_FILE}],
     },
 }
-_MOUNTS = {"config": CONFIG_DIR, "curve-key": KEY_DIR, "api-keys": API_KEY_DIR}
+_MOUNTS = {
+    "config": CONFIG_DIR,
+    "curve-key": KEY_DIR,
+    "api-keys": API_KEY_DIR,
+    "dshm": "/dev/shm",
+    WEIGHTS_CACHE: PACKS_DIR,
+}
+_WRITABLE = {"dshm", WEIGHTS_CACHE}
 
 
 def _mounts(volumes: list[Doc]) -> list[Doc]:
     return [
-        {"name": v["name"], "mountPath": "/dev/shm"} if v["name"] == "dshm"
-        else {"name": v["name"], "mountPath": _MOUNTS[v["name"]], "readOnly": True}
+        {"name": v["name"], "mountPath": _MOUNTS[v["name"]]}
+        | ({} if v["name"] in _WRITABLE else {"readOnly": True})
         for v in volumes
-    ]  # fmt: skip
+    ]
 
 
 def _shm_volume(node) -> list[Doc]:
@@ -110,6 +135,87 @@ def _shm_volume(node) -> list[Doc]:
     if not size:
         return []
     return [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{-(-size // MIB)}Mi"}}]
+
+
+@dataclass(frozen=True)
+class WeightsCache:
+    """The volume a node's packed-weight cache lives on (`duet k8s render --weights-cache`).
+
+    - "hostpath" (the default): the host's directory `path` (DirectoryOrCreate). Every pod of a
+      host that maps the same pack maps the same file, so the host's page cache holds one copy
+      whatever the number of pods, and a restarted pod (or a new pod on that host) maps the
+      pack instead of building it. fsGroup does not apply to a hostPath, and DirectoryOrCreate
+      makes the directory root's: an init container gives it to the image's user.
+    - "pvc": the PersistentVolumeClaim `claim`, made beforehand (referenced, never shipped):
+      ReadWriteMany for pods on several hosts, each host's page cache then holding its copy.
+    - "none": no volume; a node that would build its pack in the cache is refused (the image's
+      cache directory is not the pods' user's to write): set `weights_cache = false` or a
+      `pack` on it.
+    """
+
+    kind: str = "hostpath"
+    path: str = "/var/cache/duet-serve/packs"
+    claim: str = "duet-weights-cache"
+
+    def check(self) -> None:
+        if self.kind not in WEIGHTS_CACHE_KINDS:
+            raise ConfigError(
+                f"--weights-cache {self.kind!r}: one of {', '.join(WEIGHTS_CACHE_KINDS)}"
+            )
+        if self.kind == "hostpath" and (
+            not self.path.startswith("/") or posixpath.normpath(self.path) in ("/", "//")
+        ):
+            raise ConfigError(
+                f"--weights-cache-path {self.path!r} must be an absolute directory of the host"
+            )
+        name = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+        if self.kind == "pvc" and (not name.fullmatch(self.claim) or len(self.claim) > 253):
+            raise ConfigError(
+                f"--weights-cache-claim {self.claim!r} is not a PersistentVolumeClaim name"
+            )
+
+    def volumes(self) -> list[Doc]:
+        if self.kind == "hostpath":
+            return [
+                {
+                    "name": WEIGHTS_CACHE,
+                    "hostPath": {"path": self.path, "type": "DirectoryOrCreate"},
+                }
+            ]
+        if self.kind == "pvc":
+            return [{"name": WEIGHTS_CACHE, "persistentVolumeClaim": {"claimName": self.claim}}]
+        return []
+
+    def init_containers(self, image: str) -> list[Doc]:
+        """A hostPath's owner: the image's user (see the class); chown alone, as root with
+        CAP_CHOWN only, a no-op once the directory is the user's."""
+        if self.kind != "hostpath":
+            return []
+        return [
+            {
+                "name": "weights-cache-owner",
+                "image": image,
+                "imagePullPolicy": "IfNotPresent",
+                "command": ["chown", f"{USER_ID}:{USER_ID}", PACKS_DIR],
+                "resources": {
+                    "requests": {"cpu": "10m", "memory": "32Mi"},
+                    "limits": {"memory": "32Mi"},
+                },
+                "volumeMounts": [{"name": WEIGHTS_CACHE, "mountPath": PACKS_DIR}],
+                "securityContext": {
+                    "runAsUser": 0,
+                    "runAsNonRoot": False,
+                    "allowPrivilegeEscalation": False,
+                    "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
+                },
+            }
+        ]
+
+
+def uses_weights_cache(node) -> bool:
+    """Whether the node builds and maps its pack in the cache (`engine.pack_cache.load_model`):
+    an explicit `pack` is mapped from its own path instead."""
+    return node.weights_cache and not node.pack
 
 
 def _container(role: str, image: str, args: list[str], volumes: list[Doc], **fields) -> Doc:
@@ -132,6 +238,7 @@ def _pod(
     grace_s: int,
     container: Doc,
     volumes: list[Doc],
+    init_containers: list[Doc] | None = None,
 ) -> Doc:
     """A pod template; `digest` (of the TOML) in an annotation rolls the pods when it changes."""
     return {
@@ -151,6 +258,7 @@ def _pod(
                 "fsGroup": USER_ID,
                 "seccompProfile": {"type": "RuntimeDefault"},
             },
+            **({"initContainers": init_containers} if init_containers else {}),
             "containers": [container],
             "volumes": volumes,
         },
@@ -246,9 +354,24 @@ def node_set_manifests(
     namespace: str,
     image: str,
     digest: str,
+    weights_cache: WeightsCache = WeightsCache(),
 ) -> list[Doc]:
     role = node_set.role
     volumes = [_CONFIG_VOLUME, _CURVE_VOLUME, *_shm_volume(node_set.nodes[0])]
+    env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+    init_containers: list[Doc] = []
+    if uses_weights_cache(node_set.nodes[0]):  # the set's nodes differ in names and ports only
+        if weights_cache.kind == "none":
+            raise ConfigError(
+                f"node {node_set.nodes[0].name}: weights_cache = true builds its packed weights "
+                "in the cache, which --weights-cache none leaves without a writable volume: set "
+                "weights_cache = false (or a pack) on the node, or render with --weights-cache "
+                "hostpath or pvc"
+            )
+        volumes += weights_cache.volumes()
+        init_containers = weights_cache.init_containers(image)
+        # The image sets the same: pinned here, as the volume is mounted under it.
+        env.append({"name": "DUET_CACHE_DIR", "value": CACHE_DIR})
     # One pod: its node's name. Several: pod i is node NAME-i, so the pod's own name.
     node_arg = node_set.nodes[0].name if node_set.replicas == 1 else "$(POD_NAME)"
     container = _container(
@@ -256,13 +379,15 @@ def node_set_manifests(
         image,
         [config_path(), node_arg],
         volumes,
-        env=[{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+        env=env,
         ports=[
             {"name": name, "containerPort": port, "protocol": "TCP"}
             for name, port in node_ports(node_set)
         ],
         resources=node_resources(model, cluster.dtype, node_set.nodes[0], cluster.uses_mtp).k8s(),
-        startupProbe=_exec_probe("live", 2, 60),
+        # A decode node opens its KV port after loading: the first start on a host may build
+        # the pack of a full-depth model (minutes), or wait on another pod building it.
+        startupProbe=_exec_probe("live", 2, NODE_STARTUP_PROBES),
         livenessProbe=_exec_probe("live", 10, 3),
         readinessProbe=_exec_probe("ready", 5, 2),
     )
@@ -292,7 +417,9 @@ def node_set_manifests(
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate"},
             "selector": {"matchLabels": selector},
-            "template": _pod(role, node_set.name, digest, grace, container, volumes),
+            "template": _pod(
+                role, node_set.name, digest, grace, container, volumes, init_containers
+            ),
         },
     }
     return [service, stateful_set]

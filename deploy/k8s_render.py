@@ -1,13 +1,16 @@
 """`duet k8s render`: Kubernetes manifests (a kustomize base and one overlay) for a cluster TOML.
 
     duet k8s render --config FILE --out DIR [--name NAME] [--namespace NS] [--image IMAGE]
-                    [--model-config PATH]
+                    [--model-config PATH] [--weights-cache hostpath|pvc|none]
+                    [--weights-cache-path HOST_DIR] [--weights-cache-claim PVC]
 
 writes DIR/base/ (the same for every cluster: the pods' ServiceAccount, a NetworkPolicy that
 opens the pods' ports to the cluster's own pods only, and an example of the two Secrets that is
 never applied) and DIR/overlays/NAME/ (NAME defaults to the TOML's file stem): the Namespace,
 the TOML the pods read as a ConfigMap (`deploy.k8s_cluster`), the router, the node sets and the
 disruption budgets (`deploy.k8s_manifests`), and a kustomization.yaml over them and the base.
+The node pods keep their packed weights on the `weights-cache` volume
+(`deploy.k8s_manifests.WeightsCache`): the host's HOST_DIR (default), the claim PVC, or none.
 
 The pods are sized from the model named by the TOML (`deploy.k8s_resources`): its config.json
 is read on this machine, or from --model-config, or the built-in tiny model's. `render_tree`
@@ -38,7 +41,9 @@ from deploy.k8s_manifests import (
     CURVE_SECRET,
     IMAGE,
     NAMESPACE,
+    WEIGHTS_CACHE_KINDS,
     Doc,
+    WeightsCache,
     disruption_budgets,
     meta,
     node_set_manifests,
@@ -55,7 +60,13 @@ _LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
 # ---- files ---------------------------------------------------------------------------------
 def overlay_files(
-    cluster: ClusterConfig, model: ModelConfig, *, namespace: str, image: str, source: str
+    cluster: ClusterConfig,
+    model: ModelConfig,
+    *,
+    namespace: str,
+    image: str,
+    source: str,
+    weights_cache: WeightsCache = WeightsCache(),
 ) -> dict[str, list[Doc]]:
     """The overlay's manifests by file name (kustomization.yaml apart)."""
     k8s = k8s_cluster(cluster, namespace)
@@ -81,7 +92,9 @@ def overlay_files(
             doc
             for s in sets
             if s.role == role
-            for doc in node_set_manifests(cluster, s, model, namespace, image, digest)
+            for doc in node_set_manifests(
+                cluster, s, model, namespace, image, digest, weights_cache
+            )
         ]
     files["pdb.yaml"] = disruption_budgets(namespace)
     return files
@@ -161,9 +174,11 @@ def render_tree(
     namespace: str = NAMESPACE,
     image: str = IMAGE,
     source: str = "the cluster config",
+    weights_cache: WeightsCache = WeightsCache(),
 ) -> dict[str, str]:
     """Every file's text by its path under the output directory: base/... and
     overlays/NAME/... (ConfigError for a config Kubernetes cannot run as given)."""
+    weights_cache.check()
     if not _LABEL.fullmatch(namespace) or len(namespace) > 63:
         raise ConfigError(f"--namespace {namespace!r} is not a Kubernetes namespace name")
     if not re.fullmatch(r"[A-Za-z0-9._-]+", name) or name.startswith("."):
@@ -180,7 +195,14 @@ def render_tree(
         f"placeholders the pods refuse. Create the real ones instead:\n"
         f"{secret_commands(NAMESPACE)}",
     )
-    files = overlay_files(cluster, model, namespace=namespace, image=image, source=source)
+    files = overlay_files(
+        cluster,
+        model,
+        namespace=namespace,
+        image=image,
+        source=source,
+        weights_cache=weights_cache,
+    )
     rendered = (
         f"Rendered by `duet k8s render --config {source}`: do not edit, edit the TOML and render"
         " again."
@@ -221,6 +243,26 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     r.add_argument("--namespace", default=NAMESPACE)
     r.add_argument("--image", default=IMAGE)
     r.add_argument("--model-config", help="config.json (or its directory) to size the pods from")
+    default = WeightsCache()
+    r.add_argument(
+        "--weights-cache",
+        choices=WEIGHTS_CACHE_KINDS,
+        default=default.kind,
+        help="the node pods' packed-weight cache: a directory of the host, shared by its pods "
+        "(default), a PersistentVolumeClaim, or none",
+    )
+    r.add_argument(
+        "--weights-cache-path",
+        default=default.path,
+        metavar="HOST_DIR",
+        help=f"the host's directory for hostpath (default {default.path})",
+    )
+    r.add_argument(
+        "--weights-cache-claim",
+        default=default.claim,
+        metavar="PVC",
+        help=f"the existing PersistentVolumeClaim for pvc (default {default.claim})",
+    )
     return p.parse_args(argv)
 
 
@@ -237,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
             namespace=args.namespace,
             image=args.image,
             source=args.config,
+            weights_cache=WeightsCache(
+                args.weights_cache, args.weights_cache_path, args.weights_cache_claim
+            ),
         )
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

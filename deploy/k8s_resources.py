@@ -18,6 +18,12 @@
   rank of a node allocates its own pool of the node's `num_pages`).
 - shm: a tensor-parallel prefill node's shared-memory segment (`shm_bytes`), in a
   memory-backed /dev/shm that counts against the pod's limit.
+- Mapped packs (`weights_cache`, `pack`; `deploy.k8s_manifests.WeightsCache`): the weights
+  are then page cache of the pack file rather than each process's heap, one copy per host
+  however many pods map it, charged to the memory cgroup of the pod that first reads each page
+  and reclaimable. They are still counted in full in every pod: an upper bound for each pod
+  (whichever is charged must keep the pages resident without evicting its own), not a sum
+  to expect per host.
 - MARGIN covers the load peak (a matrix's raw and prepacked copies are held together for a
   moment), activations and allocator slack; RUNTIME_BYTES is Python, torch and ZeroMQ of one
   process (about 250 MiB resident measured for a tiny-model node; twice that is asked).

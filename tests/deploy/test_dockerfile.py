@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from deploy.k8s_manifests import APP_DIR, USER_ID
+from deploy.k8s_manifests import APP_DIR, CACHE_DIR, USER_ID
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
@@ -50,6 +50,8 @@ def test_install_steps_are_the_readmes():
 def test_image_layout_is_what_the_manifests_run():
     assert _one("WORKDIR") == APP_DIR
     assert _one("USER") == str(USER_ID)
+    # The tiny model is baked in where the node pods' DUET_CACHE_DIR (and their packs) point.
+    assert f"DUET_CACHE_DIR={CACHE_DIR} " in _one("ENV") + " "
     assert f"--uid {USER_ID}" in DOCKERFILE
     entrypoint = json.loads(_one("ENTRYPOINT"))
     assert entrypoint == [f"{APP_DIR}/deploy/launch_router.sh"]

@@ -17,7 +17,15 @@ import yaml
 
 from deploy.cli import main as duet
 from deploy.k8s_cluster import node_sets
-from deploy.k8s_manifests import APP_DIR, DRAIN_MARGIN_S, ROUTER_GRACE_S, USER_ID
+from deploy.k8s_manifests import (
+    APP_DIR,
+    CACHE_DIR,
+    DRAIN_MARGIN_S,
+    PACKS_DIR,
+    ROUTER_GRACE_S,
+    USER_ID,
+    WeightsCache,
+)
 from deploy.k8s_render import SECRETS_EXAMPLE, base_files, overlay_files, render_tree
 from deploy.k8s_yaml import dump_all
 from engine.cluster_config import ClusterConfig, SecurityConfig
@@ -480,6 +488,141 @@ def test_inline_api_keys_are_refused(tiny):
     raw = {**WIDE, "security": {"api_keys": ["sk-live-1"]}}
     with pytest.raises(ConfigError, match="ConfigMap"):
         render_tree(ClusterConfig.from_dict(raw), tiny, name="x")
+
+
+# ---- the weights cache -----------------------------------------------------------------------
+def _cache_volume(template: dict) -> dict | None:
+    volumes = [v for v in template["spec"]["volumes"] if v["name"] == "weights-cache"]
+    assert len(volumes) <= 1
+    return volumes[0] if volumes else None
+
+
+def _check_cache_mount(template: dict) -> None:
+    """The node container mounts the volume read-write where the engine builds its packs."""
+    container = _container(template)
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "weights-cache"]
+    assert mount == {"name": "weights-cache", "mountPath": PACKS_DIR}  # read-write
+    (env,) = [e for e in container["env"] if e["name"] == "DUET_CACHE_DIR"]
+    assert env == {"name": "DUET_CACHE_DIR", "value": CACHE_DIR}
+
+
+def _no_cache(template: dict) -> None:
+    container = _container(template)
+    assert _cache_volume(template) is None and "initContainers" not in template["spec"]
+    assert all(m["name"] != "weights-cache" for m in container["volumeMounts"])
+    assert all(e["name"] != "DUET_CACHE_DIR" for e in container.get("env", []))
+
+
+def test_the_mount_is_where_the_engine_caches_its_packs(monkeypatch):
+    from engine.pack_cache import cache_dir
+
+    monkeypatch.setenv("DUET_CACHE_DIR", CACHE_DIR)
+    assert cache_dir() == Path(PACKS_DIR)
+
+
+def test_node_pods_share_a_host_directory_for_the_weights_cache(overlays):
+    """The default: a hostPath on every node pod (one page-cache copy per host, kept across
+    restarts), made the image user's by a chown-only init container; never on the router."""
+    for o in overlays:
+        for workload, template in o.pod_templates():
+            if workload["kind"] == "Deployment":
+                _no_cache(template)
+                continue
+            assert _cache_volume(template) == {
+                "name": "weights-cache",
+                "hostPath": {"path": "/var/cache/duet-serve/packs", "type": "DirectoryOrCreate"},
+            }
+            _check_cache_mount(template)
+            (init,) = template["spec"]["initContainers"]
+            assert init["command"] == ["chown", f"{USER_ID}:{USER_ID}", PACKS_DIR]
+            assert init["volumeMounts"] == [{"name": "weights-cache", "mountPath": PACKS_DIR}]
+            assert init["image"] == _container(template)["image"]
+            security = init["securityContext"]
+            assert security["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+            assert not security["allowPrivilegeEscalation"]
+
+
+def _rendered(tiny, raw: dict, cache: WeightsCache) -> Overlay:
+    cluster = ClusterConfig.from_dict(raw)
+    tree = render_tree(cluster, tiny, name="c", weights_cache=cache)
+    for path, text in tree.items():
+        if not path.endswith("kustomization.yaml"):
+            for doc in yaml.safe_load_all(text):
+                kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    return Overlay(cluster, "duet", "c", tree)
+
+
+def test_weights_cache_on_a_persistent_volume_claim(tiny):
+    o = _rendered(tiny, WIDE, WeightsCache("pvc", claim="duet-packs"))
+    assert not o.of("PersistentVolumeClaim")  # referenced, made beforehand
+    for workload, template in o.pod_templates():
+        if workload["kind"] == "Deployment":
+            _no_cache(template)
+            continue
+        volume = _cache_volume(template)
+        assert volume == {
+            "name": "weights-cache",
+            "persistentVolumeClaim": {"claimName": "duet-packs"},
+        }
+        _check_cache_mount(template)
+        assert "initContainers" not in template["spec"]  # fsGroup makes it the pods' own
+
+
+def test_no_weights_cache_volume(tiny):
+    """`none` renders no volume: for nodes that do not build their pack in the cache (an
+    explicit `pack`, or weights_cache = false); a node that would is refused, since the image's
+    cache directory is not the pods' to write. Such nodes get no volume whatever the option."""
+    raw = {
+        **WIDE,
+        "prefill": [{**n, "pack": f"/models/{n['name']}.pack"} for n in WIDE["prefill"]],
+        "decode": [{**n, "weights_cache": False} for n in WIDE["decode"]],
+    }
+    for kind in ("none", "hostpath", "pvc"):
+        o = _rendered(tiny, raw, WeightsCache(kind))
+        for _, template in o.pod_templates():
+            _no_cache(template)
+        assert {n.pack for n in o.k8s.prefill} == {f"/models/{n}.pack" for n in ("fast", "slow")}
+    with pytest.raises(ConfigError, match="weights_cache = false"):
+        render_tree(
+            ClusterConfig.from_dict(WIDE), tiny, name="c", weights_cache=WeightsCache("none")
+        )
+
+
+@pytest.mark.parametrize(
+    "cache, option",
+    [
+        (WeightsCache(path="cache"), "--weights-cache-path"),
+        (WeightsCache(path="/"), "--weights-cache-path"),
+        (WeightsCache("pvc", claim="Bad_Claim"), "--weights-cache-claim"),
+        (WeightsCache("emptydir"), "--weights-cache"),
+    ],
+)
+def test_bad_weights_cache_options_are_refused(tiny, cache, option):
+    with pytest.raises(ConfigError, match=option):
+        render_tree(ClusterConfig.from_dict(WIDE), tiny, name="c", weights_cache=cache)
+
+
+def test_duet_k8s_render_weights_cache_options(tiny, tmp_path, capsys):
+    config = ROOT / "deploy" / "configs" / "1p1d.toml"
+    cluster = ClusterConfig.load(config)
+    for options, cache in [
+        (
+            ["--weights-cache", "pvc", "--weights-cache-claim", "packs"],
+            WeightsCache("pvc", claim="packs"),
+        ),
+        (["--weights-cache-path", "/mnt/nvme/duet"], WeightsCache(path="/mnt/nvme/duet")),
+        (["--weights-cache", "hostpath"], WeightsCache()),
+    ]:
+        out = tmp_path / options[-1].strip("/").replace("/", "-")
+        argv = ["k8s", "render", "--config", str(config), "--out", str(out), "--name", "c"]
+        assert duet([*argv, *options]) == 0
+        expected = render_tree(cluster, tiny, name="c", source=str(config), weights_cache=cache)
+        written = {str(p.relative_to(out)): p.read_text() for p in out.rglob("*.yaml")}
+        assert written == expected
+    argv = ["k8s", "render", "--config", str(config), "--out", str(tmp_path / "x")]
+    assert duet([*argv, "--weights-cache", "none"]) == 1  # the shipped nodes cache their packs
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "weights_cache" in err
 
 
 # ---- node sets -------------------------------------------------------------------------------

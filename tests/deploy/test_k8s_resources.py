@@ -148,6 +148,17 @@ def test_manifests_carry_the_computed_requests(request, model_name):
         assert container["resources"] == node_resources(model, cluster.dtype, node).k8s()
 
 
+def test_mapped_weights_are_still_counted_in_every_pod(tiny):
+    """A node mapping its pack (from the weights cache or an explicit `pack`) holds its weights
+    in page cache shared per host, not in its heap: each pod still asks for all of them (an
+    upper bound: the pod charged for the shared pages keeps them resident)."""
+    node = DecodeNodeConfig(name="d", ranks=2)
+    heap = node_resources(tiny, "bfloat16", dataclasses.replace(node, weights_cache=False))
+    assert node.weights_cache and node_resources(tiny, "bfloat16", node) == heap
+    mapped = dataclasses.replace(node, pack="/models/d.pack")
+    assert node_resources(tiny, "bfloat16", mapped) == heap
+
+
 def test_a_tensor_parallel_prefill_pod_gets_a_dev_shm_for_its_segment(tiny):
     """Prefill ranks over the shared-memory collectives: the segment (two buffers of a 4 MiB
     slot a rank) lives in a memory-backed /dev/shm of its size, counted in the pod's memory;
