@@ -297,9 +297,10 @@ def fused_moe(
 def prepack_bmm(b: torch.Tensor) -> torch.Tensor | PackedLinear:
     """A constant right operand b [N, K, P] of `bmm` packed once: the PackedLinear of b^T
     [N, P, K] (per batch entry the layout of a [P, K] linear weight), so `bmm` skips its per-call
-    repack; b itself when the kernel does not cover it (other dtype or device, native off)."""
+    repack; the reference's when the kernel does not cover it (other dtype or device, native
+    off)."""
     if b.dim() != 3 or not _packable(b):
-        return b
+        return reference.prepack_bmm(b)
     return PackedLinear(b.detach().transpose(1, 2), tuple(b.transpose(1, 2).shape))
 
 

@@ -81,8 +81,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def prepack_bmm(b: torch.Tensor) -> torch.Tensor:
     """Prepares a constant right operand b [N, K, P] of `bmm` (kernels repack; the reference
-    keeps it)."""
-    return b
+    keeps it, contiguous: a slice of a larger weight stays no view of all of it, and a model
+    mapped from a pack, which stores it contiguous, computes exactly what it computes)."""
+    return b.contiguous()
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
