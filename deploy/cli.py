@@ -198,10 +198,6 @@ def _add_pack(sub) -> None:
     p.add_argument("--out", required=True, help="the pack file to write")
     p.add_argument("--mtp", action="store_true", help="include the MTP layer (mtp = true nodes)")
     p.add_argument(
-        "--expert-shard", type=_parse_shard, metavar="RANK/WORLD",
-        help="the routed experts of expert-parallel decode rank RANK of WORLD",
-    )  # fmt: skip
-    p.add_argument(
         "--tensor-parallel", type=_parse_shard, metavar="RANK/WORLD",
         help="the shard of tensor-parallel prefill rank RANK of WORLD",
     )  # fmt: skip
@@ -213,19 +209,13 @@ def _run_pack(args) -> int:
     import torch
 
     from engine.pack_cache import build_pack, pack_spec
-    from engine.sharding import expert_shard
     from engine.tiny_model import ensure_tiny_model
 
     model_dir = args.model or str(ensure_tiny_model())
-    experts = None
-    if args.expert_shard is not None:
-        from engine.config import ModelConfig
-
-        num_experts = ModelConfig.from_model_dir(model_dir).n_routed_experts
-        experts = expert_shard(num_experts, *args.expert_shard)
     dtype = getattr(torch, args.dtype)
+    # Expert-parallel ranks map the whole model's pack (each takes its experts out of it).
     spec = pack_spec(
-        model_dir, dtype, args.quant, experts, args.tensor_parallel, args.parallel, args.mtp
+        model_dir, dtype, args.quant, None, args.tensor_parallel, args.parallel, args.mtp
     )
     stats = build_pack(model_dir, args.out, spec, progress=True)
     print(f"{args.out}: {stats}")

@@ -364,7 +364,8 @@ class DeepseekModel:
                   parallel: str) -> DeepseekModel:  # fmt: skip
         """The model around a mapped pack's weights (`engine.weight_pack`), which must be of
         these arguments (`engine.pack_cache.load_model` checks its spec)."""
-        source = PackSource(pack, quantizer(quant, dtype))
+        whole = pack.spec.expert_range is None and pack.spec.tensor_parallel is None
+        source = PackSource(pack, quantizer(quant, dtype), cfg.n_routed_experts if whole else None)
         model = cls(cfg, source, dtype, expert_range, quant, mtp, tensor_parallel, parallel)
         if unused := set(pack.keys()) - source.taken:
             raise PackError(f"pack {pack.path}: holds {len(unused)} weights the model did not take")

@@ -76,7 +76,11 @@ def checkpoint_fingerprint(model_dir: str | Path) -> str:
 
 def pack_spec(model_dir, dtype: torch.dtype, quant: str | None, expert_range: range | None = None,
               tensor_parallel=None, parallel: str = "tp", mtp: bool = False) -> PackSpec:  # fmt: skip
-    """The spec of the pack a process loading these arguments needs."""
+    """The spec of the pack a process loading these arguments needs. An expert-parallel rank
+    (an `expert_range` without tensor parallelism) maps the whole model's pack and takes its
+    experts out of it, so every process of the host shares one pack: its spec names no shard."""
+    if tensor_parallel is None:
+        expert_range = None
     return PackSpec(
         fingerprint=checkpoint_fingerprint(model_dir),
         quant=quant or "none",

@@ -10,7 +10,8 @@ the `absorbed` attention of kv_b_proj); the source returns it ready for the kern
   hands every result to the sink under its name and keeps nothing: the model it builds is an
   empty husk and the pack holds the weights.
 - `PackSource` returns the same objects rebuilt around a mapped pack's tensors (no copy, no
-  quantization), keyed by the same names.
+  quantization), keyed by the same names; an expert-parallel rank's experts are a slice of the
+  whole model's (`native.packed_state.select_experts`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from engine.heap import release_free_heap
 from engine.quant import Experts, Linear, Quantizer, as_tensor
 from native import ops
+from native.packed_state import select_experts
 
 if TYPE_CHECKING:
     from engine.config import ModelConfig
@@ -121,8 +123,10 @@ class PackSource:
     """The weights of a mapped pack (`engine.weight_pack.MappedPack`), as `CheckpointSource`
     packed them for the same scheme: every object rebuilt around the mapping's tensors."""
 
-    def __init__(self, pack: MappedPack, quant: Quantizer):
-        self._pack, self._quant = pack, quant
+    def __init__(self, pack: MappedPack, quant: Quantizer, num_experts: int | None = None):
+        """`num_experts`: the routed experts the pack holds per layer, when it holds every one
+        (the model's whole pack: an expert-parallel rank takes its `expert_range` out of it)."""
+        self._pack, self._quant, self._num_experts = pack, quant, num_experts
         self.taken: set[str] = set()
 
     def _get(self, key: str):
@@ -146,7 +150,10 @@ class PackSource:
         return self._quant.wrap_dense(self._get(f"dense:{name}"))
 
     def experts(self, prefix: str, expert_range: range) -> Experts:
-        return self._quant.wrap_experts(self._get(f"experts:{prefix}"))
+        packed = self._get(f"experts:{prefix}")
+        if self._num_experts is not None and expert_range != range(self._num_experts):
+            packed = select_experts(packed, expert_range)
+        return self._quant.wrap_experts(packed)
 
     def absorbed(self, name: str, cfg: ModelConfig, num_heads: int) -> Absorbed:
         dense, w_uk, w_uv_t = self._get(f"absorbed:{name}")

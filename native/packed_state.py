@@ -81,3 +81,31 @@ def from_state(entry: Entry, get: Callable[[Any], torch.Tensor]) -> object:
     if isinstance(obj, PackedLinearInt8):
         obj.bind_kernel_args()
     return obj
+
+
+def select_experts(obj: object, experts: range) -> object:
+    """The routed experts `experts` of a layer's packed experts of every expert (any form a
+    prepack_experts op returns: every tensor in it is expert-major), as views: what packing
+    only those experts gives, so an expert-parallel rank maps its shard out of the whole
+    model's pack and shares its pages with every other process of the host."""
+    cut = slice(experts.start, experts.stop)
+    if isinstance(obj, torch.Tensor):
+        return obj[cut]
+    if isinstance(obj, reference.Int8Weight):
+        return reference.Int8Weight(*(select_experts(item, experts) for item in obj))
+    if isinstance(obj, tuple):
+        return tuple(select_experts(item, experts) for item in obj)
+    cls = type(obj)
+    if cls.__name__ not in _PACKED_CLASSES:
+        raise TypeError(f"select_experts: cannot slice a {cls.__qualname__}")
+    out = cls.__new__(cls)
+    for slot in cls.__slots__:
+        if slot in _DERIVED:
+            continue
+        value = getattr(obj, slot)
+        if isinstance(value, torch.Tensor):
+            value = value[cut]
+        elif slot == "shape":
+            value = torch.Size((len(experts), *value[1:]))
+        setattr(out, slot, value)
+    return out
