@@ -56,12 +56,13 @@ class CheckpointSource:
     def __contains__(self, name: object) -> bool:
         return name in self._weights
 
-    def _keep(self, key: str, obj):
-        """What the model holds: `obj`, or with a sink nothing (the sink has it)."""
+    def _keep(self, key: str, packed):
+        """What the model holds of `packed`: itself, or with a sink (which takes it) None in its
+        place (a tuple of Nones for a tuple)."""
         if self._sink is None:
-            return obj
-        self._sink.add(key, obj)
-        return None
+            return packed
+        self._sink.add(key, packed)
+        return tuple(None for _ in packed) if isinstance(packed, tuple) else None
 
     def raw(self, name: str) -> torch.Tensor:
         tensor = self._weights[name]
@@ -80,9 +81,8 @@ class CheckpointSource:
         )
         w13, w2 = self._quant.gated_mlp(gate, up, down)
         del gate, up, down
-        packed = self._keep(f"gated_mlp:{prefix}", (w13.weight, w2.weight))
-        w13_packed, w2_packed = packed if packed is not None else (None, None)
-        return self._quant.wrap_linear(w13_packed), self._quant.wrap_linear(w2_packed)
+        w13, w2 = self._keep(f"gated_mlp:{prefix}", (w13.weight, w2.weight))
+        return self._quant.wrap_linear(w13), self._quant.wrap_linear(w2)
 
     def dense(self, name: str, tied: bool = False) -> Linear:
         """The model-dtype projection of `name`; `tied`: a tensor the model also holds raw (the
@@ -102,8 +102,7 @@ class CheckpointSource:
         w13 = [lambda e=e: load(e, "gate", "up") for e in expert_range]  # E_local x [2I, D]
         w2 = [lambda e=e: load(e, "down")[0] for e in expert_range]  # E_local x [D, I]
         experts = self._quant.experts(w13, w2)
-        packed = self._keep(f"experts:{prefix}", (experts.w13, experts.w2))
-        return self._quant.wrap_experts(packed if packed is not None else (None, None))
+        return self._quant.wrap_experts(self._keep(f"experts:{prefix}", (experts.w13, experts.w2)))
 
     def absorbed(self, name: str, cfg: ModelConfig, num_heads: int) -> Absorbed:
         # kv_b stays in the model dtype whatever the scheme: it decompresses the latent cache
@@ -114,8 +113,7 @@ class CheckpointSource:
         w_uk = ops.prepack_bmm(kv_b[:, : cfg.qk_nope_head_dim])  # [H, Dn, L]
         w_uv_t = ops.prepack_bmm(kv_b[:, cfg.qk_nope_head_dim :].transpose(1, 2))  # [H, L, Dv]
         del kv_b
-        packed = self._keep(f"absorbed:{name}", (dense, w_uk, w_uv_t))
-        dense, w_uk, w_uv_t = packed if packed is not None else (None, None, None)
+        dense, w_uk, w_uv_t = self._keep(f"absorbed:{name}", (dense, w_uk, w_uv_t))
         return self._quant.wrap_dense(dense), w_uk, w_uv_t
 
 

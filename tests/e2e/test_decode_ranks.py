@@ -97,9 +97,10 @@ def _dispatched(up) -> float:
     return up.metric("duet_node_requests_total", node="prefill-0", role="prefill")
 
 
-def _streams(up, prompts: list[str], max_tokens: int):
+def _streams(up, prompts: list[str], max_tokens: int, firsts: list | None = None):
     """Streams the prompts concurrently in a thread: (thread, results) where results fills with
-    (text, finish_reason) or ("error", line) per prompt once the thread ends."""
+    (text, finish_reason) or ("error", line) per prompt once the thread ends; `firsts` gets the
+    prompt of each stream as its first chunk arrives."""
     results: list = []
 
     async def one(c, prompt):
@@ -114,6 +115,8 @@ def _streams(up, prompts: list[str], max_tokens: int):
                 event = json.loads(line[6:])
                 if "error" in event:
                     return "error", event["error"]["message"]
+                if not parts and firsts is not None:
+                    firsts.append(prompt)
                 parts.append(event["choices"][0]["text"])
                 finish = event["choices"][0]["finish_reason"] or finish
         return "".join(parts), finish
@@ -159,13 +162,16 @@ def test_killing_a_rank_restarts_the_node_and_its_requests_move(tmp_path_factory
         os.kill(prefill, signal.SIGSTOP)
         frozen = [prefill]
         try:
-            thread, results = _streams(up, prompts, MAX_NEW)
+            firsts: list = []
+            thread, results = _streams(up, prompts, MAX_NEW, firsts)
             assert _wait(lambda: _dispatched(up) == 2 + len(prompts), 30)
             for pid in ranks:  # every reservation is made: freeze the decode node
                 os.kill(pid, signal.SIGSTOP)
             frozen += ranks
             os.kill(prefill, signal.SIGCONT)  # the first tokens go out, nothing more
             frozen.remove(prefill)
+            # every stream has its first token: the requests are at their decode stage
+            assert _wait(lambda: len(firsts) == len(prompts), 30), firsts
             os.kill(ranks[1], signal.SIGKILL)
         finally:
             for pid in frozen:

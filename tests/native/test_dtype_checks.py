@@ -25,7 +25,7 @@ def test_linear_refuses_a_tensor_of_another_dtype():
     with pytest.raises(ValueError, match="x is float8_e4m3fn, expected bfloat16"):
         _C.linear_bf16(*args, tags(x.to(torch.float8_e4m3fn), w.packed, y))
     with pytest.raises(ValueError, match="x is a dtype the kernels do not know"):
-        _C.linear_bf16(*args, tags(x.view(torch.uint8), w.packed, y))
+        _C.linear_bf16(*args, tags(x.view(torch.int16), w.packed, y))
 
 
 def test_moe_and_bmm_check_theirs():
