@@ -2,7 +2,8 @@
 
 Each quantization of `--quant` runs in a fresh subprocess (`bench/e2e_worker.py`), one after the
 other, so each load's peak memory is its own and no two share the cores:
-- load s: `DeepseekModel.from_pretrained` (bf16; `quant=` for int8 / fp8);
+- load s: `engine.pack_cache.load_model` (bf16; `quant=` for int8 / fp8; a `Q@pack` row maps
+  its weights from a pack);
 - weights: bytes of every tensor storage reachable from the model (packed weights included, each
   storage once, RoPE tables not counted); resident: RssAnon + RssFile right after the load
   (after a gc); peak: VmHWM read then, i.e. the load's peak; base: RSS before the load;
@@ -16,7 +17,7 @@ other, so each load's peak memory is its own and no two share the cores:
 - accuracy: next-token log-probs teacher-forced over `--kl-tokens` held-out tokens; the parent
   reports KL(none || q) = mean over positions of sum_v p_none (log p_none - log p_q) and the
   share of positions whose argmax agrees, against the first "none" row (added if missing).
-Ratios are against that "none" row of the same run.
+Ratios are against that "none" row of the same run (or the `--reference` row).
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
         "the weights cache's, built once), e.g. int8,int8@pack",
     )
     p.add_argument("--pack", help="the pack the @pack row maps (made by duet pack)")
+    p.add_argument(
+        "--reference",
+        default="none",
+        help="the row the ratios and the KL compare against (default none, added if missing; "
+        "another must be listed: e.g. int8 for int8@pack, or int8@pack where bf16 does not fit)",
+    )
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--decode-steps", type=int, default=32)
@@ -89,7 +96,11 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str
             f"--prompt-len + --decode-steps ({args.prompt_len + args.decode_steps}) and "
             f"--kl-tokens ({args.kl_tokens}) must fit the model's context ({max_pos})"
         )
-    return quants if "none" in quants else ["none", *quants]
+    if args.reference not in quants:
+        if args.reference != "none":
+            p.error(f"--reference {args.reference} is not one of the --quant rows")
+        quants = ["none", *quants]
+    return quants
 
 
 def kl_and_agreement(ref_logp: torch.Tensor, q_logp: torch.Tensor) -> tuple[float, float]:
@@ -135,10 +146,10 @@ def run_worker(args, quant: str, prefix: Path, extra: tuple[str, ...] = ()) -> d
     return {"quant": quant, "error": f"worker died: {tail}"}
 
 
-def apply_interleaved(rows: list[dict], timing: dict) -> None:
+def apply_interleaved(rows: list[dict], timing: dict, reference: str = "none") -> None:
     """Each row's TTFT / TPOT from the interleaved rounds (medians), and its ratios to the
-    "none" row as the medians of the rounds' own ratios (`add_comparisons` keeps them)."""
-    ref = timing.get("none")
+    `reference` row as the medians of the rounds' own ratios (`add_comparisons` keeps them)."""
+    ref = timing.get(reference)
     for row in rows:
         t = timing.get(row["quant"])
         if "error" in row or t is None:
@@ -152,9 +163,9 @@ def apply_interleaved(rows: list[dict], timing: dict) -> None:
             row["tpot_ratio"] = median([a / b for a, b in pairs])
 
 
-def add_comparisons(rows: list[dict]) -> None:
-    """KL / agreement and ratios of each row against the first "none" row that succeeded."""
-    ref = next((r for r in rows if r["quant"] == "none" and "error" not in r), None)
+def add_comparisons(rows: list[dict], reference: str = "none") -> None:
+    """KL / agreement and ratios of each row against the first `reference` row that succeeded."""
+    ref = next((r for r in rows if r["quant"] == reference and "error" not in r), None)
     if ref is None:
         return
     ref_lp = torch.load(ref["logprobs_file"], weights_only=True) if "logprobs_file" in ref else None
@@ -225,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             if "error" in timing:
                 rows.append({"quant": "timing", "error": timing["error"]})
             else:
-                apply_interleaved(rows, timing)
-        add_comparisons(rows)
+                apply_interleaved(rows, timing, args.reference)
+        add_comparisons(rows, args.reference)
     for row in rows:
         row.pop("logprobs_file", None)
     if args.json:
@@ -237,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             f"# {args.model}: prompt {args.prompt_len} x batch {args.batch}, {args.decode_steps} "
             f"decode steps, chunk {args.chunk_size}, threads {args.threads or 'all'}, medians of "
             f"{args.repeats}{'' if args.no_interleave else ' interleaved rounds'}; KL over "
-            f"{args.kl_tokens} tokens and ratios vs the first none row"
+            f"{args.kl_tokens} tokens and ratios vs the first {args.reference} row"
         )
         print_table(rows)
     return 1 if any("error" in r for r in rows) else 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from contextlib import ExitStack
 from pathlib import Path
 from typing import NamedTuple
@@ -197,6 +198,21 @@ class _FileCache:
     def path_of(self, tensor: str) -> Path:
         return self._dir / self.file_of(tensor)
 
+    def _read_ahead(self, file_name: str) -> None:
+        """Asks the kernel to read this file and the next one (by name) into the page cache in
+        the background: the disk reads while the tensors already read are packed."""
+        names = sorted(set(self._map.values())) if self._map else [file_name]
+        following = names[names.index(file_name) + 1 : names.index(file_name) + 2]
+        for name in (file_name, *following):
+            try:
+                fd = os.open(self._dir / name, os.O_RDONLY)
+            except OSError:
+                continue  # reported when it is opened for its tensors
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+
     def handle(self, tensor: str):
         """The open SafetensorsFile holding `tensor` (WeightLoadError if it has none)."""
         file_name, path = self.file_of(tensor), self.path_of(tensor)
@@ -210,6 +226,7 @@ class _FileCache:
             try:
                 handle = self._stack.enter_context(SafetensorsFile(path))
                 names = set(handle.keys())
+                self._read_ahead(file_name)
             except Exception as exc:  # safetensors raises its own error types, and OSError
                 raise WeightLoadError(
                     f"tensor '{tensor}': {path} is a corrupt or unreadable safetensors file ({exc})"

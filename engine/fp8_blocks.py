@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from native import ops
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 
 
@@ -25,14 +27,9 @@ def _padded_blocks(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 def dequantize_fp8_blockwise(
     w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)
 ) -> torch.Tensor:
-    """w [N, K] float32 = w_fp8 [N, K] * scale_inv [ceil(N/b0), ceil(K/b1)] per block.
-
-    Edge blocks are partial: the padding is dropped after the multiply.
-    """
-    n, k = w_fp8.shape
-    blocks = _padded_blocks(w_fp8, block)  # [N/b0, b0, K/b1, b1]
-    blocks.mul_(scale_inv.float()[:, None, :, None])
-    return blocks.view(blocks.shape[0] * block[0], -1)[:n, :k]
+    """w [N, K] float32 = w_fp8 [N, K] * scale_inv [ceil(N/b0), ceil(K/b1)] per block (edge
+    blocks partial): `ops.dequantize_fp8_blocks`, one pass in the kernels."""
+    return ops.dequantize_fp8_blocks(w_fp8, scale_inv, tuple(block))
 
 
 def quantize_fp8_blockwise(

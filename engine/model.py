@@ -282,6 +282,10 @@ class DeepseekModel:
         # reports. A mapped pack's loader says which mapping it got.
         self.weights_backing = "heap"
         self.weights_detail = "read from the checkpoint into the heap"
+        # Called after each layer of a forward, on the forward's thread: a node keeps its
+        # heartbeat going through a forward that outlasts the router's node timeout (a
+        # full-depth prefill chunk on one core takes seconds).
+        self.between_layers: Callable[[], None] | None = None
         self.expert_range = expert_range or range(cfg.n_routed_experts)
         self.cos_sin = rope_cos_sin(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
         self.embed_tokens = weights.raw("model.embed_tokens.weight")
@@ -400,6 +404,8 @@ class DeepseekModel:
         residual = None
         for idx, layer in enumerate(self.layers):
             h, residual = layer(h, residual, batch, pool.layer(idx))
+            if self.between_layers is not None:
+                self.between_layers()
         rows = self.logit_rows(batch)
         x, _ = ops.fused_add_rms_norm(h[rows], residual[rows], self.norm, self.cfg.rms_norm_eps)
         return self.lm_head(x).float(), (h + residual if keep_hidden else None)

@@ -36,6 +36,7 @@ import torch
 from engine.checkpoint_reader import INDEX_FILE, SINGLE_FILE
 from engine.config import ModelConfig
 from engine.file_lock import FileLock
+from engine.heap import release_free_heap
 from engine.tiny_model import default_tiny_model_dir
 from engine.weight_pack import MappedPack, PackError, PackSpec, PackWriter, read_manifest
 from native import ops
@@ -130,6 +131,8 @@ def build_pack(model_dir, out: str | Path, spec: PackSpec, progress: bool = True
     except BaseException:
         writer.abort()
         raise
+    finally:
+        release_free_heap()  # the husk's temporaries, kept in the heap while it was built
     return BuildStats(time.perf_counter() - start, read, path.stat().st_size)
 
 

@@ -96,7 +96,8 @@ class CheckpointSource:
         # Per-expert loaders: each expert is read only as it is packed, so loading holds one
         # expert in flight, never a layer's experts (most of the model).
         def load(e: int, *projections: str):
-            release_free_heap()  # the last matrix's packing temporaries (engine.heap)
+            if self._sink is None:  # a husk holds nothing: its heap is all reused temporaries
+                release_free_heap()  # the last matrix's packing temporaries (engine.heap)
             return tuple(self._weights.pop(_expert_name(prefix, e, p)) for p in projections)
 
         w13 = [lambda e=e: load(e, "gate", "up") for e in expert_range]  # E_local x [2I, D]

@@ -149,3 +149,27 @@ def linear_fp8(x: torch.Tensor, weight: PackedLinearFp8) -> torch.Tensor:
             _arg(scale, _TAG_F32), scale.shape[1], _arg(y, _TAG_BF16), n,
         )  # fmt: skip
     return y.reshape(*lead, n)
+
+
+def dequantize_fp8_blocks(
+    w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> torch.Tensor:
+    """`reference.dequantize_fp8_blocks`: float32 [N, K] of an e4m3 weight and its block scales,
+    in one pass (native/csrc/weight_quant.cpp) when the kernels are on."""
+    n, k = w_fp8.shape
+    b0, b1 = block
+    if tuple(scale_inv.shape) != (-(-n // b0), -(-k // b1)):
+        raise ValueError(
+            f"dequantize_fp8_blocks: scale_inv {list(scale_inv.shape)} does not fit weight "
+            f"{[n, k]} in blocks {list(block)}"
+        )
+    if not _native_on() or w_fp8.device.type != "cpu" or w_fp8.dtype != torch.float8_e4m3fn:
+        return reference.dequantize_fp8_blocks(w_fp8, scale_inv, block)
+    w = w_fp8.contiguous()
+    scale = scale_inv.float().contiguous()
+    out = torch.empty(n, k, dtype=torch.float32)
+    _C.dequantize_fp8_blocks(
+        w.data_ptr(), scale.data_ptr(), n, k, b0, b1, out.data_ptr(),
+        [DTYPE_TAGS[w.dtype], DTYPE_TAGS[scale.dtype], DTYPE_TAGS[out.dtype]],
+    )  # fmt: skip
+    return out

@@ -22,7 +22,6 @@ from native._gemm_ops import (
     peek_expert,
     routing_tensors,
 )
-from native._quant_ops import PackedLinearInt8
 from native._tags import tags
 
 try:
@@ -40,18 +39,18 @@ class PackedExpertsInt8:
     def __init__(self, num_experts: int, parts: int, n: int, k: int):
         self.shape = torch.Size((num_experts, parts * n, k))
         self.parts = parts
-        blocks, groups = -(-n // 16), -(-k // 4)
-        self.packed = torch.empty(num_experts, parts, blocks, groups, 16, 4, dtype=torch.int8)
-        self.scale = torch.empty(num_experts, parts, blocks * 16, dtype=torch.float32)
-        self.comp = torch.empty(num_experts, parts, blocks * 16, dtype=torch.int32)
+        packed, scale, comp = _quant_ops.empty_packed_int8(n, k)
+        # zeroed: the padding stays zero, each expert's rows are written in place
+        self.packed = packed.expand(num_experts, parts, *packed.shape).contiguous()
+        self.scale = scale.expand(num_experts, parts, *scale.shape).contiguous()
+        self.comp = comp.expand(num_experts, parts, *comp.shape).contiguous()
 
     def store(self, e: int, weight: torch.Tensor) -> None:
-        """Quantizes and packs expert e's float weight [parts * n, k]."""
+        """Quantizes and packs expert e's float weight [parts * n, k] in place."""
         for part, rows in enumerate(weight.detach().chunk(self.parts, 0)):
-            packed = PackedLinearInt8(_quant_ops.quantize_weight_int8_blocked(rows))
-            self.packed[e, part] = packed.packed
-            self.scale[e, part] = packed.scale
-            self.comp[e, part] = packed.comp
+            _quant_ops.quantize_pack_int8_rows(
+                rows, self.packed[e, part], self.scale[e, part], self.comp[e, part]
+            )
 
     def unpack(self) -> reference.Int8Weight:
         num_experts, rows, k = self.shape

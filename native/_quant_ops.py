@@ -68,6 +68,21 @@ class PackedLinearInt8:
             self.n, self.k_groups,
         )  # fmt: skip
 
+    @classmethod
+    def quantized_from(cls, parts: list[torch.Tensor]) -> PackedLinearInt8:
+        """The weight of `parts` (float [n_i, K] each) stacked by rows, quantized per row and
+        packed in one pass each (`quantize_pack_int8_rows`): no int8 or stacked copy between."""
+        n, k = sum(p.shape[0] for p in parts), parts[0].shape[1]
+        obj = cls.__new__(cls)
+        obj.n, obj.k = n, k
+        obj.packed, obj.scale, obj.comp = empty_packed_int8(n, k)
+        row = 0
+        for part in parts:
+            quantize_pack_int8_rows(part, obj.packed, obj.scale, obj.comp, row)
+            row += part.shape[0]
+        obj.bind_kernel_args()
+        return obj
+
     @property
     def shape(self) -> torch.Size:
         return torch.Size((self.n, self.k))
@@ -83,6 +98,36 @@ class PackedLinearInt8:
 
     def __repr__(self) -> str:
         return f"PackedLinearInt8(shape={tuple(self.shape)})"
+
+
+def empty_packed_int8(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zeroed (packed, scale, comp) of an [n, k] weight in the layout above (the padding must be
+    zeros: padded columns add nothing, padded rows are never read)."""
+    blocks, groups = -(-n // _BLOCK_N), -(-k // _GROUP_K)
+    return (
+        torch.zeros(blocks, groups, _BLOCK_N, _GROUP_K, dtype=torch.int8),
+        torch.zeros(blocks * _BLOCK_N, dtype=torch.float32),
+        torch.zeros(blocks * _BLOCK_N, dtype=torch.int32),
+    )
+
+
+def quantize_pack_int8_rows(weight, packed, scale, comp, row_offset: int = 0) -> None:
+    """`reference.quantize_pack_int8_rows`: float rows [n, K] quantized per row into rows
+    [row_offset, row_offset + n) of a packed weight (native/csrc/weight_quant.cpp, one pass)."""
+    if not _native_on() or weight.dtype not in _X_DTYPES or weight.device.type != "cpu":
+        return reference.quantize_pack_int8_rows(weight, packed, scale, comp, row_offset)
+    weight = weight.contiguous()
+    n, k = weight.shape
+    blocks, groups = packed.shape[:2]
+    if not (packed.is_contiguous() and scale.is_contiguous() and comp.is_contiguous()):
+        raise ValueError("quantize_pack_int8_rows: the packed tensors must be contiguous")
+    if scale.numel() != blocks * _BLOCK_N or comp.numel() != blocks * _BLOCK_N:
+        raise ValueError("quantize_pack_int8_rows: scale and comp must have 16 * blocks entries")
+    _C.quantize_pack_int8_rows(
+        weight.data_ptr(), n, k, row_offset, groups, blocks * _BLOCK_N, packed.data_ptr(),
+        scale.data_ptr(), comp.data_ptr(),
+        [_TAGS.get(t.dtype, -1) for t in (weight, packed, scale, comp)],
+    )  # fmt: skip
 
 
 _QUANTIZE_ROWS = 256  # rows quantized at a time: bounds the fp32 temporaries while loading
@@ -111,10 +156,9 @@ def prepack_linear_int8(weight: torch.Tensor) -> PackedLinearInt8 | reference.In
         )
     if weight.shape[1] > _MAX_K:
         raise ValueError(f"prepack_linear_int8: K = {weight.shape[1]} exceeds {_MAX_K}")
-    quantized = quantize_weight_int8_blocked(weight.detach())
     if weight.device.type != "cpu" or not _native_on():
-        return quantized
-    return PackedLinearInt8(quantized)
+        return quantize_weight_int8_blocked(weight.detach())
+    return PackedLinearInt8.quantized_from([weight.detach()])
 
 
 def linear_int8(x: torch.Tensor, weight: PackedLinearInt8 | reference.Int8Weight) -> torch.Tensor:

@@ -80,3 +80,5 @@ race_sample = _sampling_ops.race_sample
 race_exponentials = _sampling_ops.race_exponentials
 random_uniform = _sampling_ops.random_uniform
 checksum = _small_ops.checksum
+dequantize_fp8_blocks = _fp8_ops.dequantize_fp8_blocks
+quantize_pack_int8_rows = _quant_ops.quantize_pack_int8_rows

@@ -100,10 +100,13 @@ FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
-def dequantize_fp8_blocks(w_fp8: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """float32 [N, K] = w_fp8 [N, K] (float8_e4m3fn) * scale_inv [ceil(N/128), ceil(K/128)]."""
+def dequantize_fp8_blocks(
+    w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)
+) -> torch.Tensor:
+    """float32 [N, K] = w_fp8 [N, K] (float8_e4m3fn) * scale_inv [ceil(N/b0), ceil(K/b1)] for
+    blocks `block` = (b0, b1)."""
     n, k = w_fp8.shape
-    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+    scale = scale_inv.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
     return w_fp8.float() * scale[:n, :k]
 
 
@@ -178,6 +181,27 @@ def _quantize_rows_int8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.where(ok, absmax / c127, 0.0)
     q = torch.round(vf * inv[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
+
+
+def quantize_pack_int8_rows(
+    weight: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    comp: torch.Tensor,
+    row_offset: int = 0,
+) -> None:
+    """Quantizes float rows weight [n, K] per row (`quantize_weight_int8`) into rows
+    [row_offset, row_offset + n) of the packed int8 layout of `linear_int8`'s kernel: packed
+    int8 [ceil(N/16), ceil(K/4), 16, 4] (row r, column c at [r // 16, c // 4, r % 16, c % 4]),
+    scale fp32 [16 * ceil(N/16)] and comp int32 (128 * the row's sum of q), in place."""
+    q, row_scale = _quantize_rows_int8(weight)
+    n, k = q.shape
+    blocks, groups = packed.shape[:2]
+    rows = packed.transpose(1, 2).reshape(blocks * 16, groups * 4).clone()
+    rows[row_offset : row_offset + n, :k] = q
+    packed.copy_(rows.view(blocks, 16, groups, 4).transpose(1, 2))
+    scale[row_offset : row_offset + n] = row_scale
+    comp[row_offset : row_offset + n] = 128 * q.sum(1, dtype=torch.int32)
 
 
 def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -74,6 +75,8 @@ class PrefillNode:
     ):
         self.name = name
         self.model = model
+        # Heartbeats between layers too: one forward may outlast the router's node timeout.
+        model.between_layers = self._maybe_heartbeat
         self.timeouts = timeouts
         self.inbox = inbox
         self.outbox = outbox
@@ -266,12 +269,13 @@ class PrefillNode:
         if extra:
             batch.extra_logit_index = torch.tensor([index for index, _, _ in extra])
         try:
-            if self.model.mtp is None:
-                logits = self._forward(batch)  # [B (+ N), vocab] fp32
-            else:  # MTP: sample the first tokens now, the MTP layer needs them before the send
-                logits, hidden = self._forward_with_hidden(batch)
-                firsts = self._first_tokens_of(chunks, logits)
-                firsts = self._run_mtp(chunks, hidden, firsts)
+            with self._beating():  # heartbeats between layers: a forward may be long
+                if self.model.mtp is None:
+                    logits = self._forward(batch)  # [B (+ N), vocab] fp32
+                else:  # MTP: sample the first tokens now, the MTP layer needs them before the send
+                    logits, hidden = self._forward_with_hidden(batch)
+                    firsts = self._first_tokens_of(chunks, logits)
+                    firsts = self._run_mtp(chunks, hidden, firsts)
         except Exception as exc:  # fail these requests loudly, keep serving the others
             if self.forward_errors_are_fatal:
                 raise
@@ -296,6 +300,24 @@ class PrefillNode:
             finished, self._first_tokens(rows, finished), strict=True
         ):
             self._finish(request, tokens, lps)
+
+    @contextmanager
+    def _beating(self):
+        """The model's forwards within: heartbeats go on between their layers, so a forward
+        longer than the router's node timeout (a full-depth chunk) is not taken for a death.
+        Only once the forward has run for heartbeat_s: a short forward's figures go out after
+        it, as they always did."""
+        started = time.monotonic()
+
+        def beat() -> None:
+            if time.monotonic() - started >= self.timeouts.heartbeat_s:
+                self._maybe_heartbeat()
+
+        self.model.between_layers = beat
+        try:
+            yield
+        finally:
+            self.model.between_layers = None
 
     # The model's three forwards (a multi-rank node runs each on every rank).
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:

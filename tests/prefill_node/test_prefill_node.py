@@ -326,3 +326,31 @@ def test_without_the_cache_every_prompt_is_computed(model):
     assert rig.node.prefix_cache is None and rig.node.pool.allocator.num_used == 0
     assert all(e.is_ready for e in rig.events().values())
     rig.close()
+
+
+def test_heartbeats_go_on_between_the_layers_of_a_long_forward(rig, model):
+    """A forward whose every layer outlasts heartbeat_s (a full-depth chunk on one core outlasts
+    the router's node timeout) still sends a heartbeat after each layer; the hook is the node's
+    only while its forward runs."""
+
+    class Slow:
+        def __init__(self, layer):
+            self.layer = layer
+
+        def __call__(self, *args):
+            time.sleep(0.06)  # > heartbeat_s (0.05): every layer ends past the next beat
+            return self.layer(*args)
+
+    layers = model.layers
+    rig.expect("a", 1, len(PROMPT_B))
+    rig.node.step()  # takes the request in (and beats once)
+    rig.outbox.take(Heartbeat)
+    model.layers = [Slow(layer) for layer in layers]
+    try:
+        rig.prefill("a", 1, PROMPT_B[:4])  # one chunk: one forward
+        rig.node.step()
+    finally:
+        model.layers = layers
+    assert any(isinstance(m, FirstToken) for m in rig.outbox.messages)
+    assert len(rig.outbox.take(Heartbeat)) >= len(layers) - 1  # without the hook: at most 1
+    assert model.between_layers is None
