@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common.h"
+#include "cpu_features.h"
 #include "gemm_int8.h"
 #include "vec.h"
 
@@ -50,35 +51,65 @@ void dequantize_fp8(const uint8_t* w, const float* scale, int64_t n, int64_t k, 
       const float* s = scale + (r / b0) * scale_cols;
       const uint8_t* src = w + r * k;
       float* dst = out + r * k;
-      for (int64_t c = 0; c < k; ++c) dst[c] = kE4m3.value[src[c]] * s[c / b1];
+      for (int64_t block = 0; block < scale_cols; ++block) {
+        const float block_scale = s[block];
+        const int64_t end_col = std::min(k, (block + 1) * b1);
+        for (int64_t c = block * b1; c < end_col; ++c) dst[c] = kE4m3.value[src[c]] * block_scale;
+      }
     }
   }, 16);
 }
 
+// nearbyint for |x| <= 2^22 in the default rounding mode (half to even), without a libm call on
+// the portable (SSE2, no FMA to fuse it with the multiply before) build: adding and subtracting
+// 1.5 * 2^23 leaves x rounded to an integer. Here |x| <= 127 * (1 + 2^-23).
+inline float round_half_even(float x) {
+  return (x + 12582912.0f) - 12582912.0f;  // not folded: no -ffast-math (-fassociative-math)
+}
+
+// One row's absmax, scale and q; plain loops the compiler vectorizes, compiled once per ISA.
+#define DUET_QUANTIZE_ROW(ROUND)                                                   \
+  float absmax = 0.f;                                                              \
+  for (int64_t c = 0; c < k; ++c) absmax = std::max(absmax, std::fabs(vec::to_f32(row[c]))); \
+  const bool tiny = !(absmax >= kInt8MinAbsmax);                                   \
+  const float inv = tiny ? 0.f : 127.f / absmax;                                   \
+  int32_t sum = 0;                                                                 \
+  for (int64_t c = 0; c < k; ++c) {                                                \
+    const float v = ROUND(vec::to_f32(row[c]) * inv);                              \
+    q[c] = static_cast<int8_t>(static_cast<int32_t>(std::min(127.f, std::max(-127.f, v)))); \
+    sum += q[c];                                                                   \
+  }                                                                                \
+  *scale = tiny ? 0.f : absmax / 127.f;                                            \
+  return sum;
+
+template <typename T>
+int32_t quantize_row_portable(const T* row, int64_t k, int8_t* q, float* scale) {
+  DUET_QUANTIZE_ROW(round_half_even)
+}
+
+template <typename T>
+DUET_TARGET_AVX512 int32_t quantize_row_avx512(const T* row, int64_t k, int8_t* q, float* scale) {
+  // vroundps here; the add-and-subtract rounding would be fused with the multiply (FMA)
+  DUET_QUANTIZE_ROW(std::nearbyint)
+}
+#undef DUET_QUANTIZE_ROW
+
 template <typename T>
 void quantize_rows(const T* src, int64_t n, int64_t k, int64_t row_offset, int64_t k_groups,
                    int8_t* packed, float* scales, int32_t* comps) {
+  const bool avx512 = active_isa() >= Isa::kAvx512;
   parallel_for(n, [&](int64_t begin, int64_t end) {
     std::vector<int8_t> q(static_cast<size_t>(k_groups * kPackGroup), 0);
     for (int64_t r = begin; r < end; ++r) {
-      const T* row = src + r * k;
-      float absmax = 0.f;
-      for (int64_t c = 0; c < k; ++c) absmax = std::max(absmax, std::fabs(vec::to_f32(row[c])));
-      const bool tiny = !(absmax >= kInt8MinAbsmax);
-      const float inv = tiny ? 0.f : 127.f / absmax;
-      int32_t sum = 0;
-      for (int64_t c = 0; c < k; ++c) {
-        const float v = std::nearbyint(vec::to_f32(row[c]) * inv);
-        q[c] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
-        sum += q[c];
-      }
       const int64_t dst_row = row_offset + r;
+      const T* row = src + r * k;
+      const int32_t sum = avx512 ? quantize_row_avx512(row, k, q.data(), &scales[dst_row])
+                                 : quantize_row_portable(row, k, q.data(), &scales[dst_row]);
       const int64_t block = dst_row / kPackRows, lane = dst_row % kPackRows;
       int8_t* out = packed + (block * k_groups * kPackRows + lane) * kPackGroup;
       for (int64_t g = 0; g < k_groups; ++g) {
         std::memcpy(out + g * kPackRows * kPackGroup, q.data() + g * kPackGroup, kPackGroup);
       }
-      scales[dst_row] = tiny ? 0.f : absmax / 127.f;
       comps[dst_row] = 128 * sum;
     }
   }, 4);
