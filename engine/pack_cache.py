@@ -150,8 +150,16 @@ def load_model(model_dir, dtype: torch.dtype = torch.bfloat16, quant: str | None
             model_dir, dtype, expert_range, progress, quant, mtp, tensor_parallel, parallel
         )
     spec = pack_spec(model_dir, dtype, quant, expert_range, tensor_parallel, parallel, mtp)
-    path = Path(pack) if pack else ensure_cached_pack(model_dir, spec, progress)
-    mapped = MappedPack(local_copy(path, numa_node), expect=spec)
+    if pack:
+        mapped = MappedPack(local_copy(Path(pack), numa_node), expect=spec)
+    else:
+        path = ensure_cached_pack(model_dir, spec, progress)
+        try:
+            mapped = MappedPack(local_copy(path, numa_node), expect=spec)  # every checksum
+        except PackError as exc:  # corrupt: rebuilt (once, whoever finds it first)
+            log.warning("%s; rebuilding it", exc)
+            path = ensure_cached_pack(model_dir, spec, progress, verify=True)
+            mapped = MappedPack(local_copy(path, numa_node, refresh=True), expect=spec)
     model = DeepseekModel.from_pack(ModelConfig.from_model_dir(model_dir), mapped, *args)
     model.model_dir = Path(model_dir)
     model.weights_backing, detail = weights_backing(mapped)
@@ -160,31 +168,34 @@ def load_model(model_dir, dtype: torch.dtype = torch.bfloat16, quant: str | None
     return model
 
 
-def ensure_cached_pack(model_dir, spec: PackSpec, progress: bool = True) -> Path:
-    """The cache's pack for `spec`, built once: a missing, stale or corrupt one is rebuilt."""
+def ensure_cached_pack(model_dir, spec: PackSpec, progress: bool = True,
+                       verify: bool = False) -> Path:  # fmt: skip
+    """The cache's pack for `spec`, built once: a missing or stale one is rebuilt; with `verify`
+    a corrupt one too (every checksum read: mapping it verifies it anyway)."""
     key = hashlib.sha256(json.dumps(spec.to_json(), sort_keys=True).encode()).hexdigest()[:32]
     folder = cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{Path(model_dir).name}-{spec.quant}-{key}.pack"
-    if _usable(path, spec):
+    if not verify and _usable(path, spec):
         return path
     with FileLock(folder / f".{path.name}.lock", PACK_LOCK_TIMEOUT_S, f"the pack {path}"):
-        if not _usable(path, spec):  # another process may have built it meanwhile
+        if not _usable(path, spec, verify):  # another process may have built it meanwhile
             log.info("building %s from %s", path, model_dir)
             log.info("built %s: %s", path.name, build_pack(model_dir, path, spec, progress))
     return path
 
 
-def _usable(path: Path, spec: PackSpec) -> bool:
-    """Whether the cached pack exists and is whole and of `spec` (the tensors' checksums are
-    checked when it is mapped; a corrupt one is removed here so the next look rebuilds it)."""
+def _usable(path: Path, spec: PackSpec, verify: bool = False) -> bool:
+    """Whether the cached pack exists, is whole (footer, sizes, manifest) and of `spec`; with
+    `verify` its tensors' checksums too."""
     if not path.exists():
         return False
     try:
         manifest = read_manifest(path)
         if why := spec.mismatch(PackSpec.from_json(manifest["spec"])):
             raise PackError(f"pack {path}: {why}")
-        MappedPack(path, expect=spec)  # every checksum
+        if verify:
+            MappedPack(path, expect=spec)
         return True
     except PackError as exc:
         log.warning("%s; rebuilding it", exc)
@@ -208,9 +219,10 @@ def hugepage_dir() -> Path | None:
     return None
 
 
-def local_copy(path: Path, numa_node: int | None) -> Path:
+def local_copy(path: Path, numa_node: int | None, refresh: bool = False) -> Path:
     """The file this process maps: a huge-page or NUMA-node copy of the pack where the host
-    calls for one (see the module), made once per host under a lock; else the pack itself."""
+    calls for one (see the module), made once per host under a lock (again with `refresh`: the
+    copy of a rebuilt pack); else the pack itself."""
     if numa_node is not None:
         folder, suffix = Path(os.environ.get("DUET_NUMA_COPY_DIR", "/dev/shm")), f"node{numa_node}"
     elif (huge := hugepage_dir()) is not None:
@@ -220,7 +232,7 @@ def local_copy(path: Path, numa_node: int | None) -> Path:
     copy = folder / "duet-packs" / f"{path.stem}.{suffix}.pack"
     copy.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(copy.parent / f".{copy.name}.lock", PACK_LOCK_TIMEOUT_S, f"the copy {copy}"):
-        if copy.exists() and copy.stat().st_size == path.stat().st_size:
+        if not refresh and copy.exists() and copy.stat().st_size == path.stat().st_size:
             return copy  # its checksums are verified when mapped
         free = shutil.disk_usage(copy.parent).free
         if free < path.stat().st_size:
