@@ -69,6 +69,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         help="every decode node speculates with the model's MTP layer, this many drafts a step",
     )
+    p.add_argument(
+        "--no-weights-cache",
+        action="store_true",
+        help="every node reads the checkpoint into its heap (no packed weights built or mapped)",
+    )
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait")
     return p.parse_args(argv)
 
@@ -144,6 +149,9 @@ def resolve_config(args: argparse.Namespace) -> dict:
         if quant is not None:  # overrides the config's per-node `quant`
             for node in raw.get(role, []):
                 node["quant"] = quant
+    if args.no_weights_cache:  # overrides the config's per-node `weights_cache`
+        for node in (*raw.get("prefill", []), *raw.get("decode", [])):
+            node["weights_cache"] = False
     if args.mtp_tokens is not None:  # overrides the config's per-node `mtp` / `mtp_tokens`
         for node in raw.get("decode", []):
             node.update(mtp=args.mtp_tokens > 0, mtp_tokens=max(1, args.mtp_tokens))

@@ -43,6 +43,13 @@ def test_config_file_with_overrides_keeps_replicas():
     assert [n.name for n in cfg.prefill] == ["prefill-0", "prefill-1"]
 
 
+def test_no_weights_cache_reaches_every_node():
+    raw = resolve_config(parse_args(["--prefill", "2", "--no-weights-cache"]))
+    cfg = _load(raw)
+    assert not any(n.weights_cache for n in (*cfg.prefill, *cfg.decode))
+    assert all(n.weights_cache for n in _load(resolve_config(parse_args([]))).decode)
+
+
 def test_dump_toml_escapes_strings():
     raw = {"model": 'a "quoted" \\ path é', "router": {"port": 1}, "prefill": [{"name": "p"}]}
     assert tomllib.loads(dump_toml(raw)) == raw
