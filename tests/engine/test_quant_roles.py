@@ -57,7 +57,7 @@ def test_up_overrides_every_node_of_a_role():
     args = SimpleNamespace(
         config=None, prefill=2, decode=1, port=8123, threads=1, decode_ranks=None, prefill_ranks=None,
         dtype=None, model=str(ensure_tiny_model()), prefill_quant=None, decode_quant="fp8",
-        mtp_tokens=None,
+        mtp_tokens=None, no_weights_cache=False,
     )  # fmt: skip
     raw = resolve_config(args)
     assert [n.get("quant", "none") for n in raw["prefill"]] == ["none", "none"]
