@@ -2,9 +2,10 @@
 
     python -m bench.pack_serving --config FILE [--model DIR] [--kill decode-0] [--json]
 
-Starts `duet up --config FILE` (the weights cache on, as by default), and reports:
-- start s: from launch to "duet up: ready" (a cold start builds the pack; run again for a warm
-  one, the pack mapped with the page cache hot);
+Starts `duet up --config FILE` (the weights cache on, as by default; `bench.sweep.Cluster`
+starts and stops it), and reports:
+- start s: from launch to the router's /health saying every node is ready (a cold start builds
+  the pack; run again for a warm one, the pack mapped with the page cache hot);
 - memory: the sum over every node and rank process (the launcher's children and theirs) of
   their PSS (`/proc/PID/smaps_rollup`: each shared page counted once over all of them), beside
   the bytes of the packs they map, and each process's PSS;
@@ -20,12 +21,14 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from bench.sweep import DUET_UP, Cluster
+from engine.cluster_config import ClusterConfig
 
 GB = 1e9
 
@@ -103,25 +106,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for ready")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    cmd = [sys.executable, "-m", "deploy.cli", "up", "--config", args.config]
-    cmd += ["--model", args.model] if args.model else []
-    log = open(args.log, "w")  # noqa: SIM115 (closed at the end)
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    router = ClusterConfig.load(args.config).router
+    url = f"http://{router.host}:{router.port}"
+    cmd = [*DUET_UP, "--config", args.config, *(["--model", args.model] if args.model else [])]
     result: dict = {}
-    try:
-        while "duet up: ready at" not in (text := Path(args.log).read_text(errors="replace")):
-            if proc.poll() is not None or time.monotonic() - start > args.timeout:
-                raise SystemExit(f"duet up did not start:\n{text[-3000:]}")
-            time.sleep(0.5)
+    start = time.monotonic()
+    with Cluster(cmd, url + "/health", Path(args.log), args.timeout) as cluster:
         result["start_s"] = time.monotonic() - start
-        url = re.search(r"ready at (\S+)/v1", text).group(1)
-        model = Path(re.search(r"model (\S+?)\)", text).group(1)).name
+        text = Path(args.log).read_text(errors="replace")
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         result["built_pack"] = "INFO building " in text
         packs = sorted({Path(p) for p in re.findall(r"weights: pack (\S+) \(", text)})
         result["packs"] = [str(p) for p in packs]
         assert _serves(url, model), "the cluster does not serve"
-        result["memory"] = memory(proc.pid, packs)
+        result["memory"] = memory(cluster.proc.pid, packs)
         if args.kill:
             victim = int(re.search(rf"started {re.escape(args.kill)} \(pid (\d+)\)", text).group(1))
             killed = time.monotonic()
@@ -129,13 +127,6 @@ def main(argv: list[str] | None = None) -> int:
             while not _serves(url, model):
                 time.sleep(0.1)
             result["recovery_s"] = time.monotonic() - killed
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
     if args.json:
         print(json.dumps(result))
     else:

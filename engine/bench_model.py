@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from engine.config import ModelConfig
-from engine.quant_schemes import is_quantized
+from engine.quant_schemes import is_quantized, quantized_bytes
 from engine.tiny_model import BOS, EOS, FP8_BLOCK, _tokenizer_config, train_tokenizer
 from engine.weight_names import checkpoint_shapes, mtp_shapes
 from engine.weights import INDEX_FILE, SCALE_SUFFIX, keeps_fp32, quantize_fp8_blockwise
@@ -151,8 +151,7 @@ def _stored_bytes(name: str, shape: tuple[int, ...], dtype: torch.dtype, fp8: bo
     """Bytes tensor `name` takes in the checkpoint: with `fp8`, a quantized matrix is 1 byte a
     weight plus its float32 `_scale_inv` per block; router tensors are float32."""
     if fp8 and is_quantized(name):
-        n, k = shape
-        return n * k + 4 * math.ceil(n / FP8_BLOCK[0]) * math.ceil(k / FP8_BLOCK[1])
+        return quantized_bytes("fp8", shape)
     return math.prod(shape) * (4 if keeps_fp32(name) else dtype.itemsize)
 
 

@@ -202,21 +202,34 @@ def _usable(path: Path, spec: PackSpec, verify: bool = False) -> bool:
         return False
 
 
-def hugepage_dir() -> Path | None:
-    """A tmpfs that gives huge pages: $DUET_HUGEPAGE_DIR, or /dev/shm when mounted with huge=."""
+def _mount_of(path: str | Path, mounts: str | None = None) -> tuple[str, list[str]]:
+    """(file system type, mount options) of the mount holding `path`, from /proc/mounts (or the
+    `mounts` text given); ("", []) if unreadable."""
+    if mounts is None:
+        try:
+            mounts = Path("/proc/mounts").read_text()
+        except OSError:
+            return "", []
+    path, best = str(path), ("", "", [])
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        point = fields[1]
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > len(best[0]):
+            best = (point, fields[2], fields[3].split(","))
+    return best[1], best[2]
+
+
+def hugepage_dir(mounts: str | None = None) -> Path | None:
+    """A tmpfs that gives huge pages: $DUET_HUGEPAGE_DIR, or /dev/shm when mounted with huge=
+    (`mounts`: /proc/mounts' text, read when not given)."""
     if env := os.environ.get("DUET_HUGEPAGE_DIR"):
         return Path(env)
-    try:
-        mounts = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return None
-    for line in mounts:
-        fields = line.split()
-        if len(fields) > 3 and fields[1] == "/dev/shm" and fields[2] == "tmpfs":
-            options = fields[3].split(",")
-            if any(o in options for o in ("huge=always", "huge=within_size", "huge=advise")):
-                return Path("/dev/shm")
-    return None
+    fstype, options = _mount_of("/dev/shm", mounts)
+    huge = ("huge=always", "huge=within_size", "huge=advise")
+    return Path("/dev/shm") if fstype == "tmpfs" and any(o in options for o in huge) else None
 
 
 def local_copy(path: Path, numa_node: int | None, refresh: bool = False) -> Path:
@@ -248,11 +261,10 @@ def local_copy(path: Path, numa_node: int | None, refresh: bool = False) -> Path
 
 
 def weights_backing(mapped: MappedPack) -> tuple[str, str]:
-    """How the mapping is backed, from /proc/self/smaps: (one of `engine.quant_schemes.WEIGHT_BACKINGS`, a description with
-    how much of what is resident sits on 2 MiB pages)."""
+    """How the mapping is backed: (one of `engine.quant_schemes.WEIGHT_BACKINGS`, a description
+    with how much of what is resident sits on 2 MiB pages, from /proc/self/smaps)."""
     fields = _smaps_fields(mapped.address)
-    shmem_dirs = ("/dev/shm", os.environ.get("DUET_HUGEPAGE_DIR") or "/dev/shm")
-    kind = "shmem" if str(mapped.path).startswith(shmem_dirs) else "file"
+    kind = "shmem" if _mount_of(mapped.path.resolve())[0] == "tmpfs" else "file"
     huge = fields.get("ShmemPmdMapped" if kind == "shmem" else "FilePmdMapped", 0)
     rss = fields.get("Rss", 0)
     on_huge = huge > 0 and huge >= rss // 2

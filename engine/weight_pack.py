@@ -28,7 +28,6 @@ import os
 import struct
 import warnings
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,17 +89,15 @@ class PackSpec:
 
 class PackWriter:
     """Writes a pack to `path` (atomically: a temporary file renamed at `finish`). `add(key,
-    obj)` stores one weight (any object `native.packed_state` knows); `on_bytes(n)` is called
-    with the bytes of each tensor written (a progress bar)."""
+    obj)` stores one weight (any object `native.packed_state` knows)."""
 
-    def __init__(self, path: str | Path, spec: PackSpec, on_bytes: Callable[[int], None] = None):
+    def __init__(self, path: str | Path, spec: PackSpec):
         self.path = Path(path)
         self.spec = spec
         self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         self._file = open(self._tmp, "wb")  # noqa: SIM115 (closed by finish / abort)
         self._pos = 0
         self._entries: dict[str, Any] = {}
-        self._on_bytes = on_bytes
 
     def add(self, key: str, obj: object) -> None:
         if key in self._entries:
@@ -112,22 +109,16 @@ class PackWriter:
         if str(tensor.dtype).removeprefix("torch.") not in _DTYPES:
             raise TypeError(f"pack: cannot store a {tensor.dtype} tensor")
         self._pad_to(_ALIGN)
-        raw = (
-            tensor.view(-1).view(torch.uint8)
-            if tensor.numel()
-            else torch.empty(0, dtype=torch.uint8)
-        )
+        raw = tensor.view(-1).view(torch.uint8)
         self._file.write(memoryview(raw.numpy()))
         ref = {
             "offset": self._pos,
             "nbytes": raw.numel(),
             "dtype": str(tensor.dtype).removeprefix("torch."),
             "shape": list(tensor.shape),
-            "checksum": ops.checksum(raw) if raw.numel() else 0,
+            "checksum": ops.checksum(raw),
         }
         self._pos += raw.numel()
-        if self._on_bytes is not None:
-            self._on_bytes(raw.numel())
         return ref
 
     def _pad_to(self, align: int) -> None:
@@ -258,10 +249,9 @@ class MappedPack:
         """Every tensor's checksum against the manifest's (reads the whole pack once, which
         also brings it into the page cache)."""
         for ref in self._refs():
-            data = self._bytes[ref["offset"] : ref["offset"] + ref["nbytes"]]
-            if ref["offset"] + ref["nbytes"] > self.data_bytes or (
-                ref["nbytes"] and ops.checksum(data) != ref["checksum"]
-            ):
+            end = ref["offset"] + ref["nbytes"]
+            data = self._bytes[ref["offset"] : end]
+            if end > self.data_bytes or ops.checksum(data) != ref["checksum"]:
                 raise PackError(
                     f"pack {self.path}: corrupt (checksum mismatch at byte {ref['offset']})"
                 )

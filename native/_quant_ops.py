@@ -69,17 +69,13 @@ class PackedLinearInt8:
         )  # fmt: skip
 
     @classmethod
-    def quantized_from(cls, parts: list[torch.Tensor]) -> PackedLinearInt8:
-        """The weight of `parts` (float [n_i, K] each) stacked by rows, quantized per row and
-        packed in one pass each (`quantize_pack_int8_rows`): no int8 or stacked copy between."""
-        n, k = sum(p.shape[0] for p in parts), parts[0].shape[1]
+    def quantized_from(cls, weight: torch.Tensor) -> PackedLinearInt8:
+        """A float weight [N, K] quantized per row straight into the packed layout
+        (`quantize_pack_int8_rows`, one pass): no int8 copy of it between."""
         obj = cls.__new__(cls)
-        obj.n, obj.k = n, k
-        obj.packed, obj.scale, obj.comp = empty_packed_int8(n, k)
-        row = 0
-        for part in parts:
-            quantize_pack_int8_rows(part, obj.packed, obj.scale, obj.comp, row)
-            row += part.shape[0]
+        obj.n, obj.k = weight.shape
+        obj.packed, obj.scale, obj.comp = empty_packed_int8(obj.n, obj.k)
+        quantize_pack_int8_rows(weight, obj.packed, obj.scale, obj.comp)
         obj.bind_kernel_args()
         return obj
 
@@ -158,7 +154,7 @@ def prepack_linear_int8(weight: torch.Tensor) -> PackedLinearInt8 | reference.In
         raise ValueError(f"prepack_linear_int8: K = {weight.shape[1]} exceeds {_MAX_K}")
     if weight.device.type != "cpu" or not _native_on():
         return quantize_weight_int8_blocked(weight.detach())
-    return PackedLinearInt8.quantized_from([weight.detach()])
+    return PackedLinearInt8.quantized_from(weight.detach())
 
 
 def linear_int8(x: torch.Tensor, weight: PackedLinearInt8 | reference.Int8Weight) -> torch.Tensor:

@@ -37,6 +37,14 @@ _PACKED_CLASSES = {
 _DERIVED = {"kernel_args"}
 
 
+def _packed_class(obj: object, op: str) -> type:
+    """The class of `obj`, one of the packed classes listed here (TypeError naming `op` else)."""
+    cls = type(obj)
+    if _PACKED_CLASSES.get(cls.__name__) is not cls:
+        raise TypeError(f"{op}: not a packed weight: {cls.__qualname__}")
+    return cls
+
+
 def to_state(obj: object, put: Callable[[torch.Tensor], Any]) -> Entry:
     """The entry of `obj`; `put(tensor)` stores a tensor and returns its JSON-able reference."""
     if isinstance(obj, torch.Tensor):
@@ -45,9 +53,7 @@ def to_state(obj: object, put: Callable[[torch.Tensor], Any]) -> Entry:
         return {"kind": "Int8Weight", "items": [to_state(t, put) for t in obj]}
     if isinstance(obj, tuple):
         return {"kind": "tuple", "items": [to_state(item, put) for item in obj]}
-    cls = type(obj)
-    if cls.__name__ not in _PACKED_CLASSES or _PACKED_CLASSES[cls.__name__] is not cls:
-        raise TypeError(f"to_state: cannot store a {cls.__qualname__}")
+    cls = _packed_class(obj, "to_state")
     tensors, meta = {}, {}
     for slot in cls.__slots__:
         if slot in _DERIVED:
@@ -95,9 +101,7 @@ def select_experts(obj: object, experts: range) -> object:
         return reference.Int8Weight(*(select_experts(item, experts) for item in obj))
     if isinstance(obj, tuple):
         return tuple(select_experts(item, experts) for item in obj)
-    cls = type(obj)
-    if cls.__name__ not in _PACKED_CLASSES:
-        raise TypeError(f"select_experts: cannot slice a {cls.__qualname__}")
+    cls = _packed_class(obj, "select_experts")
     out = cls.__new__(cls)
     for slot in cls.__slots__:
         if slot in _DERIVED:

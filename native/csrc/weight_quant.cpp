@@ -6,7 +6,7 @@
 //   straight into the packed layout of gemm_int8.h ([N/16][K/4][16][4], rows from `row_offset`
 //   on), with the row's scale and its u8s8 compensation 128 * sum(q). The scale math is the
 //   activation quantizer's (row_scales, quantize_one in gemm_int8_kernels.cpp): fp32 divisions,
-//   round half to even. Twins: native/reference.py (dequantize_fp8_blocks_any,
+//   round half to even. Twins: native/reference.py (dequantize_fp8_blocks,
 //   quantize_pack_int8_rows).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

@@ -302,7 +302,10 @@ def test_a_huge_page_tmpfs_gets_the_copy(int8_pack, tmp_path, monkeypatch):
     assert copy.parent == tmp_path / "huge" / "duet-packs" and copy.name.endswith(".huge.pack")
     assert MappedPack(copy).spec == MappedPack(int8_pack).spec
     monkeypatch.delenv("DUET_HUGEPAGE_DIR")
-    assert pack_cache.hugepage_dir() in (None, pack_cache.Path("/dev/shm"))
+    plain = "tmpfs /dev/shm tmpfs rw,nosuid,size=24731408k 0 0\n/dev/vda / ext4 rw 0 0\n"
+    huge = plain.replace("size=24731408k", "size=24731408k,huge=within_size")
+    assert pack_cache.hugepage_dir(plain) is None
+    assert pack_cache.hugepage_dir(huge) == pack_cache.Path("/dev/shm")
 
 
 def test_the_husk_holds_no_weights(model_dir, tmp_path):

@@ -48,7 +48,7 @@ def test_quantize_pack_rows_equals_the_twin(isa, dtype, n, k):
 @pytest.mark.parametrize("n,k", [(64, 128), (45, 70)])
 def test_one_pass_packing_equals_quantize_then_pack(isa, n, k):
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    one_pass = PackedLinearInt8.quantized_from([w])
+    one_pass = PackedLinearInt8.quantized_from(w)
     two_steps = PackedLinearInt8(quantize_weight_int8_blocked(w))
     for name in ("packed", "scale", "comp"):
         assert torch.equal(getattr(one_pass, name), getattr(two_steps, name)), name
