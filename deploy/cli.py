@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from engine.errors import DuetError
 from engine.quant_schemes import QUANT_SCHEMES
+from engine.sharding import SCHEMES as PARALLEL_SCHEMES
 
 DTYPES = ("float32", "bfloat16")
 
@@ -201,7 +202,7 @@ def _add_pack(sub) -> None:
         "--tensor-parallel", type=_parse_shard, metavar="RANK/WORLD",
         help="the shard of tensor-parallel prefill rank RANK of WORLD",
     )  # fmt: skip
-    p.add_argument("--parallel", choices=("tp", "tp_sp"), default="tp", help="the TP scheme")
+    p.add_argument("--parallel", choices=PARALLEL_SCHEMES, default="tp", help="the TP scheme")
     p.set_defaults(func=_run_pack)
 
 

@@ -126,3 +126,19 @@ def test_sampling_flags(model_dir):
     assert_one_line_error(duet(*base, "--logit-bias", '{"9999": 1}'), "outside the vocabulary")
     r = duet(*base, "--logit-bias", "[1, 2]")
     assert r.returncode == 2 and "--logit-bias must be a JSON object" in r.stderr
+
+
+def test_pack_then_generate_through_it(model_dir, tmp_path):
+    """`duet pack` writes the int8 pack that `duet generate --pack` maps: the same greedy tokens
+    as loading the checkpoint; a pack of another scheme is one line naming the file."""
+    pack = tmp_path / "int8.pack"
+    r = duet("pack", "--model", str(model_dir), "--quant", "int8", "--out", str(pack))
+    assert r.returncode == 0, r.stderr
+    assert "GB of pack" in r.stdout and pack.stat().st_size > 0
+    common = ("generate", "--model", str(model_dir), "--prompt-ids", "5,9,14", "--json",
+              "--max-new-tokens", "6", "--quant")  # fmt: skip
+    mapped = duet(*common, "int8", "--pack", str(pack))
+    heap = duet(*common, "int8")
+    assert mapped.returncode == 0, mapped.stderr
+    assert json.loads(mapped.stdout)["token_ids"] == json.loads(heap.stdout)["token_ids"]
+    assert_one_line_error(duet(*common, "fp8", "--pack", str(pack)), str(pack))
