@@ -28,7 +28,7 @@ RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu 
 ENV DUET_CACHE_DIR=/opt/duet-serve/cache \
     PYTHONUNBUFFERED=1
 # (The cache is written through a private temporary folder: make it readable to the user.)
-RUN python -c "from engine.tiny_model import ensure_tiny_model; print(ensure_tiny_model())" \
+RUN python -m tinymodel \
     && chmod -R a+rX "$DUET_CACHE_DIR"
 
 # The user the manifests run as (runAsUser / fsGroup 10001).

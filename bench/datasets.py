@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.errors import ConfigError
-from engine.tokenizer import Tokenizer
+from control.errors import ConfigError
+from control.tokenizer import Tokenizer
 
 DATASETS = ("random", "synthetic-chat", "shared-prefix")
 DEFAULT_PREFIX_LEN = 1024

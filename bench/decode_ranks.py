@@ -1,6 +1,6 @@
 """Decode throughput of the EP/DP layout: ranks = 1 (T threads) vs ranks = R (T/R threads each).
 
-On the bench shapes (`engine.bench_model`: DeepSeek-V2-Lite layers, 64 experts top-6, written
+On the bench shapes (`tinymodel.bench_model`: DeepSeek-V2-Lite layers, 64 experts top-6, written
 with `--layers` layers into a temporary directory, or `--model DIR`), each configuration runs in
 fresh processes joined by gloo on loopback, exactly the model transform the decode node uses.
 For a global batch of B requests (split evenly over the ranks, each with `--context` tokens of
@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from control.model_config import ModelConfig
 from decode_node.expert_parallel import ExpertParallel, expert_shard
-from engine.batch import ForwardBatch
-from engine.config import ModelConfig
-from engine.model import DeepseekModel
+from model.batch import ForwardBatch
+from model.deepseek import DeepseekModel
 from native import ops
 
 
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
         if model_dir is None:
-            from engine.bench_model import make_bench_model
+            from tinymodel.bench_model import make_bench_model
 
             model_dir = make_bench_model(Path(tmp) / "bench", layers=args.layers, progress=False)
         common = (batches, args.context, args.steps)

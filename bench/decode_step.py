@@ -33,13 +33,13 @@ import time
 import torch
 
 import decode_node.speculative_step as speculative_step
+from control.cluster_config import DecodeNodeConfig, TimeoutConfig
+from control.messaging import QueueInbox, QueueOutbox
+from control.sampling_params import SamplingParams
 from decode_node.node import DecodeNode
 from decode_node.scheduler import DecodeState
-from engine.cluster_config import DecodeNodeConfig, TimeoutConfig
-from engine.messaging import QueueInbox, QueueOutbox
-from engine.model import DeepseekModel
-from engine.sampling import SamplingParams
 from kvtransfer import InprocReceiver, make_fingerprint
+from model.deepseek import DeepseekModel
 from native import ops
 
 

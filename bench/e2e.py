@@ -2,7 +2,7 @@
 
 Each quantization of `--quant` runs in a fresh subprocess (`bench/e2e_worker.py`), one after the
 other, so each load's peak memory is its own and no two share the cores:
-- load s: `engine.pack_cache.load_model` (bf16; `quant=` for int8 / fp8; a `Q@pack` row maps
+- load s: `model.pack_cache.load_model` (bf16; `quant=` for int8 / fp8; a `Q@pack` row maps
   its weights from a pack);
 - weights: bytes of every tensor storage reachable from the model (packed weights included, each
   storage once, RoPE tables not counted); resident: RssAnon + RssFile right after the load
@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """The quant list (with "none" first if it was missing); p.error on a bad value."""
-    from engine.config import ModelConfig
+    from control.model_config import ModelConfig
 
     quants = [q.strip() for q in args.quant.split(",") if q.strip()]
     bad = [q for q in quants if q not in ROWS]
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.e2e_worker import run
 
         return run(args)
-    from engine.tiny_model import ensure_tiny_model
+    from tinymodel.make import ensure_tiny_model
 
     args.model = args.model or str(ensure_tiny_model())
     quants = check_args(p, args)

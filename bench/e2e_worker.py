@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from engine.batch import ForwardBatch
-from engine.kv_pool import KVPool, PageTable
-from engine.model import DeepseekModel
+from model.batch import ForwardBatch
+from model.deepseek import DeepseekModel
+from model.kv_pool import KVPool, PageTable
 
 # Held-out text for the accuracy figures when the model has a tokenizer (repeated to length).
 HELD_OUT_TEXT = (
@@ -89,8 +89,8 @@ def held_tensor_bytes(root, skip: frozenset[str] = NOT_WEIGHTS) -> int:
 
 def load_model(model_dir: str, quant: str, pack: str | None = None) -> DeepseekModel:
     """The model in bf16 with its weights in `quant` ("none", "int8", "fp8"); "Q@pack": mapped
-    from a pack of Q (`pack`, else the weights cache's, built once: engine.pack_cache)."""
-    from engine.pack_cache import load_model as load
+    from a pack of Q (`pack`, else the weights cache's, built once: model.pack_cache)."""
+    from model.pack_cache import load_model as load
 
     scheme, _, via = quant.partition("@")
     mapped = via == "pack"
@@ -148,7 +148,7 @@ def held_out_ids(model_dir: str, vocab_size: int, num_tokens: int, seed: int) ->
     """The accuracy text: HELD_OUT_TEXT tokenized (repeated to length) if the model has a
     tokenizer, else ids drawn from a generator seeded with `seed`."""
     if (Path(model_dir) / "tokenizer.json").is_file():
-        from engine.tokenizer import Tokenizer
+        from control.tokenizer import Tokenizer
 
         text_ids = Tokenizer(model_dir).encode(HELD_OUT_TEXT)
         ids = (text_ids * (num_tokens // len(text_ids) + 1))[:num_tokens]

@@ -21,11 +21,8 @@ rest goes to stderr.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -33,39 +30,11 @@ import torch
 from bench import roof_probes, roofline
 from bench.kernel_cases import FULL, QUICK, Case, all_cases
 from native import ops
+from native.timing import time_call
 
 # Seconds of timed calls per case at most (the sample count shrinks for slow calls; one at least).
 KERNEL_BUDGET_S = 3.0
 BASELINE_BUDGET_S = 2.0
-# A sample of a fast op loops until it lasts this long, so timer and call overheads average out.
-MIN_SAMPLE_S = 2e-3
-
-
-def time_call(fn: Callable[[], object], repeats: int, budget_s: float) -> float:
-    """Median seconds per call of `fn` over up to `repeats` samples (after one warm-up call).
-
-    A sample of a fast op loops `inner` calls; the sample count shrinks so the samples take about
-    `budget_s` at most, but never below one."""
-    start = time.perf_counter()
-    fn()
-    first = time.perf_counter() - start
-    if first >= budget_s:  # one call fills the budget (seconds-long baselines): it is the sample
-        return first
-    inner = max(1, min(10_000, int(MIN_SAMPLE_S / max(first, 1e-9))))
-    samples = max(1, min(repeats, int(budget_s / max(first * inner, 1e-9))))
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        times = []
-        for _ in range(samples):
-            start = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            times.append((time.perf_counter() - start) / inner)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    return statistics.median(times)
 
 
 def time_baseline(variants: dict[str, Callable[[], object]], repeats: int) -> tuple[str, float]:

@@ -17,14 +17,14 @@ import time
 
 import torch
 
-from engine.generate import OfflineGenerator
-from engine.model import DeepseekModel
-from engine.sampling import SamplingParams
-from engine.speculative_generate import SpeculativeGenerator
-from engine.tiny_model import ensure_tiny_model
-from engine.tiny_train_data import load_corpus
-from engine.tokenizer import Tokenizer
+from control.sampling_params import SamplingParams
+from control.tokenizer import Tokenizer
+from model.deepseek import DeepseekModel
 from native import ops
+from runtime.generate import OfflineGenerator
+from runtime.speculative_generate import SpeculativeGenerator
+from tinymodel.make import ensure_tiny_model
+from tinymodel.train_data import load_corpus
 
 
 def decode_ms_per_token(generator, ids: list[int], params: SamplingParams) -> float:

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 from bench.sweep import DUET_UP, Cluster
-from engine.cluster_config import ClusterConfig
+from control.cluster_config import ClusterConfig
 
 GB = 1e9
 

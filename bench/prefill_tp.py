@@ -1,11 +1,11 @@
 """Prefill with tensor parallelism (issue 14): ranks = 1 (T threads) vs ranks = R (T/R each),
 for each scheme ("tp", "tp_sp": `--schemes`) and collectives (gloo, shm: `--comm`).
 
-On the bench shapes (`engine.bench_model`, `--layers` layers written to a temporary directory,
+On the bench shapes (`tinymodel.bench_model`, `--layers` layers written to a temporary directory,
 or `--model DIR`), each configuration runs in fresh processes joined by gloo on loopback, with
-the model transform a tensor-parallel prefill node uses ("tp", `engine.tensor_parallel`: heads,
+the model transform a tensor-parallel prefill node uses ("tp", `model.tensor_parallel`: heads,
 MLP columns and routed experts split, an all-reduce after every o_proj and MLP; "tp_sp",
-`engine.sequence_parallel`: heads split, the rest sequence-split, an all-gather and an
+`model.sequence_parallel`: heads split, the rest sequence-split, an all-gather and an
 all-to-all a layer), over gloo or the shared-memory segment. It times the prefill of one
 `--prompt-len` prompt in `--chunk` token chunks (the extend path, each chunk over the ones
 before as its prefix), `--repeats` times after one warm-up, and reports the median seconds,
@@ -13,8 +13,8 @@ the R-rank / 1-rank throughput ratio, the collectives' share of rank 0's time (t
 time, waiting for the peer included) and the bytes handed to them per layer. The
 configurations alternate (1, R..., 1, R...: `--rounds`): this host's DRAM rate drifts. Each
 rank of R > 1 runs on its share of the cores, as a prefill node's ranks do (`--pin auto`,
-`engine.placement`). `--dry-run` only prints the bytes a rank sends per layer under each
-scheme (`engine.tensor_parallel.traffic_per_layer`) and runs nothing.
+`control.placement`). `--dry-run` only prints the bytes a rank sends per layer under each
+scheme (`model.tensor_parallel.traffic_per_layer`) and runs nothing.
 
     python -m bench.prefill_tp [--layers 2 --prompt-len 2048 --chunk 512 --threads 2 --ranks 2
         --comm gloo,shm --schemes tp,tp_sp --rounds 2 --repeats 3 --pin auto]
@@ -35,13 +35,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from control.model_config import ModelConfig
+from control.placement import numa_nodes, plan_rank
 from deploy.local_cluster import free_port
-from engine.batch import ForwardBatch
-from engine.config import ModelConfig
-from engine.model import DeepseekModel
-from engine.placement import numa_nodes, plan_rank
-from engine.sequence_parallel import install_sequence_parallel
-from engine.tensor_parallel import (
+from model.batch import ForwardBatch
+from model.deepseek import DeepseekModel
+from model.sequence_parallel import install_sequence_parallel
+from model.tensor_parallel import (
     gloo_all_reduce,
     install_tensor_parallel,
     shm_all_reduce,
@@ -158,7 +158,7 @@ def dry_run(args) -> int:
     if args.model:
         cfg = ModelConfig.from_model_dir(args.model)
     else:
-        from engine.bench_model import bench_config
+        from tinymodel.bench_model import bench_config
 
         cfg = ModelConfig.from_dict(bench_config(args.layers, 102400, 0, 1))
     traffic = traffic_per_layer(cfg, args.prompt_len, args.ranks)
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
         if model_dir is None:
-            from engine.bench_model import make_bench_model
+            from tinymodel.bench_model import make_bench_model
 
             model_dir = make_bench_model(Path(tmp) / "bench", layers=args.layers, progress=False)
         for _ in range(args.rounds):

@@ -1,8 +1,8 @@
-"""Time of one `engine.sampling.sample` call at batch 1, 8 and 32 over DeepSeek's vocabulary,
-this tree's sampler against an earlier one (a path to its engine/sampling.py, e.g. a checkout of
+"""Time of one `runtime.sampling.sample` call at batch 1, 8 and 32 over DeepSeek's vocabulary,
+this tree's sampler against an earlier one (a path to its runtime/sampling.py, e.g. a checkout of
 main before counter-based sampling, whose `sample` took one torch.Generator per row).
 
-    python -m bench.sampling --before /path/to/old/engine/sampling.py [--threads 1]
+    python -m bench.sampling --before /path/to/old/runtime/sampling.py [--threads 1]
 
 Median (and minimum) of the calls, the two samplers interleaved so that drift hits both alike.
 """
@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from engine import sampling
 from native import ops
+from runtime import sampling
 
 VOCAB = 102400
 CASES = {"temperature 0.8": dict(temperature=0.8), "+ top_p 0.9": dict(temperature=0.8, top_p=0.9)}
@@ -61,7 +61,7 @@ def time_case(before, kwargs: dict, batch: int, repeats: int) -> list[float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--before", required=True, help="an earlier engine/sampling.py")
+    p.add_argument("--before", required=True, help="an earlier runtime/sampling.py")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=40)
     args = p.parse_args()

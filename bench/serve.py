@@ -33,7 +33,7 @@ import numpy as np
 
 from bench.datasets import DATASETS, DEFAULT_PREFIX_LEN, BenchRequest, make_requests
 from bench.serve_metrics import RequestRecord, format_table, summarize
-from engine.errors import ConfigError, DuetError
+from control.errors import ConfigError, DuetError
 
 CONNECT_TIMEOUT_S = 10.0
 
@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Fill defaults that depend on --config; validate. Raises ConfigError on bad input."""
-    from engine.cluster_config import ClusterConfig, SlaConfig
+    from control.cluster_config import ClusterConfig, SlaConfig
 
     cfg = ClusterConfig.load(args.config) if args.config else None
     sla = cfg.sla if cfg else SlaConfig()
@@ -326,10 +326,10 @@ def parse_extra_body(raw: str | dict[str, Any]) -> dict[str, Any]:
 
 
 def load_tokenizer(model_dir: str | None):
-    from engine.tiny_model import ensure_tiny_model
-    from engine.tokenizer import Tokenizer
+    from control.builtin_model import ensure_builtin_model
+    from control.tokenizer import Tokenizer
 
-    return Tokenizer(model_dir or ensure_tiny_model())
+    return Tokenizer(model_dir or ensure_builtin_model())
 
 
 def run(args: argparse.Namespace, tokenizer=None) -> dict[str, Any]:

@@ -69,7 +69,7 @@ class Rows:
 
 def decode_forward(model, batch: int):
     """A callable running one decode forward at batch `batch` over CONTEXT cached positions."""
-    from engine.batch import ForwardBatch
+    from model.batch import ForwardBatch
 
     pool = model.new_kv_pool(batch * (CONTEXT // 16 + 2), 16)
     tables = [pool.new_table() for _ in range(batch)]
@@ -89,7 +89,7 @@ def median_ms(samples: list[float]) -> float:
 
 def bench_batch(model, grammars, structured, batch: int, steps: int) -> dict:
     """`model` None: the mask phases only (fill, bias, apply on random logits)."""
-    from engine.structured import bitmask_bias, compute_masks
+    from runtime.grammar import bitmask_bias, compute_masks
 
     rows = Rows(grammars, structured, batch)
     vocab = grammars.vocab_size
@@ -134,11 +134,11 @@ def bench_batch(model, grammars, structured, batch: int, steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.config import ModelConfig
-    from engine.model import DeepseekModel
-    from engine.structured import Grammars
-    from engine.tiny_model import ensure_tiny_model
+    from control.model_config import ModelConfig
+    from model.deepseek import DeepseekModel
     from native import ops
+    from runtime.grammar import Grammars
+    from tinymodel.make import ensure_tiny_model
 
     args = parse_args(argv)
     ops.set_num_threads(args.threads)

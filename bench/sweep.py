@@ -35,8 +35,8 @@ import httpx
 
 from bench import serve
 from bench.occupancy import OccupancyWatcher
-from engine.cluster_config import ClusterConfig
-from engine.errors import ConfigError, DuetError
+from control.cluster_config import ClusterConfig
+from control.errors import ConfigError, DuetError
 
 DUET_UP = (sys.executable, "-m", "deploy.cli", "up")
 POLL_S = 0.5

@@ -20,8 +20,8 @@ import time
 import torch
 import zmq
 
-from engine.kv_pool import KVPool
 from kvtransfer import Rendezvous, ZmqReceiver, ZmqSender, make_fingerprint
+from model.kv_pool import KVPool
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TIMEOUT = 60.0

@@ -43,10 +43,11 @@ def prompt_ids(vocab_size: int, length: int) -> list[int]:
 
 
 def time_prefill_alone(model_dir: str, ids: list[int], args) -> list[float]:
-    from engine.generate import OfflineGenerator
-    from engine.model import DeepseekModel
-    from engine.sampling import SamplingParams, sample
+    from control.sampling_params import SamplingParams
+    from model.deepseek import DeepseekModel
     from native import ops
+    from runtime.generate import OfflineGenerator
+    from runtime.sampling import sample
 
     ops.set_num_threads(args.threads)
     model = DeepseekModel.from_pretrained(model_dir, torch.bfloat16, progress=False)
@@ -114,10 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
         if model_dir is None:
-            from engine.bench_model import make_bench_model
+            from tinymodel.bench_model import make_bench_model
 
             model_dir = str(make_bench_model(os.path.join(tmp, "bench-1layer"), layers=1))
-        from engine.config import ModelConfig
+        from control.model_config import ModelConfig
 
         ids = prompt_ids(ModelConfig.from_model_dir(model_dir).vocab_size, args.prompt_len)
         alone = statistics.median(time_prefill_alone(model_dir, ids, args))

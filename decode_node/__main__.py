@@ -1,5 +1,5 @@
 """`python -m decode_node --config FILE --node NAME [--model DIR]`: start one decode node
-(the process shell, signals and READY/FAILED reporting are in engine/node_process.py).
+(the process shell, signals and READY/FAILED reporting are in runtime/node_process.py).
 
 With `ranks = R > 1` this process is rank 0: it starts ranks 1..R-1 (`decode_node.ranks`)
 before loading its own expert shard, so the ranks load in parallel."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import sys
 
-from engine.cluster_config import ClusterConfig, DecodeNodeConfig
-from engine.node_process import load_model, run_node_process
-from engine.rank_group import RankZero
+from control.cluster_config import ClusterConfig, DecodeNodeConfig
+from runtime.node_process import load_model, run_node_process
+from runtime.rank_group import RankZero
 
 
 def _build(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, inbox, outbox, security):

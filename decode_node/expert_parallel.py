@@ -1,4 +1,4 @@
-"""Expert parallelism as a transform of `engine.model.DeepseekModel`: each rank holds a shard of
+"""Expert parallelism as a transform of `model.deepseek.DeepseekModel`: each rank holds a shard of
 the routed experts, and every MoE layer's `routed_experts` hook becomes a dispatch/combine.
 
 Per MoE layer (all ranks together, in the same order):
@@ -17,7 +17,7 @@ is sharded the same way, and every step makes exactly `mtp_passes` MTP exchanges
 a rank's draft passes (at most that many: one, then one per chained draft), then idle ones for
 the rest (`finish_mtp_step`), however many requests it drafts for. gloo implements
 all_to_all_single with uneven splits (checked on torch 2.13 CPU), so no padding is needed.
-`ranks = 1` never installs this: no communication. The shards: `engine.sharding`.
+`ranks = 1` never installs this: no communication. The shards: `model.sharding`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.model import DeepseekModel, MoE
-from engine.sharding import check_shardable, expert_shard
+from model.deepseek import DeepseekModel
+from model.layers import MoE
+from model.sharding import check_shardable, expert_shard
 
 __all__ = ["ExpertParallel", "check_shardable", "expert_shard"]
 

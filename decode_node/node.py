@@ -1,6 +1,6 @@
 """The decode node's loop: reserve, receive KV, decode with continuous batching, stream tokens.
 
-`step()` is six numbered steps; socket I/O lives in the inbox/outbox (`engine.messaging`) and
+`step()` is six numbered steps; socket I/O lives in the inbox/outbox (`control.messaging`) and
 the KV receiver (`kvtransfer`), so tests run the same loop with in-process queues and receiver.
 
 Every reserved request ends in exactly one of: its StepTokens entry with a finish_reason
@@ -8,7 +8,7 @@ Every reserved request ends in exactly one of: its StepTokens entry with a finis
 timeout), Preempted (the pool ran out under on-demand reservation: `decode_node.scheduler`;
 sent after the request's tokens, the router re-prefills it), or silence after an Abort from
 the router (or after its router's lease lapsed:
-`engine.lease`). SIGTERM drains: no new reservations, the held
+`control.lease`). SIGTERM drains: no new reservations, the held
 requests finish (for at most `drain_s`), then the loop stops. Its pages
 are freed on every path in the step that ends it; while its KV is in flight they are lent to
 the receiver, and the loop takes them back (`cancel`) before freeing them. A request given up on
@@ -26,21 +26,14 @@ from typing import Any
 
 import torch
 
-from decode_node.scheduler import DecodeRequest, DecodeScheduler, DecodeState, StepOutput
-from decode_node.speculative_step import SpeculativeStep
-from decode_node.step_overlap import StepOverlap
-from engine.batch import ForwardBatch
-from engine.block_table import BlockTable
-from engine.cluster_config import DecodeNodeConfig, SlaConfig, TimeoutConfig
-from engine.cost_model import DecodeCost, RecentSamples
-from engine.errors import ConfigError, DuetError
-from engine.generate import validate_prompt
-from engine.lease import RouterLease
-from engine.logprobs import TokenLogprobs, token_logprobs
-from engine.messaging import Inbox, Outbox, StageTimes
-from engine.model import DeepseekModel
-from engine.penalties import TokenCounts
-from engine.protocol import (
+from control.cluster_config import DecodeNodeConfig, SlaConfig, TimeoutConfig
+from control.cost_model import DecodeCost, RecentSamples
+from control.errors import ConfigError, DuetError
+from control.lease import RouterLease
+from control.logprobs import TokenLogprobs
+from control.messaging import Inbox, Outbox, StageTimes
+from control.prompt import validate_prompt
+from control.protocol import (
     Abort,
     Heartbeat,
     NodeFailed,
@@ -55,10 +48,19 @@ from engine.protocol import (
     sampling_from_dict,
     step_tokens_messages,
 )
-from engine.sampling import SamplingParams, request_seed, sample
-from engine.structured import GrammarMatcher, Grammars, TokenMasks
-from engine.version import package_version
+from control.sampling_params import SamplingParams
+from control.version import package_version
+from decode_node.scheduler import DecodeRequest, DecodeScheduler, DecodeState, StepOutput
+from decode_node.speculative_step import SpeculativeStep
+from decode_node.step_overlap import StepOverlap
 from kvtransfer import KVReceiver, Rendezvous, TransferEvent, make_fingerprint
+from model.batch import ForwardBatch
+from model.deepseek import DeepseekModel
+from runtime.block_table import BlockTable
+from runtime.grammar import GrammarMatcher, Grammars, TokenMasks
+from runtime.logprobs import token_logprobs
+from runtime.penalties import TokenCounts
+from runtime.sampling import request_seed, sample
 
 log = logging.getLogger(__name__)
 
@@ -442,20 +444,20 @@ class DecodeNode:
         masks = step.masks.result()
         batch = [r for r in step.batch if r.state == DecodeState.RUNNING]
         if error is not None:
-            self._fail_forward(batch, error)
+            self.fail_forward(batch, error)
             return [], None
         if len(batch) < len(step.batch):
             keep = [i for i, r in enumerate(step.batch) if r.state == DecodeState.RUNNING]
             logits, masks = logits[keep], (None if masks is None else masks.select(keep))
-        tokens = self._sample(logits, batch, masks)
+        tokens = self.sample_tokens(logits, batch, masks)
         for request, token in zip(batch, tokens, strict=True):
-            self._advance_grammar(request, token)
+            self.advance_grammar(request, token)
         logprobs = token_logprobs(logits, tokens, [r.params.logprobs for r in batch])
         logprobs_of = {r.request_id: [lp] for r, lp in zip(batch, logprobs, strict=True) if lp}
         self._record_step(batch, time.monotonic() - step.started)
         return self.scheduler.update(batch, tokens), logprobs_of
 
-    def _fail_forward(self, batch: list[DecodeRequest], exc: Exception) -> None:
+    def fail_forward(self, batch: list[DecodeRequest], exc: Exception) -> None:
         """Fails the batch's requests loudly and keeps serving the others (fatal on a
         multi-rank node, whose collectives would no longer match)."""
         if self.forward_errors_are_fatal:
@@ -486,7 +488,7 @@ class DecodeNode:
         upper = self.scheduler.max_batch
         return self.step_cost.max_batch_within(self.tpot_s, mean_context, upper)
 
-    def _sample(
+    def sample_tokens(
         self, logits: torch.Tensor, batch: list[DecodeRequest], masks: TokenMasks | None = None
     ) -> list[int]:
         """The step's tokens. The penalties read the output counts kept by batch slot: a row is
@@ -511,7 +513,7 @@ class DecodeNode:
         counts.add(slots, tokens)
         return tokens
 
-    def _advance_grammar(self, request: DecodeRequest, token: int) -> bool:
+    def advance_grammar(self, request: DecodeRequest, token: int) -> bool:
         """The request's grammar consumes `token`; False when it refuses it (it never should: the
         token was sampled under its mask), and the request fails then."""
         if request.grammar is None or request.grammar.consume(token):

@@ -2,7 +2,7 @@
 
 Rank 0 is the process the router knows (`python -m decode_node`): it binds the control socket,
 starts ranks 1..R-1 as child processes (`python -m decode_node.ranks ... --rank r`), and the
-ranks join a gloo group (`engine.rank_group`: where they meet, how they die with rank 0).
+ranks join a gloo group (`runtime.rank_group`: where they meet, how they die with rank 0).
 
 Every rank owns its own KV pool and ZmqReceiver (rank 0 at the config's `kv_port`, the others on
 free ports: `kv_port + r` could be another node's port; all bound on `bind_host` and advertised
@@ -33,14 +33,14 @@ import time
 
 import msgpack
 
+from control import protocol
+from control.cluster_config import ClusterConfig, DecodeNodeConfig
+from control.errors import ConfigError
+from control.protocol import Abort, Heartbeat, NodeFailed, Reserve
 from decode_node.expert_parallel import ExpertParallel, check_shardable, expert_shard
 from decode_node.node import MAX_DRAIN, DecodeNode
 from decode_node.scheduler import DecodeState
-from engine import protocol
-from engine.cluster_config import ClusterConfig, DecodeNodeConfig
-from engine.errors import ConfigError
-from engine.protocol import Abort, Heartbeat, NodeFailed, Reserve
-from engine.rank_group import RankGroup, collective_timeout_s, rank_args, reap_children
+from runtime.rank_group import RankGroup, collective_timeout_s, rank_args, reap_children
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ def build_rank(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, rank: int,
                rendezvous: socket.socket | tuple[str, int], inbox, outbox, children=None,
                security=None) -> RankDecodeNode:  # fmt: skip
     """Joins the group (`rendezvous` as in RankGroup), installs expert parallelism, binds this
-    rank's KV receiver (CURVE with `security`, an engine.security.CurveSecurity; plain with
+    rank's KV receiver (CURVE with `security`, an control.security.CurveSecurity; plain with
     None)."""
     from kvtransfer import ZmqReceiver, make_fingerprint
 
@@ -261,8 +261,8 @@ def build_rank(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, rank: int,
 
 def shard_of(cluster: ClusterConfig, cfg: DecodeNodeConfig, model_dir: str | None, rank: int):
     """This rank's expert range (ConfigError if the model has fewer experts than ranks)."""
-    from engine.config import ModelConfig
-    from engine.node_process import model_dir_of
+    from control.model_config import ModelConfig
+    from runtime.node_process import model_dir_of
 
     mcfg = ModelConfig.from_model_dir(model_dir_of(cluster, model_dir))
     check_shardable(mcfg.n_routed_experts, cfg.ranks)
@@ -274,9 +274,9 @@ def worker_main(argv: list[str] | None = None) -> int:
     """`python -m decode_node.ranks --config F --node N --rank R --dist-host H --dist-port P
     [--model DIR]`
     (started by rank 0; 0 after a clean stop, 1 on failure, reported to the router)."""
-    from engine.messaging import PushSocket
-    from engine.node_process import load_model
-    from engine.security import cluster_security
+    from control.messaging import PushSocket
+    from control.security import cluster_security
+    from runtime.node_process import load_model
 
     args = rank_args("decode_node.ranks", argv)
     logging.basicConfig(

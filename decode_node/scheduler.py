@@ -3,7 +3,7 @@
 Pure bookkeeping (no model, no sockets): `reserve` / `kv_ready` / `kv_failed` / `abort` /
 `expire` / `schedule` -> running batch / `update(batch, tokens)` -> outputs.
 
-Admission reserves pages by `engine.kv_reservation`'s rule: "worst_case" holds the prompt plus
+Admission reserves pages by `control.kv_reservation`'s rule: "worst_case" holds the prompt plus
 every token the request may still generate (clipped to the context), so an admitted request
 always finishes without waiting for pages; "on_demand" (the default) holds the prompt plus
 `headroom_tokens`, and `schedule` grows each batch member's pages to cover the position it
@@ -25,7 +25,7 @@ tokens it already sent, and the router re-prefills it elsewhere or here (prompt 
 Requests join the running batch at every step (oldest ready first, up to `max_batch`) and
 leave it the step they finish; their pages are freed at once, as they are on abort and failure.
 A running request holds a batch slot in [0, max_batch) (the row of the node's per-slot sampling
-state, `engine.penalties.TokenCounts`), given back the same way.
+state, `runtime.penalties.TokenCounts`), given back the same way.
 
 An n > 1 request (`reserve(..., fork_ids)`) reserves for all its sequences at once: its own
 pages as any request, and for each fork its own part (the prompt's whole pages are shared,
@@ -48,10 +48,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import kv_reservation
-from engine.errors import OutOfPagesError
-from engine.kv_pool import KVPool, PageTable
-from engine.sampling import SamplingParams
+from control import kv_reservation
+from control.errors import OutOfPagesError
+from control.sampling_params import SamplingParams
+from model.kv_pool import KVPool, PageTable
 
 
 class DecodeState(enum.IntEnum):
@@ -73,13 +73,13 @@ class DecodeRequest:
     prompt_len: int
     params: SamplingParams
     table: PageTable
-    num_reserved: int  # tokens reserved at admission (`engine.kv_reservation`); pages may grow
+    num_reserved: int  # tokens reserved at admission (`control.kv_reservation`); pages may grow
     arrival: float
     stop_ids: frozenset[int]
-    seed: int = 0  # the random stream (engine.sampling.request_seed), resolved at reservation
+    seed: int = 0  # the random stream (runtime.sampling.request_seed), resolved at reservation
     prompt_ids: list[int] = field(default_factory=list)  # only when the sampling reads them
     priority: float = 0.0  # the router's arrival time of the request: larger is preempted first
-    # Structured output: the grammar's matcher (engine.structured), past every output token
+    # Structured output: the grammar's matcher (runtime.grammar), past every output token
     # (P's first one included once the KV is ready); None for free text.
     grammar: Any = None
     slot: int = -1  # batch slot while RUNNING
@@ -90,7 +90,7 @@ class DecodeRequest:
     ready_time: float | None = None
     finish_reason: str | None = None
     error: str = ""
-    # MTP (engine.speculative): the drafted tokens after output_ids[-1], verified next step.
+    # MTP (runtime.speculative): the drafted tokens after output_ids[-1], verified next step.
     drafts: list[int] = field(default_factory=list)
 
     @property

@@ -1,4 +1,4 @@
-"""The decode node's step with MTP speculative decoding (`mtp = true`; `engine.speculative`).
+"""The decode node's step with MTP speculative decoding (`mtp = true`; `runtime.speculative`).
 
 One step over the running batch:
 1. each speculating request feeds its last token and its drafts (at most `mtp_tokens`, fewer
@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from decode_node.scheduler import DecodeState
-from engine.kv_pool import OutOfPagesError
-from engine.logprobs import token_logprobs
-from engine.speculative import accept_tokens, draft, draftable, rows_batch
-
-if TYPE_CHECKING:
-    from decode_node.node import DecodeNode
-    from decode_node.scheduler import DecodeRequest
+from control.errors import OutOfPagesError
+from decode_node.scheduler import DecodeRequest, DecodeScheduler, DecodeState
+from model.deepseek import DeepseekModel
+from model.kv_pool import KVPool
+from runtime.block_table import BlockTable
+from runtime.grammar import Grammars, TokenMasks
+from runtime.logprobs import token_logprobs
+from runtime.speculative import accept_tokens, draft, draftable, rows_batch
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,29 @@ class MtpStats:
         return self.emitted / self.request_steps if self.request_steps else 0.0
 
 
+class DecodeSteps(Protocol):
+    """What the speculative step takes from its decode node: the model, its KV pool and block
+    table, the scheduler and grammars, and the plain step's sampling, grammar and failure
+    handling, so a speculating and a plain request sample and fail by the same rules."""
+
+    model: DeepseekModel
+    pool: KVPool
+    block_table: BlockTable
+    scheduler: DecodeScheduler
+    grammars: Grammars
+    forward_errors_are_fatal: bool
+
+    def fail_forward(self, batch: list[DecodeRequest], exc: Exception) -> None: ...
+
+    def sample_tokens(
+        self, logits: torch.Tensor, batch: list[DecodeRequest], masks: TokenMasks | None
+    ) -> list[int]: ...
+
+    def advance_grammar(self, request: DecodeRequest, token: int) -> bool: ...
+
+
 class SpeculativeStep:
-    def __init__(self, node: DecodeNode, num_draft: int):
+    def __init__(self, node: DecodeSteps, num_draft: int):
         self.node = node
         self.num_draft = num_draft
         self.stats = MtpStats()
@@ -79,7 +100,7 @@ class SpeculativeStep:
         try:
             logits, hidden = node.model.forward_with_hidden(fb, node.pool)
         except Exception as exc:
-            node._fail_forward(batch, exc)
+            node.fail_forward(batch, exc)
             return None
         finally:
             masks = pending_masks.result()
@@ -92,11 +113,11 @@ class SpeculativeStep:
         logprobs_of = {}
         if plain:
             plain_logits = logits[plain_rows]
-            sampled = node._sample(plain_logits, plain, masks)
+            sampled = node.sample_tokens(plain_logits, plain, masks)
             lps = token_logprobs(plain_logits, sampled, [r.params.logprobs for r in plain])
             index = [i for i, s in enumerate(spec) if not s]
             for i, r, token, lp in zip(index, plain, sampled, lps, strict=True):
-                emitted[i] = [token] if node._advance_grammar(r, token) else []
+                emitted[i] = [token] if node.advance_grammar(r, token) else []
                 if lp and emitted[i]:
                     logprobs_of[r.request_id] = [lp]  # one per emitted token
         stats = self.stats

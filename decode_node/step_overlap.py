@@ -32,7 +32,7 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import TypeVar
 
-from engine.kv_pool import KVPool
+from model.kv_pool import KVPool
 
 T = TypeVar("T")
 

@@ -1,5 +1,5 @@
 """`duet` command line. Each subcommand imports its implementation lazily, so `duet --help`
-stays fast. A user-facing error (engine.errors.DuetError) prints one line and exits 1."""
+stays fast. A user-facing error (control.errors.DuetError) prints one line and exits 1."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import json
 import sys
 from collections.abc import Callable
 
-from engine.errors import DuetError
-from engine.quant_schemes import QUANT_SCHEMES
-from engine.sharding import SCHEMES as PARALLEL_SCHEMES
+from control.errors import DuetError
+from control.quant_schemes import QUANT_SCHEMES
+from model.sharding import SCHEMES as PARALLEL_SCHEMES
 
 DTYPES = ("float32", "bfloat16")
 
@@ -79,7 +79,7 @@ def _add_generate(sub) -> None:
     )
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument(
-        "--quant", choices=QUANT_SCHEMES, default="none", help="weight quantization (engine.quant)"
+        "--quant", choices=QUANT_SCHEMES, default="none", help="weight quantization (model.quant)"
     )
     p.add_argument(
         "--prefill-quant", choices=QUANT_SCHEMES, help="the prefill's own, as a PD prefill node's"
@@ -104,16 +104,16 @@ def _add_generate(sub) -> None:
 def _run_generate(args) -> int:
     import torch
 
-    from engine.generate import OfflineGenerator
-    from engine.pack_cache import load_model
-    from engine.sampling import SamplingParams
-    from engine.tiny_model import ensure_tiny_model
-    from engine.tokenizer import Tokenizer
+    from control.sampling_params import SamplingParams
+    from control.tokenizer import Tokenizer
+    from model.pack_cache import load_model
     from native import ops
+    from runtime.generate import OfflineGenerator
+    from tinymodel.make import ensure_tiny_model
 
     if args.threads:
         ops.set_num_threads(args.threads)
-    from engine.errors import InvalidRequestError
+    from control.errors import InvalidRequestError
 
     if args.prompt == "":
         raise InvalidRequestError("the prompt is empty")
@@ -149,7 +149,7 @@ def _run_generate(args) -> int:
     model = load(prefill_quant)
     decode_model = None if decode_quant == prefill_quant else load(decode_quant)
     if mtp:
-        from engine.speculative_generate import SpeculativeGenerator
+        from runtime.speculative_generate import SpeculativeGenerator
 
         if decode_model is not None:
             raise InvalidRequestError("--mtp-tokens with two quantizations is not supported")
@@ -170,7 +170,7 @@ def _run_generate(args) -> int:
 
 
 def _add_pack_options(p) -> None:
-    """--pack / --weights-cache: load through a packed weight store (engine.pack_cache)."""
+    """--pack / --weights-cache: load through a packed weight store (model.pack_cache)."""
     p.add_argument("--pack", help="map this packed weight store (made by duet pack)")
     p.add_argument(
         "--weights-cache",
@@ -209,8 +209,8 @@ def _add_pack(sub) -> None:
 def _run_pack(args) -> int:
     import torch
 
-    from engine.pack_cache import build_pack, pack_spec
-    from engine.tiny_model import ensure_tiny_model
+    from model.pack_cache import build_pack, pack_spec
+    from tinymodel.make import ensure_tiny_model
 
     model_dir = args.model or str(ensure_tiny_model())
     dtype = getattr(torch, args.dtype)
@@ -237,7 +237,7 @@ def _add_make_tiny_model(sub) -> None:
 
 
 def _run_make_tiny_model(args) -> int:
-    from engine.tiny_model import make_tiny_model
+    from tinymodel.make import make_tiny_model
 
     print(make_tiny_model(args.out, seed=args.seed, random=args.random))
     return 0
@@ -253,7 +253,7 @@ def _add_keygen(sub) -> None:
 def _run_keygen(args) -> int:
     from pathlib import Path
 
-    from engine.security import KEY_FILE_NAME, security_toml, write_key_file
+    from control.security import KEY_FILE_NAME, security_toml, write_key_file
 
     out_dir = Path(args.out_dir)
     try:
@@ -314,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     _add_passthrough(sub, "bench-sweep", "bench-serve over rates and configs", "bench.sweep:main")
     _add_passthrough(
-        sub, "make-bench-model", "random V2-Lite-shaped checkpoint", "engine.bench_model:main"
+        sub, "make-bench-model", "random V2-Lite-shaped checkpoint", "tinymodel.bench_model:main"
     )
     _add_passthrough(sub, "up", "run a whole cluster on this machine", "deploy.local_cluster:main")
     _add_passthrough(sub, "status", "every node as the router sees it", "deploy.status:main")

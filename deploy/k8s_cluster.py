@@ -23,10 +23,10 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from control.cluster_config import ClusterConfig, DecodeNodeConfig, PrefillNodeConfig
+from control.errors import ConfigError
+from control.security import KEY_FILE_NAME
 from deploy.local_cluster import dump_toml
-from engine.cluster_config import ClusterConfig, DecodeNodeConfig, PrefillNodeConfig
-from engine.errors import ConfigError
-from engine.security import KEY_FILE_NAME
 
 CONFIG_DIR = "/etc/duet/config"
 CONFIG_FILE = "cluster.toml"

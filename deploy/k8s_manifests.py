@@ -16,7 +16,7 @@ ClusterConfig (and the model, for the pods' requests); `deploy.k8s_render` puts 
   DRAIN_MARGIN_S. The router ends its streams at SIGTERM and needs only ROUTER_GRACE_S.
 - A template annotation holds the TOML's digest: a changed config rolls the pods.
 - Weights cache: a node that builds its packed weights in the cache (`weights_cache = true`
-  and no `pack`, `engine.pack_cache`) gets the `weights-cache` volume at `$DUET_CACHE_DIR/packs`
+  and no `pack`, `model.pack_cache`) gets the `weights-cache` volume at `$DUET_CACHE_DIR/packs`
   (`WeightsCache`): by default a hostPath, so every pod of a host maps one copy of a pack (one
   page-cache copy per host) and a restarted pod maps the pack instead of building it again;
   or a PersistentVolumeClaim made beforehand; or none (then such a node is refused).
@@ -30,6 +30,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from control.cluster_config import ClusterConfig
+from control.errors import ConfigError
+from control.model_config import ModelConfig
 from deploy.k8s_cluster import (
     API_KEY_DIR,
     API_KEY_FILE,
@@ -41,9 +44,6 @@ from deploy.k8s_cluster import (
     config_path,
 )
 from deploy.k8s_resources import MIB, ROUTER_RESOURCES, node_resources, shm_bytes
-from engine.cluster_config import ClusterConfig
-from engine.config import ModelConfig
-from engine.errors import ConfigError
 
 IMAGE = "duet-serve:0.1.0"  # what the Dockerfile at the repository root builds
 NAMESPACE = "duet"
@@ -57,7 +57,7 @@ DRAIN_MARGIN_S = 30  # after drain_s: moving what is left, closing sockets, stop
 ROUTER_GRACE_S = 30  # the router ends every stream at SIGTERM, then uvicorn closes
 PROBE = ["python", "-m", "deploy.probe", "--config", config_path()]
 # The image's DUET_CACHE_DIR (Dockerfile), where the tiny model is baked in; the nodes build and
-# map their packs under CACHE_DIR/packs (`engine.pack_cache.cache_dir`), the volume's mount.
+# map their packs under CACHE_DIR/packs (`model.pack_cache.cache_dir`), the volume's mount.
 CACHE_DIR = f"{APP_DIR}/cache"
 PACKS_DIR = f"{CACHE_DIR}/packs"
 WEIGHTS_CACHE = "weights-cache"  # the volume's name
@@ -213,7 +213,7 @@ class WeightsCache:
 
 
 def uses_weights_cache(node) -> bool:
-    """Whether the node builds and maps its pack in the cache (`engine.pack_cache.load_model`):
+    """Whether the node builds and maps its pack in the cache (`model.pack_cache.load_model`):
     an explicit `pack` is mapped from its own path instead."""
     return node.weights_cache and not node.pack
 

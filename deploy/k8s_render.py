@@ -27,6 +27,9 @@ import re
 import sys
 from pathlib import Path
 
+from control.cluster_config import ClusterConfig
+from control.errors import ConfigError
+from control.model_config import ModelConfig
 from deploy.k8s_cluster import (
     API_KEY_FILE,
     KEY_FILE,
@@ -50,9 +53,6 @@ from deploy.k8s_manifests import (
     router_manifests,
 )
 from deploy.k8s_yaml import dump_all
-from engine.cluster_config import ClusterConfig
-from engine.config import ModelConfig
-from engine.errors import ConfigError
 
 KUSTOMIZE = "kustomize.config.k8s.io/v1beta1"
 _LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -228,9 +228,9 @@ def _model_config(cluster: ClusterConfig, path: str | None) -> ModelConfig:
                 "a copy of the checkpoint's config.json to size the pods"
             )
         return ModelConfig.from_model_dir(cluster.model)
-    from engine.tiny_model import ensure_tiny_model
+    from control.builtin_model import ensure_builtin_model
 
-    return ModelConfig.from_model_dir(ensure_tiny_model())
+    return ModelConfig.from_model_dir(ensure_builtin_model())
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

@@ -3,15 +3,15 @@
     memory = (weights + KV pool) * MARGIN + processes * RUNTIME_BYTES + shm  (rounded up to MiB)
     cpu    = threads * processes
 
-- weights: every tensor of the checkpoint (`engine.weight_names.checkpoint_shapes`, from the
+- weights: every tensor of the checkpoint (`model.weight_names.checkpoint_shapes`, from the
   model's config.json) at the cluster dtype, the router gate and bias in float32 as loaded
-  (`engine.weights.keeps_fp32`), except the matrices the node's `quant` scheme quantizes
-  (`engine.quant_schemes.quantized_bytes`: a byte per weight plus scales). An FP8 checkpoint on
+  (`model.weights.keeps_fp32`), except the matrices the node's `quant` scheme quantizes
+  (`control.quant_schemes.quantized_bytes`: a byte per weight plus scales). An FP8 checkpoint on
   a quant = "none" node is dequantized at load, so it counts at the cluster dtype. A decode
   node of `ranks` R runs R processes, each with the full attention, dense and shared-expert
-  weights and its own shard of the routed experts (`engine.sharding.expert_shard`); a prefill
+  weights and its own shard of the routed experts (`model.sharding.expert_shard`); a prefill
   node of `ranks` R (tensor parallel) runs R processes, each with its share of the heads, MLP
-  and shared-expert columns (`engine.sharding.shard_shape`) and routed experts, and the
+  and shared-expert columns (`model.sharding.shard_shape`) and routed experts, and the
   embedding, head, latent projections and norms whole ("tp_sp": its share of the heads' own
   projections, everything else whole).
 - KV pool: `num_layers * num_pages * page_size * kv_row_width * dtype bytes` per process (each
@@ -38,13 +38,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.cluster_config import DecodeNodeConfig, PrefillNodeConfig
-from engine.config import ModelConfig
-from engine.quant_schemes import is_quantized, quantized_bytes
-from engine.sharding import check_tensor_parallel, expert_shard, shard_shape
-from engine.tensor_parallel import SHM_CAPACITY
-from engine.weight_names import checkpoint_shapes, mtp_shapes
-from engine.weights import keeps_fp32
+from control.cluster_config import DecodeNodeConfig, PrefillNodeConfig
+from control.model_config import ModelConfig
+from control.quant_schemes import is_quantized, quantized_bytes
+from model.sharding import SHM_CAPACITY, check_tensor_parallel, expert_shard, shard_shape
+from model.weight_names import checkpoint_shapes, keeps_fp32, mtp_shapes
 
 MIB = 1 << 20
 RUNTIME_BYTES = 512 * MIB  # per process: interpreter, torch, ZeroMQ (measured ~250 MiB)
@@ -111,7 +109,7 @@ def kv_pool_bytes(
 
 def shm_bytes(node: PrefillNodeConfig | DecodeNodeConfig) -> int:
     """/dev/shm a node uses: a tensor-parallel prefill node's segment over the shared-memory
-    collectives (`engine.tensor_parallel`: two buffers of a slot a rank), plus a MiB of slack;
+    collectives (`model.tensor_parallel`: two buffers of a slot a rank), plus a MiB of slack;
     0 for every other node."""
     if not isinstance(node, PrefillNodeConfig) or node.ranks == 1 or node.all_reduce != "shm":
         return 0

@@ -31,11 +31,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from control.cluster_config import ClusterConfig
+from control.errors import ConfigError
+from control.quant_schemes import QUANT_SCHEMES
+from control.security import KEY_FILE_NAME, with_ephemeral_keys
 from deploy.supervisor import Supervisor
-from engine.cluster_config import ClusterConfig
-from engine.errors import ConfigError
-from engine.quant_schemes import QUANT_SCHEMES
-from engine.security import KEY_FILE_NAME, with_ephemeral_keys
 
 try:
     import tomllib
@@ -161,9 +161,9 @@ def resolve_config(args: argparse.Namespace) -> dict:
         raw["model"] = str(Path(args.model).resolve())
     ClusterConfig.from_dict(raw)  # validate before spending time on the model
     if not raw.get("model"):
-        from engine.tiny_model import ensure_tiny_model
+        from control.builtin_model import ensure_builtin_model
 
-        raw["model"] = str(ensure_tiny_model())
+        raw["model"] = str(ensure_builtin_model())
     elif not Path(raw["model"]).is_dir():
         raise ConfigError(f"model directory {raw['model']!r} does not exist")
     return raw

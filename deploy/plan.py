@@ -6,7 +6,7 @@
 
 1. Profile (`deploy.plan_profile`): prefill forwards by length and decode steps by batch size,
    at each candidate thread count, on this machine (or read a saved profile).
-2. Fit each thread count's cost models (`engine.cost_model`, plain least squares).
+2. Fit each thread count's cost models (`control.cost_model`, plain least squares).
 3. For every layout that fits the hosts (x prefill nodes of tp threads, y decode nodes of td
    threads, nodes packed first-fit onto hosts of C cores; the router's own core is not counted),
    simulate the cluster at the rate (`deploy.plan_model`) and predict the SLA attainment.
@@ -27,10 +27,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from control.cost_model import DecodeCost, PrefillCost
+from control.errors import DuetError
 from deploy.plan_model import DEFAULT_OVERHEAD_S, Layout, Prediction, Workload, simulate
 from deploy.plan_profile import RoleProfile, profile_roles
-from engine.cost_model import DecodeCost, PrefillCost
-from engine.errors import DuetError
 
 FIT_PRIOR_WEIGHT = 1e-6  # the profile is the data: the fit must not lean on a CPU prior
 TOP_ROWS = 12
@@ -240,11 +240,11 @@ def thread_counts(spec: str, cores_per_host: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.tiny_model import ensure_tiny_model
+    from control.builtin_model import ensure_builtin_model
 
     args = parse_args(argv)
     args.model_is_default = not args.model
-    args.model = args.model or str(ensure_tiny_model())
+    args.model = args.model or str(ensure_builtin_model())
     workload = Workload(
         args.input_len, args.output_len, args.rate, args.sla_ttft_ms / 1000, args.sla_tpot_ms / 1000
     )

@@ -1,6 +1,6 @@
 """The planner's predictions: a discrete-event simulation of an xPyD cluster under Poisson load.
 
-The nodes are the fitted cost models of `engine.cost_model`: a prompt's prefill takes
+The nodes are the fitted cost models of `control.cost_model`: a prompt's prefill takes
 `PrefillCost.predict_prompt(L, 0, chunk)` seconds, a decode step of n running requests holding C
 context tokens in all takes `DecodeCost.predict(n, C)`. The simulated cluster behaves as the
 real one schedules:
@@ -31,7 +31,7 @@ import random
 import statistics
 from dataclasses import dataclass
 
-from engine.cost_model import DecodeCost, PrefillCost
+from control.cost_model import DecodeCost, PrefillCost
 
 DEFAULT_OVERHEAD_S = 0.010
 DEFAULT_NUM_REQUESTS = 2000

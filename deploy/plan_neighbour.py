@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from engine.batch import ForwardBatch
-from engine.model import DeepseekModel
+from model.batch import ForwardBatch
+from model.deepseek import DeepseekModel
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from bench.kernels import time_call
-from engine.batch import ForwardBatch
-from engine.errors import DuetError
-from engine.model import DeepseekModel
+from control.errors import DuetError
+from model.batch import ForwardBatch
+from model.deepseek import DeepseekModel
+from native.timing import time_call
 
 PROFILE_VERSION = 1
 

@@ -30,8 +30,8 @@ import sys
 import urllib.error
 import urllib.request
 
-from engine.cluster_config import ClusterConfig
-from engine.errors import ConfigError
+from control.cluster_config import ClusterConfig
+from control.errors import ConfigError
 
 TIMEOUT_S = 3.0
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": None}

@@ -15,8 +15,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from engine.cluster_config import ClusterConfig
-from engine.errors import ConfigError, DuetError
+from control.cluster_config import ClusterConfig
+from control.errors import ConfigError, DuetError
 
 TIMEOUT_S = 10.0
 

@@ -13,10 +13,10 @@ import itertools
 import threading
 from typing import Any
 
-from engine.kv_pool import KVPool
 from kvtransfer.receiver_core import ReceiverCore
 from kvtransfer.sender_core import ChunkItem, SenderCore, check_ack, frames_of
 from kvtransfer.wire import HelloAck, KVTransferError, Message, encode
+from model.kv_pool import KVPool
 
 _registry: dict[str, InprocReceiver] = {}
 _registry_lock = threading.Lock()

@@ -41,8 +41,8 @@ from typing import Any, Literal
 
 import torch
 
-from engine.kv_pool import KVPool, PageTable
 from kvtransfer.wire import Rendezvous
+from model.kv_pool import KVPool, PageTable
 
 
 class DropReason:

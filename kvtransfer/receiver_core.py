@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from engine.kv_pool import KVPool, PageTable
 from kvtransfer.interface import DropReason, KVReceiver, ReceiverStats, TransferEvent
 from kvtransfer.wire import (
     DTYPE_NAMES,
@@ -39,6 +38,7 @@ from kvtransfer.wire import (
     payload_rows,
     peek_kind,
 )
+from model.kv_pool import KVPool, PageTable
 
 log = logging.getLogger(__name__)
 

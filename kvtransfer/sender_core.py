@@ -17,7 +17,7 @@ import logging
 import threading
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -48,10 +48,15 @@ from kvtransfer.wire import (
     fingerprint_mismatch,
 )
 
-if TYPE_CHECKING:
-    from kvtransfer.faults import FaultInjector
-
 log = logging.getLogger(__name__)
+
+
+class ItemInterceptor(Protocol):
+    """Takes a sender's numbered items in place of the transport, and puts them out through
+    the sender later, changed or not (`kvtransfer.faults.FaultInjector` is one)."""
+
+    def submit(self, item: Any) -> None: ...
+
 
 # Bounds on what a receiver can make a sender hold: cancels not yet polled (more are dropped and
 # counted) and rendezvous remembered as cancelled (the oldest is forgotten first).
@@ -115,7 +120,7 @@ class SenderCore(KVSender):
         self._error: KVTransferError | None = None  # sticky: the first failure breaks the sender
         # Tests only: when set, every numbered item goes through it (it may drop, duplicate,
         # delay, reorder or corrupt it) on its way to `_submit`. None costs one check a message.
-        self.faults: FaultInjector | None = None
+        self.faults: ItemInterceptor | None = None
         # The way back (filled by the transport's I/O thread, under _cancel_lock).
         self._cancel_lock = threading.Lock()
         self._cancels: deque[tuple[Rendezvous, str]] = deque()  # not yet polled

@@ -39,7 +39,7 @@ import msgpack
 import torch
 import xxhash
 
-from engine.errors import DuetError
+from control.errors import DuetError
 
 # 2: per-request headers carry `hcrc`; 3: kv_done carries `fork`; 4: and `draft` (MTP)
 PROTOCOL_VERSION = 4

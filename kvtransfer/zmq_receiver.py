@@ -4,7 +4,7 @@ one DEALER (`kvtransfer.zmq_sender`).
 Wire: every message is multipart, [header] or [header, payload] (see `wire`); the payload is
 received zero-copy (the zmq frame's buffer is viewed as a tensor and copied once, into the
 pool). The ROUTER learns each DEALER's routing id from its `hello` and drops data from ids that
-never completed a handshake. With a `security` (engine.security.CurveSecurity) the ROUTER is a
+never completed a handshake. With a `security` (control.security.CurveSecurity) the ROUTER is a
 CURVE server, and a peer without the cluster keys never gets a frame to the receiver. Every
 socket wait is a poll with a timeout; `close` joins the thread with a timeout; LINGER is 0 so
 closing never hangs on an unreachable peer.
@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from engine.kv_pool import KVPool
 from kvtransfer.receiver_core import ReceiverCore
 from kvtransfer.wire import (
     KVTransferError,
     encode,
 )
+from model.kv_pool import KVPool
 
 if TYPE_CHECKING:
-    from engine.security import CurveSecurity
+    from control.security import CurveSecurity
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 (`kvtransfer.zmq_receiver`), fed by a bounded queue and a send thread.
 
 The payload is sent zero-copy (`copy=False` on a byte view of the contiguous rows tensor).
-With a `security` (engine.security.CurveSecurity) the DEALER is a CURVE client. The send thread
+With a `security` (control.security.CurveSecurity) the DEALER is a CURVE client. The send thread
 reads the receiver's `kv_cancel` frames between sends (within POLL_MS when idle).
 """
 
@@ -29,7 +29,7 @@ from kvtransfer.wire import (
 )
 
 if TYPE_CHECKING:
-    from engine.security import CurveSecurity
+    from control.security import CurveSecurity
 
 log = logging.getLogger(__name__)
 

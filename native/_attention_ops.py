@@ -11,17 +11,11 @@ import torch
 
 from native import reference
 from native._tags import DTYPE_TAGS
+from native.switch import kernels as _kernels
 
 # The element dtypes these kernels take (their tags: native/_tags.py).
 _DTYPE_TAGS = {dtype: DTYPE_TAGS[dtype] for dtype in (torch.float32, torch.bfloat16)}
 _MAX_HEAD_DIM = 1024
-
-
-def _kernels():
-    """The extension module when the native path is on, else None (checked at call time)."""
-    from native import ops
-
-    return ops._C if ops.native_available() else None
 
 
 def _covered(*tensors: torch.Tensor) -> bool:

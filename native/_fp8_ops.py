@@ -19,23 +19,14 @@ import torch.nn.functional as F
 from native import reference
 from native._gemm_ops import _kernel_input  # the bf16 kernel's input rules
 from native._tags import DTYPE_TAGS
-
-try:
-    from native import _C
-except ImportError:  # not built: every call takes the reference path
-    _C = None
+from native.switch import extension as _C
+from native.switch import native_available as _native_on
 
 _BLOCK_N = 32
 _TAG_F32, _TAG_BF16, _TAG_FP8 = (
     DTYPE_TAGS[t] for t in (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
 )
 _NAN_MAGNITUDE = 0x7F  # e4m3fn NaN: 0x7f and 0xff
-
-
-def _native_on() -> bool:
-    from native import ops  # ops imports this module; its switch is read at call time
-
-    return ops.native_available()
 
 
 def _pack(w_fp8: torch.Tensor) -> torch.Tensor:

@@ -18,19 +18,10 @@ import torch.nn.functional as F
 
 from native import reference
 from native._tags import tags
-
-try:
-    from native import _C
-except ImportError:  # not built: every call takes the reference path
-    _C = None
+from native.switch import extension as _C
+from native.switch import native_available as _native_on
 
 _BLOCK_N = 32
-
-
-def _native_on() -> bool:
-    from native import ops  # ops imports this module; its switch is read at call time
-
-    return ops.native_available()
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

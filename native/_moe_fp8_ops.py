@@ -30,22 +30,13 @@ from native._gemm_ops import (
     take_expert,
 )
 from native._tags import DTYPE_TAGS
-
-try:
-    from native import _C
-except ImportError:  # not built: every call takes the reference path
-    _C = None
+from native.switch import extension as _C
+from native.switch import native_available as _native_on
 
 FP8 = torch.float8_e4m3fn
 _TAG_F32, _TAG_BF16, _TAG_FP8, _TAG_I32 = (
     DTYPE_TAGS[t] for t in (torch.float32, torch.bfloat16, FP8, torch.int32)
 )
-
-
-def _native_on() -> bool:
-    from native import ops  # ops imports this module; its switch is read at call time
-
-    return ops.native_available()
 
 
 class PackedExpertsFp8:

@@ -23,11 +23,8 @@ from native._gemm_ops import (
     routing_tensors,
 )
 from native._tags import tags
-
-try:
-    from native import _C
-except ImportError:  # not built: every call takes the reference path
-    _C = None
+from native.switch import extension as _C
+from native.switch import native_available as _native_on
 
 
 class PackedExpertsInt8:
@@ -63,10 +60,6 @@ class PackedExpertsInt8:
 
     def __repr__(self) -> str:
         return f"PackedExpertsInt8(shape={tuple(self.shape)})"
-
-
-def _native_on() -> bool:
-    return _quant_ops._native_on()
 
 
 def prepack_experts_int8(w13: torch.Tensor | list, w2: torch.Tensor | list):

@@ -17,11 +17,8 @@ import torch.nn.functional as F
 
 from native import reference
 from native._tags import DTYPE_TAGS
-
-try:
-    from native import _C
-except ImportError:  # not built: every call takes the reference path
-    _C = None
+from native.switch import extension as _C
+from native.switch import native_available as _native_on
 
 _BLOCK_N = 16
 _GROUP_K = 4
@@ -29,12 +26,6 @@ _MAX_K = 65536  # kInt8MaxK of gemm_int8.h: the kernel's u8 x s8 sums must fit i
 # dtype tags of native/csrc/common.h's DType (the binding checks every pointer's tag).
 _TAGS = DTYPE_TAGS  # native/_tags.py
 _X_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _native_on() -> bool:
-    from native import ops  # ops imports this module; its switch is read at call time
-
-    return ops.native_available()
 
 
 class PackedLinearInt8:

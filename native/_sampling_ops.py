@@ -12,13 +12,7 @@ import torch
 
 from native import reference_sampling
 from native._tags import tags
-
-
-def _kernels():
-    """The extension module when the native path is on, else None (checked at call time)."""
-    from native import ops
-
-    return ops._C if ops.native_available() else None
+from native.switch import kernels as _kernels
 
 
 def _int64_rows(t: torch.Tensor, rows: int, name: str) -> torch.Tensor:

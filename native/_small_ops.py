@@ -13,11 +13,8 @@ import torch
 
 from native import reference
 from native._tags import DTYPE_TAGS
-
-try:
-    from native import _C
-except ImportError:  # not built: the reference ops are used
-    _C = None
+from native.switch import extension as _C
+from native.switch import native_available as _native_on
 
 # The element dtypes these kernels take (their tags: native/_tags.py).
 _DTYPE_TAG = {dtype: DTYPE_TAGS[dtype] for dtype in (torch.float32, torch.bfloat16)}
@@ -27,7 +24,7 @@ _GROUP_METHOD = {"greedy": 0, "noaux_tc": 1}
 
 def _on(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
     """True when the kernels are enabled and the tensors live on the CPU."""
-    return x.is_cpu and (weight is None or weight.is_cpu) and ops.native_available()
+    return x.is_cpu and (weight is None or weight.is_cpu) and _native_on()
 
 
 def _row_view(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -206,11 +203,7 @@ def checksum(data: torch.Tensor) -> int:
     store verifies every tensor it maps with it)."""
     if not data.is_contiguous():
         raise ValueError("checksum: the tensor must be contiguous")
-    if data.device.type != "cpu" or not ops.native_available():
+    if data.device.type != "cpu" or not _native_on():
         return reference.checksum(data)
     raw = data.detach().view(-1).view(torch.uint8)
     return _C.checksum(raw.data_ptr(), DTYPE_TAGS[raw.dtype], raw.numel())
-
-
-# Imported last: native.ops imports this module, and the wrappers only read ops at call time.
-from native import ops  # noqa: E402

@@ -8,10 +8,6 @@ docstrings in `native/reference.py`. Set DUET_NATIVE=0 to force the reference pa
 
 from __future__ import annotations
 
-import os
-
-import torch
-
 from native import (
     _attention_ops,
     _fp8_ops,
@@ -23,31 +19,7 @@ from native import (
     _small_ops,
     reference,
 )
-
-try:
-    from native import _C
-except ImportError:  # not built: everything falls back to the reference ops
-    _C = None
-
-_NATIVE_ENABLED = _C is not None and os.environ.get("DUET_NATIVE", "1") != "0"
-
-
-def native_available() -> bool:
-    return _NATIVE_ENABLED
-
-
-def set_native_enabled(enabled: bool) -> None:
-    """Switches every op between the kernels and the reference twins (tests compare both)."""
-    global _NATIVE_ENABLED
-    _NATIVE_ENABLED = bool(enabled) and _C is not None
-
-
-def set_num_threads(num_threads: int) -> None:
-    """Threads used by the kernels (and by torch, for the ops still on the reference path)."""
-    torch.set_num_threads(num_threads)
-    if _C is not None:
-        _C.set_num_threads(num_threads)
-
+from native.switch import native_available, set_native_enabled, set_num_threads  # noqa: F401
 
 # Ops not yet backed by a kernel are the reference twins themselves.
 rms_norm = _small_ops.rms_norm

@@ -1,4 +1,4 @@
-"""The packed weights as plain state: what a packed weight store (engine/weight_pack.py) writes
+"""The packed weights as plain state: what a packed weight store (model/weight_pack.py) writes
 and maps back.
 
 `to_state(obj, put)` turns what a prepack op returned (a packed class of this package, a plain

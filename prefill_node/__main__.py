@@ -1,5 +1,5 @@
 """`python -m prefill_node --config FILE --node NAME [--model DIR]`: start one prefill node
-(the process shell, signals and READY/FAILED reporting are in engine/node_process.py).
+(the process shell, signals and READY/FAILED reporting are in runtime/node_process.py).
 
 With `ranks = R > 1` this process is rank 0 of a tensor-parallel node: it starts ranks 1..R-1
 (`prefill_node.ranks`) before loading its own shard, so the ranks load in parallel; with
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from engine.cluster_config import ClusterConfig, PrefillNodeConfig
-from engine.node_process import load_model, model_dir_of, run_node_process
-from engine.rank_group import RankZero
+from control.cluster_config import ClusterConfig, PrefillNodeConfig
+from runtime.node_process import load_model, model_dir_of, run_node_process
+from runtime.rank_group import RankZero
 
 
 def _build(cluster: ClusterConfig, cfg: PrefillNodeConfig, model, inbox, outbox, security,
@@ -38,17 +38,17 @@ def _build(cluster: ClusterConfig, cfg: PrefillNodeConfig, model, inbox, outbox,
 
 
 class _Rank0(RankZero):
-    """Loader and builder of the node's process: pinned to its cores (`engine.placement`); with
+    """Loader and builder of the node's process: pinned to its cores (`control.placement`); with
     R > 1 ranks, rank 0 that starts the others and joins their group."""
 
     def load(self, cluster: ClusterConfig, cfg: PrefillNodeConfig, model_dir: str | None):
-        from engine.placement import place_rank
+        from control.placement import place_rank
 
         if cfg.ranks == 1:
             place_rank(cfg, 0)
             return load_model(cluster, cfg, model_dir)
-        from engine.config import ModelConfig
-        from engine.sharding import check_tensor_parallel
+        from control.model_config import ModelConfig
+        from model.sharding import check_tensor_parallel
 
         model_dir = model_dir_of(cluster, model_dir)
         mcfg = ModelConfig.from_model_dir(model_dir)

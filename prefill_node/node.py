@@ -1,11 +1,11 @@
 """The prefill node's loop: chunked prefill, KV streamed to decode nodes, first token to the router.
 
-`step()` is five numbered steps; socket I/O lives in the inbox/outbox (`engine.messaging`) and
+`step()` is five numbered steps; socket I/O lives in the inbox/outbox (`control.messaging`) and
 the KV senders (`kvtransfer`), so tests run the same loop with in-process queues and senders.
 
 Every request ends in exactly one of: FirstToken to the router plus kv_done to D (finished), or
 RequestError to the router plus kv_abort to D (failed), or silence after an Abort from the router
-(plus kv_abort to D), also when its router's lease lapses (`engine.lease`), or silence after a
+(plus kv_abort to D), also when its router's lease lapses (`control.lease`), or silence after a
 kv_cancel from D (D gave up on it, and has told the router, or heard from it). Its pages are freed
 on every path before the step returns. SIGTERM drains: the queued requests (and any Prefill
 already on its way) are finished, for at most `drain_s`, then the loop stops.
@@ -21,17 +21,14 @@ from typing import Any
 
 import torch
 
-from engine.batch import ForwardBatch
-from engine.cluster_config import PrefillNodeConfig, TimeoutConfig
-from engine.cost_model import RecentSamples
-from engine.errors import DuetError
-from engine.generate import validate_prompt
-from engine.lease import RouterLease
-from engine.logprobs import TokenLogprobs, token_logprobs
-from engine.messaging import Inbox, Outbox, StageTimes
-from engine.model import DeepseekModel
-from engine.penalties import PastTokens
-from engine.protocol import (
+from control.cluster_config import PrefillNodeConfig, TimeoutConfig
+from control.cost_model import RecentSamples
+from control.errors import DuetError
+from control.lease import RouterLease
+from control.logprobs import TokenLogprobs
+from control.messaging import Inbox, Outbox, StageTimes
+from control.prompt import validate_prompt
+from control.protocol import (
     Abort,
     FirstToken,
     Heartbeat,
@@ -44,14 +41,19 @@ from engine.protocol import (
     Shutdown,
     sampling_from_dict,
 )
-from engine.sampling import SamplingParams, request_seed, sample
-from engine.speculative import ahead_tokens
-from engine.structured import GrammarMatcher, Grammars
-from engine.version import package_version
+from control.sampling_params import SamplingParams
+from control.version import package_version
 from kvtransfer import KVSender, KVTransferError, Rendezvous, make_fingerprint
+from model.batch import ForwardBatch
+from model.deepseek import DeepseekModel
 from prefill_node.kv_senders import SenderPool
 from prefill_node.prefix_cache import PrefixCache
 from prefill_node.scheduler import Chunk, PrefillRequest, PrefillScheduler, PrefillState
+from runtime.grammar import GrammarMatcher, Grammars
+from runtime.logprobs import token_logprobs
+from runtime.penalties import PastTokens
+from runtime.sampling import request_seed, sample
+from runtime.speculative import ahead_tokens
 
 log = logging.getLogger(__name__)
 

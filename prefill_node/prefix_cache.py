@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from engine.kv_pool import KVPool
+from model.kv_pool import KVPool
 
 
 @dataclass(eq=False)

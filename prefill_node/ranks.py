@@ -1,5 +1,5 @@
 """A prefill node of `ranks` > 1 processes: tensor parallelism (issue 14), `parallel = "tp"`
-(`engine.tensor_parallel`) or "tp_sp" (sequence-split, `engine.sequence_parallel`).
+(`model.tensor_parallel`) or "tp_sp" (sequence-split, `model.sequence_parallel`).
 
 Rank 0 (`python -m prefill_node`) is the node the router knows: its loop schedules, samples and
 streams the KV as a one-rank node does. Before each forward it broadcasts the batch (the
@@ -17,7 +17,7 @@ A rank that dies: rank 0's watchdog (a thread that polls its children) aborts th
 all-reduce, so every rank's wait ends at once (a gloo all-reduce fails by itself once the dead
 rank's sockets close; a hung rank hits the group's timeout). The failed forward is fatal on rank
 0: NodeFailed, then its requests' errors, which the router moves to another prefill node. Ranks
-1..R-1 die with rank 0 (`engine.rank_group.die_with_parent`).
+1..R-1 die with rank 0 (`runtime.rank_group.die_with_parent`).
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from collections.abc import Callable
 import msgpack
 import torch
 
-from engine.batch import ForwardBatch
-from engine.cluster_config import ClusterConfig, PrefillNodeConfig
-from engine.errors import ConfigError
-from engine.rank_group import RankGroup, collective_timeout_s, rank_args, reap_children
-from engine.sequence_parallel import install_sequence_parallel
-from engine.tensor_parallel import gloo_all_reduce, install_tensor_parallel, shm_all_reduce
+from control.cluster_config import ClusterConfig, PrefillNodeConfig
+from control.errors import ConfigError
+from model.batch import ForwardBatch
+from model.sequence_parallel import install_sequence_parallel
+from model.tensor_parallel import gloo_all_reduce, install_tensor_parallel, shm_all_reduce
 from prefill_node.node import PrefillNode
+from runtime.rank_group import RankGroup, collective_timeout_s, rank_args, reap_children
 
 log = logging.getLogger(__name__)
 
@@ -236,8 +236,8 @@ def worker_main(argv: list[str] | None = None) -> int:
     failure (rank 0 reports the node). Started on another host (`rank_hosts`; by
     `deploy/launch_prefill_rank.sh`): it serves every rank 0 that comes (a restarted one
     too), until a signal stops it."""
-    from engine.node_process import load_model
-    from engine.placement import place_rank
+    from control.placement import place_rank
+    from runtime.node_process import load_model
 
     args = rank_args("prefill_node.ranks", argv)
     logging.basicConfig(

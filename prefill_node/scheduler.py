@@ -23,11 +23,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.cost_model import prompt_features
-from engine.errors import InvalidRequestError, OutOfPagesError
-from engine.kv_pool import KVPool, PageTable
-from engine.logprobs import TokenLogprobs
-from engine.sampling import SamplingParams
+from control.cost_model import prompt_features
+from control.errors import InvalidRequestError, OutOfPagesError
+from control.logprobs import TokenLogprobs
+from control.sampling_params import SamplingParams
+from model.kv_pool import KVPool, PageTable
 from prefill_node.prefix_cache import PrefixCache, PrefixMatch
 
 
@@ -59,7 +59,7 @@ class PrefillRequest:
     num_cached: int = 0
     num_shared_pages: int = 0
     cache_match: PrefixMatch | None = None
-    # Structured output: the grammar's matcher (engine.structured), whose mask constrains the
+    # Structured output: the grammar's matcher (runtime.grammar), whose mask constrains the
     # first token; None for free text.
     grammar: Any = None
 

@@ -2,7 +2,7 @@
 
 Reads the cluster config (the same file every node reads), loads the tokenizer and the model's
 config.json (no weights), binds the control socket the nodes report to (CURVE with the cluster
-keys of [security], see engine.security), and serves HTTP until SIGINT/SIGTERM (a graceful
+keys of [security], see control.security), and serves HTTP until SIGINT/SIGTERM (a graceful
 shutdown, then exit status 0).
 """
 
@@ -14,20 +14,20 @@ import logging
 import sys
 from pathlib import Path
 
-from engine.errors import DuetError
+from control.errors import DuetError
 
 
 def build_app(cfg, model_dir: str | None = None, security=None):
     """The FastAPI app for a `ClusterConfig`, and the (host, port) it should listen on (the
     router's `bind_host`, else its `host`).
-    `security` (an engine.security.CurveSecurity) makes the node sockets CURVE; None: plain."""
-    from engine.config import ModelConfig
-    from engine.tiny_model import ensure_tiny_model
-    from engine.tokenizer import Tokenizer
+    `security` (an control.security.CurveSecurity) makes the node sockets CURVE; None: plain."""
+    from control.builtin_model import ensure_builtin_model
+    from control.model_config import ModelConfig
+    from control.tokenizer import Tokenizer
     from router.app import ModelInfo, create_app
     from router.core import Router
 
-    model_dir = model_dir or cfg.model or str(ensure_tiny_model())
+    model_dir = model_dir or cfg.model or str(ensure_builtin_model())
     model_cfg = ModelConfig.from_model_dir(model_dir)
     tokenizer = Tokenizer(model_dir)
     router = Router(
@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     request_log.configure()  # one bare JSON line per request end
     import dataclasses
 
-    from engine.cluster_config import ClusterConfig
-    from engine.security import cluster_security
+    from control.cluster_config import ClusterConfig
+    from control.security import cluster_security
 
     try:
         cfg = ClusterConfig.load(args.config)

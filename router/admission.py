@@ -1,7 +1,7 @@
 """SLA admission: the router predicts each request's TTFT on every prefill node and, when no node
 can meet `[sla] ttft_ms`, applies `[sla] admission` ("reject" | "queue" | "none").
 
-Per prefill node a `PrefillCost`, per decode node a `DecodeCost` (`engine.cost_model`), fed by
+Per prefill node a `PrefillCost`, per decode node a `DecodeCost` (`control.cost_model`), fed by
 the timing samples in the nodes' heartbeats (the prior until the first). The prediction for a
 prompt of L tokens on prefill node n (chunk size C_n, cost model P_n):
 
@@ -40,9 +40,9 @@ from dataclasses import dataclass
 
 from prometheus_client.core import GaugeMetricFamily
 
-from engine.cluster_config import ClusterConfig
-from engine.cost_model import DecodeCost, PrefillCost, prompt_features
-from engine.protocol import Heartbeat
+from control.cluster_config import ClusterConfig
+from control.cost_model import DecodeCost, PrefillCost, prompt_features
+from control.protocol import Heartbeat
 from router.nodes import NodeState
 from router.state import RouterError, RouterRequest
 

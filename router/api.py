@@ -18,9 +18,9 @@ from typing import Any, ClassVar, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.errors import InvalidRequestError
-from engine.logprobs import MAX_LOGPROBS
-from engine.sampling import MAX_SEQUENCES, SamplingParams
+from control.errors import InvalidRequestError
+from control.logprobs import MAX_LOGPROBS
+from control.sampling_params import MAX_SEQUENCES, SamplingParams
 from router.unknown_fields import CHAT, GENERATION_KINDS, PROMPT, ignored_fields_headers, refusal
 
 log = logging.getLogger("router")

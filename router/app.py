@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.tokenizer import Tokenizer
+from control.tokenizer import Tokenizer
 from router.api import (
     ApiError,
     ChatCompletionRequest,

@@ -18,8 +18,8 @@ import hmac
 from collections.abc import Iterable
 from pathlib import Path
 
-from engine.cluster_config import SecurityConfig
-from engine.errors import ConfigError
+from control.cluster_config import SecurityConfig
+from control.errors import ConfigError
 
 ANONYMOUS = -1  # the key id of every request when the gateway is open
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from engine.cluster_config import ClusterConfig, DecodeNodeConfig, PrefillNodeConfig
-from engine.version import package_version
+from control.cluster_config import ClusterConfig, DecodeNodeConfig, PrefillNodeConfig
+from control.version import package_version
 from router.nodes import NodeRegistry, NodeState
 
 _SHORT_DTYPE = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}

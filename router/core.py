@@ -27,8 +27,8 @@ import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.cluster_config import ClusterConfig
-from engine.protocol import (
+from control.cluster_config import ClusterConfig
+from control.protocol import (
     Abort,
     FirstToken,
     Heartbeat,
@@ -39,8 +39,8 @@ from engine.protocol import (
     ReserveReply,
     StepTokens,
 )
-from engine.sampling import SamplingParams
-from engine.security import CurveSecurity
+from control.sampling_params import SamplingParams
+from control.security import CurveSecurity
 from router.admission import AdmissionControl, CostModelCollector
 from router.dispatch import RequestDispatch
 from router.health import NodeHealth
@@ -74,7 +74,7 @@ class Router(RequestDispatch, OutputOrdering, NodeHealth, NodeLossRecovery, Watc
         max_positions: the model's context length.
         fingerprint: the model's `ModelConfig.fingerprint()`; nodes reporting another are
             refused (marked dead) at NodeReady.
-        security: the cluster's CURVE keys (`engine.security.cluster_security`) for the
+        security: the cluster's CURVE keys (`control.security.cluster_security`) for the
             sockets; None for plain ones.
     """
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from engine.protocol import Abort, Prefill, Reserve, ReserveReply, sampling_to_dict
+from control.protocol import Abort, Prefill, Reserve, ReserveReply, sampling_to_dict
 from router.nodes import NodeState
 from router.state import RETRY_AFTER_S, ErrorEvent, RequestState, RouterError, RouterRequest
 

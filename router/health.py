@@ -19,7 +19,7 @@ import contextlib
 import logging
 from typing import Any
 
-from engine.protocol import Heartbeat, NodeFailed, NodeReady
+from control.protocol import Heartbeat, NodeFailed, NodeReady
 
 log = logging.getLogger("router")
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.logprobs import TokenLogprobs
-from engine.tokenizer import Tokenizer
+from control.logprobs import TokenLogprobs
+from control.tokenizer import Tokenizer
 
 MIN_LOGPROB = -9999.0
 

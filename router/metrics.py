@@ -25,8 +25,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.cluster_config import SlaConfig
-from engine.quant_schemes import QUANT_SCHEMES, WEIGHT_BACKINGS
+from control.cluster_config import SlaConfig
+from control.quant_schemes import QUANT_SCHEMES, WEIGHT_BACKINGS
 from router.nodes import NodeRegistry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

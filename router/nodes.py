@@ -14,15 +14,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.cluster_config import ClusterConfig
-from engine.kv_reservation import MODES as KV_RESERVATION_MODES
-from engine.kv_reservation import (
+from control.cluster_config import ClusterConfig
+from control.kv_reservation import MODES as KV_RESERVATION_MODES
+from control.kv_reservation import (
     WORST_CASE,
     reservation_tokens,
     sequences_tokens,
     worst_case_tokens,
 )
-from engine.protocol import Heartbeat
+from control.protocol import Heartbeat
 from router.state import RouterRequest
 
 

@@ -20,8 +20,8 @@ import dataclasses
 import logging
 import time
 
-from engine.logprobs import TokenLogprobs
-from engine.protocol import FirstToken, RequestTokens, StepTokens
+from control.logprobs import TokenLogprobs
+from control.protocol import FirstToken, RequestTokens, StepTokens
 from router.state import RequestState, RouterRequest, TokenEvent
 
 log = logging.getLogger("router")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from engine.cluster_config import ClusterConfig
+from control.cluster_config import ClusterConfig
 from router.nodes import NodeState
 from router.prefix_affinity import PrefixAffinityTree
 

@@ -33,7 +33,7 @@ import logging
 import secrets
 import time
 
-from engine.protocol import Preempted, RequestError
+from control.protocol import Preempted, RequestError
 from router.nodes import NodeState, NodeStatus
 from router.state import STAGE_OF_STATE, ErrorEvent, RequestState, RouterError, RouterRequest
 

@@ -32,11 +32,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.errors import ConfigError, InvalidRequestError
-from engine.generate import validate_prompt
-from engine.sampling import SamplingParams
-from engine.structured import Grammars
-from engine.tokenizer import Tokenizer
+from control.errors import ConfigError, InvalidRequestError
+from control.prompt import validate_prompt
+from control.sampling_params import SamplingParams
+from control.structured_output import GrammarChecker
+from control.tokenizer import Tokenizer
 from router import structured_output
 from router.api import (
     ApiError,
@@ -118,7 +118,7 @@ class Serving:
         self.model = model
         # Structured output: specs compiled here first, so a bad one is a 400 (tokenizer loaded
         # on the first such request).
-        self.grammars = Grammars(model.path, model.vocab_size, sorted(router.eos_ids))
+        self.grammars = GrammarChecker(model.path, model.vocab_size, sorted(router.eos_ids))
 
     # ---- model and prompts ------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:

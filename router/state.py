@@ -29,8 +29,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.logprobs import TokenLogprobs
-from engine.sampling import SamplingParams
+from control.logprobs import TokenLogprobs
+from control.sampling_params import SamplingParams
 
 
 class RequestState(enum.IntEnum):

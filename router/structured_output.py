@@ -16,8 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import InvalidRequestError
-from engine.structured import Grammars, StructuredOutput
+from control.errors import InvalidRequestError
+from control.structured_output import GrammarChecker, StructuredOutput
 
 FIELDS = (
     "response_format",
@@ -53,7 +53,7 @@ class Requested:
     param: str
     structured: tuple[str, str]
 
-    def check(self, grammars: Grammars) -> None:
+    def check(self, grammars: GrammarChecker) -> None:
         """StructuredFieldError (naming the field) when the spec does not compile."""
         try:
             grammars.check(self.structured)

@@ -2,12 +2,12 @@
 
 Text that might be the start of a stop string is held back until the next tokens show it is
 not (or the request ends), so the client never sees part of a stop string. The detokenizer
-never emits half a UTF-8 character (`engine.tokenizer.IncrementalDetokenizer`).
+never emits half a UTF-8 character (`control.tokenizer.IncrementalDetokenizer`).
 """
 
 from __future__ import annotations
 
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from control.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class TextStream:

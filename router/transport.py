@@ -1,5 +1,5 @@
 """The router's ZeroMQ sockets (zmq.asyncio): one PULL it binds for every node's messages, and
-one PUSH per node connected to that node's control endpoint. Frames are `engine.protocol`
+one PUSH per node connected to that node's control endpoint. Frames are `control.protocol`
 messages; a frame that does not decode is dropped and counted, never raised into the loop.
 
 Sends never block the event loop: a PUSH whose queue to a node is full (the node is gone or
@@ -7,7 +7,7 @@ stuck) refuses the message at once (`send` returns False), and the node's heartb
 then fails its requests. A node whose connection drops (its process died) is reported by
 `lost_connections` at once.
 
-With a `security` (engine.security.CurveSecurity) every socket is CURVE: the PULL a server that
+With a `security` (control.security.CurveSecurity) every socket is CURVE: the PULL a server that
 admits only the cluster key, each PUSH a client; `None` is plain (in-process tests).
 """
 
@@ -20,8 +20,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from engine import protocol
-from engine.security import CurveSecurity, curve_client, curve_server
+from control import protocol
+from control.security import CurveSecurity, curve_client, curve_server
 
 log = logging.getLogger("router")
 

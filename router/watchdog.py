@@ -6,7 +6,7 @@ lost nodes and overdue requests, and renews the nodes' leases on the router's re
 - a node silent past `node_timeout_s` (hung: its connection stays up);
 - a request past its stage deadline (no first token `prefill_queue_s + transfer_s` after
   dispatch, still decoding `decode_s` after its first token), failed naming the stage;
-- every heartbeat interval, a `RouterPing` to each live node renews its lease (`engine.lease`):
+- every heartbeat interval, a `RouterPing` to each live node renews its lease (`control.lease`):
   a node that stops hearing from the router drops the router's requests on its own.
 
 A lost node is marked dead and its requests move to surviving pairs (`router.recovery`).
@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 
-from engine.protocol import RouterPing
+from control.protocol import RouterPing
 
 log = logging.getLogger("router")
 

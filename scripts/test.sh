@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 python -m pip install -q torch==2.13.0
 python -m pip install -q -e ".[test]"
 python -m ruff check . && python -m ruff format --check .
+python scripts/import_graph.py  # no import cycle, no import across the floors of DESIGN.md
 export DUET_CACHE_DIR="${DUET_CACHE_DIR:-$(mktemp -d)}"
 python -m pytest -q tests
 DUET_ISA=portable python -m pytest -q tests/native

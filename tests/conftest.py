@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from engine.generate import OfflineGenerator
-from engine.model import DeepseekModel
-from engine.tiny_model import make_tiny_model
+from model.deepseek import DeepseekModel
 from native import ops
+from runtime.generate import OfflineGenerator
+from tinymodel.make import make_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,11 @@ logprobs, and the one-row-at-a-time sampler."""
 
 import torch
 
-from engine.batch import ForwardBatch
-from engine.penalties import PastTokens, process_logits
-from engine.sampling import SamplingParams, filter_probs
+from control.sampling_params import SamplingParams
+from model.batch import ForwardBatch
 from native import reference_sampling
+from runtime.penalties import PastTokens, process_logits
+from runtime.sampling import filter_probs
 
 
 def teacher_forced(model, ids: list[int]) -> torch.Tensor:
@@ -27,7 +28,7 @@ def sample_rows_one_by_one(
     draws: list[int],
     past: PastTokens | None = None,
 ) -> list[int]:
-    """engine.sampling.sample's contract, one row at a time: each row alone through the same
+    """runtime.sampling.sample's contract, one row at a time: each row alone through the same
     logits math (`process_logits`, `filter_probs`), its token from the plain-torch twin of the
     race (`native.reference_sampling`) instead of the batched native call."""
     tokens = []

@@ -3,11 +3,11 @@
 import json
 from pathlib import Path
 
-from engine.checkpoint_reader import SCALE_SUFFIX
-from engine.fp8_blocks import quantize_fp8_blockwise
-from engine.safetensors_reader import SafetensorsFile
-from engine.tiny_model import make_tiny_model
-from engine.weights import SINGLE_FILE, save_checkpoint
+from model.checkpoint_reader import SCALE_SUFFIX, SINGLE_FILE
+from model.fp8_blocks import quantize_fp8_blockwise
+from model.safetensors_reader import SafetensorsFile
+from model.weights import save_checkpoint
+from tinymodel.make import make_tiny_model
 
 
 def fp8_checkpoint_with_blocks(out_dir: Path, block: tuple[int, int]) -> Path:

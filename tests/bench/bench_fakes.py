@@ -154,7 +154,7 @@ class ServerThread:
 def main() -> None:
     import os
 
-    from engine.cluster_config import ClusterConfig
+    from control.cluster_config import ClusterConfig
 
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True)

@@ -13,10 +13,11 @@ from bench.datasets import (
     make_requests,
     word_token_ids,
 )
-from engine.bench_model import BENCH_VOCAB
-from engine.errors import ConfigError
-from engine.tiny_model import _tokenizer_config, ensure_tiny_model, train_tokenizer
-from engine.tokenizer import Tokenizer
+from control.errors import ConfigError
+from control.tokenizer import Tokenizer
+from tinymodel.bench_model import BENCH_VOCAB
+from tinymodel.builder import _tokenizer_config, train_tokenizer
+from tinymodel.make import ensure_tiny_model
 
 
 @pytest.fixture(scope="module")

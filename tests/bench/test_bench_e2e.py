@@ -13,10 +13,10 @@ from safetensors import safe_open
 
 from bench.e2e import apply_interleaved, check_args, kl_and_agreement, parse_args
 from bench.e2e_worker import decode_step, held_tensor_bytes, prefill_batch, teacher_forced_logprobs
+from control.sampling_params import SamplingParams
 from deploy.cli import main as duet_main
-from engine.generate import OfflineGenerator
-from engine.sampling import SamplingParams
-from engine.weights import keeps_fp32
+from model.weight_names import keeps_fp32
+from runtime.generate import OfflineGenerator
 
 
 def test_kl_and_agreement_match_a_hand_computation():

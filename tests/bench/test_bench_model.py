@@ -13,9 +13,16 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine import bench_model
-from engine.batch import ForwardBatch
-from engine.bench_model import (
+from control.model_config import ModelConfig
+from control.quant_schemes import is_quantized
+from control.tokenizer import Tokenizer
+from model.batch import ForwardBatch
+from model.checkpoint_reader import INDEX_FILE
+from model.deepseek import DeepseekModel
+from model.weight_names import checkpoint_shapes
+from native import ops
+from tinymodel import bench_model
+from tinymodel.bench_model import (
     BENCH_VOCAB,
     VERSION_FILE,
     _plan_shards,
@@ -23,13 +30,6 @@ from engine.bench_model import (
     bench_config,
     make_bench_model,
 )
-from engine.config import ModelConfig
-from engine.model import DeepseekModel
-from engine.quant_schemes import is_quantized
-from engine.tokenizer import Tokenizer
-from engine.weight_names import checkpoint_shapes
-from engine.weights import INDEX_FILE
-from native import ops
 
 
 def test_shapes_are_v2_lite_and_match_transformers():

@@ -14,10 +14,10 @@ import pytest
 from bench_fakes import WORD, FakeBehavior, ServerThread, make_app
 
 from bench import serve
+from control.errors import DuetError
+from control.tokenizer import Tokenizer
 from deploy import cli
-from engine.errors import DuetError
-from engine.tiny_model import ensure_tiny_model
-from engine.tokenizer import Tokenizer
+from tinymodel.make import ensure_tiny_model
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

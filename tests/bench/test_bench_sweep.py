@@ -13,8 +13,8 @@ from bench_fakes import FakeBehavior, ServerThread, make_app
 from test_bench_serve import check_png
 
 from bench import sweep
-from engine.errors import DuetError
-from engine.tiny_model import ensure_tiny_model
+from control.errors import DuetError
+from tinymodel.make import ensure_tiny_model
 
 FAKE_UP = (sys.executable, str(Path(__file__).with_name("bench_fakes.py")))
 

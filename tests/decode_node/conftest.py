@@ -4,8 +4,8 @@ share the float32 tiny model and its offline oracle."""
 import pytest
 import torch
 
-from engine.generate import OfflineGenerator
-from engine.model import DeepseekModel
+from model.deepseek import DeepseekModel
+from runtime.generate import OfflineGenerator
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -8,10 +8,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from decode_node.node import DecodeNode
-from engine.cluster_config import DecodeNodeConfig, PrefillNodeConfig, TimeoutConfig
-from engine.messaging import QueueInbox, QueueOutbox
-from engine.protocol import (
+from control.cluster_config import DecodeNodeConfig, PrefillNodeConfig, TimeoutConfig
+from control.messaging import QueueInbox, QueueOutbox
+from control.protocol import (
     Abort,
     FirstToken,
     Heartbeat,
@@ -23,7 +22,8 @@ from engine.protocol import (
     StepTokens,
     sampling_to_dict,
 )
-from engine.sampling import SamplingParams
+from control.sampling_params import SamplingParams
+from decode_node.node import DecodeNode
 from kvtransfer import InprocReceiver, InprocSender, make_fingerprint
 from prefill_node.node import PrefillNode
 

@@ -4,9 +4,9 @@ rules (the same as OfflineGenerator's), and pages freed on every path."""
 import pytest
 import torch
 
+from control.sampling_params import SamplingParams
 from decode_node.scheduler import DecodeScheduler, DecodeState, StepOutput
-from engine.kv_pool import KVPool
-from engine.sampling import SamplingParams
+from model.kv_pool import KVPool
 
 EOS = 2
 MAX_POS = 64

@@ -14,8 +14,8 @@ import pytest
 
 import decode_node.__main__ as decode_main
 import prefill_node.__main__ as prefill_main
-from engine.messaging import PullSocket, PushSocket
-from engine.protocol import (
+from control.messaging import PullSocket, PushSocket
+from control.protocol import (
     Abort,
     FirstToken,
     Heartbeat,
@@ -28,8 +28,8 @@ from engine.protocol import (
     StepTokens,
     sampling_to_dict,
 )
-from engine.sampling import SamplingParams
-from engine.security import CurveSecurity, read_key_file, write_key_file
+from control.sampling_params import SamplingParams
+from control.security import CurveSecurity, read_key_file, write_key_file
 
 START_TIMEOUT = 60.0  # importing torch and loading the model, on a busy machine
 TIMEOUT = 20.0

@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from control.errors import ConfigError
 from decode_node.expert_parallel import ExpertParallel, check_shardable, expert_shard
-from engine.batch import ForwardBatch
-from engine.errors import ConfigError
-from engine.model import DeepseekModel, MoE
+from model.batch import ForwardBatch
+from model.deepseek import DeepseekModel
+from model.layers import MoE
 from native import ops
 
 PROMPTS = [[5, 17, 33, 2, 40], [7, 7, 100, 3], [250, 11, 9, 60, 61, 62, 8], [1, 2]]

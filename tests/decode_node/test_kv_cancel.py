@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 from pd_harness import Pair
 
-from engine.sampling import SamplingParams
+from control.sampling_params import SamplingParams
 from kvtransfer import InprocReceiver, InprocSender, Rendezvous
 from kvtransfer.faults import KVFaultPlan, inject
 from kvtransfer.wire import KVCancel, encode

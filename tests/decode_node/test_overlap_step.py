@@ -9,8 +9,8 @@ and the node goes on."""
 import pytest
 from pd_harness import Pair
 
+from control.sampling_params import SamplingParams
 from decode_node.scheduler import DecodeState
-from engine.sampling import SamplingParams
 
 PROMPTS = [[3, 44, 18, 250, 9, 71, 130], [5, 6, 7, 8, 9] * 3, [100, 200, 300], list(range(10, 21))]
 

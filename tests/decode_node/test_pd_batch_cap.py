@@ -5,8 +5,8 @@ finishes with the offline generator's tokens; the nodes' heartbeats carry their 
 import pytest
 from pd_harness import Pair
 
-from engine.cluster_config import SlaConfig
-from engine.sampling import SamplingParams
+from control.cluster_config import SlaConfig
+from control.sampling_params import SamplingParams
 
 PROMPTS = [[3, 44, 18, 250, 9, 71, 130], [5, 6, 7, 8, 9] * 3, [100, 200, 300], list(range(10, 21))]
 

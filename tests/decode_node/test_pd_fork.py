@@ -6,7 +6,7 @@ Pages go back to baseline on every path: finish, abort before and after the fork
 import pytest
 from pd_harness import Pair
 
-from engine.sampling import SamplingParams
+from control.sampling_params import SamplingParams
 
 PROMPT = [3, 44, 18, 250, 9, 71, 130, 5, 66, 301, 12, 40, 77]  # 13 tokens: ends inside a page
 

@@ -5,7 +5,7 @@ import pytest
 from oracles import teacher_forced
 from pd_harness import Pair
 
-from engine.sampling import SamplingParams
+from control.sampling_params import SamplingParams
 
 ATOL = 1e-4  # fp32, but batched chunks and the decode path sum in another order
 

@@ -8,13 +8,13 @@ import pytest
 import torch
 from pd_harness import Pair
 
+from control.cluster_config import TimeoutConfig
+from control.protocol import Reserve, ReserveReply, Shutdown, sampling_to_dict
+from control.sampling_params import SamplingParams
 from decode_node.scheduler import DecodeState
-from engine.cluster_config import TimeoutConfig
-from engine.generate import OfflineGenerator
-from engine.model import DeepseekModel
-from engine.protocol import Reserve, ReserveReply, Shutdown, sampling_to_dict
-from engine.sampling import SamplingParams
 from kvtransfer import InprocSender
+from model.deepseek import DeepseekModel
+from runtime.generate import OfflineGenerator
 
 PROMPTS = [
     [3, 44, 18, 250, 9, 71, 130, 5, 66, 301, 12, 40, 77, 8],

@@ -10,11 +10,11 @@ import torch
 from pd_harness import Pair
 
 import decode_node.speculative_step as speculative_step
-from engine.generate import OfflineGenerator
-from engine.model import DeepseekModel
-from engine.sampling import SamplingParams
-from engine.speculative_generate import SpeculativeGenerator
-from engine.tiny_model import make_tiny_model
+from control.sampling_params import SamplingParams
+from model.deepseek import DeepseekModel
+from runtime.generate import OfflineGenerator
+from runtime.speculative_generate import SpeculativeGenerator
+from tinymodel.make import make_tiny_model
 
 PROMPTS = [
     [3, 44, 18, 250, 9, 71, 130, 5, 66, 301, 12, 40, 77, 8],
@@ -164,7 +164,7 @@ def test_seeded_sampling_with_mtp_equals_the_offline_speculative_generator(mtp_m
 
 
 def test_a_node_with_mtp_needs_the_mtp_layer(tiny_dir):
-    from engine.errors import ConfigError
+    from control.errors import ConfigError
 
     model = DeepseekModel.from_pretrained(tiny_dir, dtype=torch.float32, progress=False)
     with pytest.raises(ConfigError, match="MTP layer"):

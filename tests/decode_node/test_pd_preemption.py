@@ -6,8 +6,8 @@ with the offline generator's greedy output; the decode node's pages return to ze
 
 from pd_harness import Pair
 
-from engine.generate import OfflineGenerator
-from engine.sampling import SamplingParams
+from control.sampling_params import SamplingParams
+from runtime.generate import OfflineGenerator
 
 PROMPTS = [[3, 44, 18, 250, 9, 71, 130, 5], [100, 200, 300, 17, 23, 99], [7, 8, 9, 10]]
 MAX_NEW = 14

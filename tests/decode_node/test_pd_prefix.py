@@ -5,13 +5,13 @@ got every row), concurrent prompts sharing a prefix, and the abort of one of the
 P's pages and chunks are both 4 tokens and a forward computes one chunk, so a cached prefix
 (whole pages) ends on a chunk boundary and every chunk is the offline generator's (chunk 4):
 bf16 rows are then bit-identical, cold or warm. (With other boundaries bf16 sums in another
-order, which can flip a near-tied greedy choice: tests/engine shows it for chunk sizes alone.)"""
+order, which can flip a near-tied greedy choice: tests/runtime/test_generate.py shows it for chunk sizes alone.)"""
 
 import pytest
 from pd_harness import Pair
 
-from engine.generate import OfflineGenerator
-from engine.sampling import SamplingParams
+from control.sampling_params import SamplingParams
+from runtime.generate import OfflineGenerator
 
 SYSTEM = [3, 44, 18, 250, 9, 71, 130, 5, 66, 301, 12, 40, 77, 8, 19, 23, 31]  # 17 tokens
 PAIR = {"p_page_size": 4, "chunk_size": 4, "max_batch_tokens": 4}

@@ -5,8 +5,8 @@ nodes refuse sampling they cannot honour."""
 
 from pd_harness import Pair
 
-from engine.protocol import RequestError
-from engine.sampling import SamplingParams
+from control.protocol import RequestError
+from control.sampling_params import SamplingParams
 
 PROMPTS = [
     [3, 44, 18, 250, 9, 71, 130, 5, 66, 301, 12, 40, 77, 8],

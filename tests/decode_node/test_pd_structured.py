@@ -11,10 +11,10 @@ from pd_harness import Pair
 from structured_cases import CASES, JSON_OBJECT, MAX_NEW, check_output
 from test_pd_sampling import PROMPTS as SAMPLING_PROMPTS
 
-from engine.protocol import Prefill, RequestError, sampling_to_dict
-from engine.sampling import SamplingParams
-from engine.structured import MIN_OVERLAP_ROWS
-from engine.tokenizer import Tokenizer
+from control.protocol import Prefill, RequestError, sampling_to_dict
+from control.sampling_params import SamplingParams
+from control.tokenizer import Tokenizer
+from runtime.grammar import MIN_OVERLAP_ROWS
 
 PROMPTS = [*SAMPLING_PROMPTS, [2, 60, 61, 62]]
 

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
+from control.sampling_params import SamplingParams
 from decode_node.scheduler import DecodeScheduler, DecodeState
-from engine.kv_pool import KVPool
-from engine.sampling import SamplingParams
+from model.kv_pool import KVPool
 
 EOS = 2
 MAX_POS = 64

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 from pd_harness import Pair
 
-from engine.sampling import SamplingParams
+from control.sampling_params import SamplingParams
 from router.state import RequestState, RouterRequest
 
 PROMPT = [3, 44, 18, 250, 9, 71, 130]

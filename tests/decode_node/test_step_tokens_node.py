@@ -7,10 +7,10 @@ one step (speculative decoding) travel as one entry with their logprobs aligned.
 import pytest
 from pd_harness import Pair
 
+from control.logprobs import TokenLogprobs
+from control.protocol import Preempted, RequestTokens, StepTokens
+from control.sampling_params import SamplingParams
 from decode_node.scheduler import StepOutput
-from engine.logprobs import TokenLogprobs
-from engine.protocol import Preempted, RequestTokens, StepTokens
-from engine.sampling import SamplingParams
 
 PROMPTS = [[3, 44, 18, 250, 9, 71], [5, 6, 7, 8, 9] * 3, [100, 200, 300], list(range(10, 24))]
 LENGTHS = [7, 4, 9, 6]

@@ -44,7 +44,7 @@ def test_install_steps_are_the_readmes():
     # The CPU wheel of the same pinned torch, then the project, in that order.
     torch_at = runs.index(f"--index-url https://download.pytorch.org/whl/cpu {readme_pin.group(1)}")
     assert torch_at < runs.index("pip install --no-cache-dir -e .")
-    assert "ensure_tiny_model" in runs  # the configs' `model = ""` is in the image
+    assert "python -m tinymodel" in runs  # the configs' `model = ""` is in the image
 
 
 def test_image_layout_is_what_the_manifests_run():

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from control.tokenizer import Tokenizer
 from deploy.grafana import (
     exported_names,
     expressions,
@@ -19,8 +20,7 @@ from deploy.grafana import (
     metric_names,
     missing_metrics,
 )
-from engine.tiny_model import ensure_tiny_model
-from engine.tokenizer import Tokenizer
+from tinymodel.make import ensure_tiny_model
 
 
 def _router_fakes():

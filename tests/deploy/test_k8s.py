@@ -15,6 +15,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from control.cluster_config import ClusterConfig, SecurityConfig
+from control.errors import ConfigError
+from control.model_config import ModelConfig
 from deploy.cli import main as duet
 from deploy.k8s_cluster import node_sets
 from deploy.k8s_manifests import (
@@ -28,10 +31,7 @@ from deploy.k8s_manifests import (
 )
 from deploy.k8s_render import SECRETS_EXAMPLE, base_files, overlay_files, render_tree
 from deploy.k8s_yaml import dump_all
-from engine.cluster_config import ClusterConfig, SecurityConfig
-from engine.config import ModelConfig
-from engine.errors import ConfigError
-from engine.tiny_model import ensure_tiny_model
+from tinymodel.make import ensure_tiny_model
 
 try:
     import tomllib
@@ -446,7 +446,7 @@ def test_termination_grace_covers_the_drain(tiny, drain_s):
 
 # ---- secrets ---------------------------------------------------------------------------------
 def test_secrets_are_mounted_where_the_toml_looks_and_never_shipped(cases, overlays, tmp_path):
-    from engine.security import read_key_file as read_curve_keys
+    from control.security import read_key_file as read_curve_keys
     from router.auth import read_key_file as read_api_keys
 
     for (_, _, _, tree), o in zip(cases, overlays, strict=True):
@@ -514,7 +514,7 @@ def _no_cache(template: dict) -> None:
 
 
 def test_the_mount_is_where_the_engine_caches_its_packs(monkeypatch):
-    from engine.pack_cache import cache_dir
+    from model.pack_cache import cache_dir
 
     monkeypatch.setenv("DUET_CACHE_DIR", CACHE_DIR)
     assert cache_dir() == Path(PACKS_DIR)

@@ -18,6 +18,9 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 from safetensors import safe_open
 
+from control.cluster_config import ClusterConfig, DecodeNodeConfig, PrefillNodeConfig
+from control.errors import ConfigError
+from control.model_config import ModelConfig
 from deploy.k8s_render import render_tree
 from deploy.k8s_resources import (
     MARGIN,
@@ -28,13 +31,9 @@ from deploy.k8s_resources import (
     shm_bytes,
     weight_bytes,
 )
-from engine.bench_model import bench_config
-from engine.cluster_config import ClusterConfig, DecodeNodeConfig, PrefillNodeConfig
-from engine.config import ModelConfig
-from engine.errors import ConfigError
-from engine.tiny_model import ensure_tiny_model
-from engine.weight_names import checkpoint_shapes, mtp_copy_names, mtp_shapes
-from engine.weights import keeps_fp32
+from model.weight_names import checkpoint_shapes, keeps_fp32, mtp_copy_names, mtp_shapes
+from tinymodel.bench_model import bench_config
+from tinymodel.make import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -199,7 +198,7 @@ def _pod_spec(tree: dict[str, str], role: str) -> dict:
 def random_tiny_dir(tmp_path_factory):
     """The random tiny model (512 tokens): its projections and experts are most of its bytes,
     as in a real checkpoint; the trained default's 2048-token embedding and head are not."""
-    from engine.tiny_model import make_tiny_model
+    from tinymodel.make import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
 
@@ -216,7 +215,7 @@ def test_a_quantized_node_asks_for_its_quantized_weights(random_tiny_dir, quant)
     import torch
 
     from bench.e2e_worker import held_tensor_bytes
-    from engine.model import DeepseekModel
+    from model.deepseek import DeepseekModel
 
     tiny = ModelConfig.from_model_dir(random_tiny_dir)
     model = DeepseekModel.from_pretrained(
@@ -233,8 +232,8 @@ def test_a_quantized_node_asks_for_its_quantized_weights(random_tiny_dir, quant)
 def test_a_cluster_with_mtp_sizes_the_mtp_layer_and_its_cache(tmp_path):
     """mtp (issue 12): every node holds the MTP layer (the checkpoint's tensors but its copies
     of the shared embedding and head) and a KV pool of one more layer."""
-    from engine.tiny_model import make_tiny_model
-    from engine.weight_names import mtp_copy_names
+    from model.weight_names import mtp_copy_names
+    from tinymodel.make import make_tiny_model
 
     path = make_tiny_model(tmp_path / "m", seed=1, overrides={"num_nextn_predict_layers": 1})
     cfg = ModelConfig.from_model_dir(path)

@@ -6,9 +6,9 @@ import subprocess
 
 import pytest
 
+from control.cluster_config import ClusterConfig
 from deploy import plan
 from deploy.plan_profile import RoleProfile, ThreadProfile, decode_batches, prefill_lengths
-from engine.cluster_config import ClusterConfig
 
 # A synthetic machine: prefill a + b*new + c*new*prefix, decode a + b*batch + c*context.
 PREFILL_TRUE = {1: (0.002, 4e-4, 1e-7), 2: (0.002, 2e-4, 5e-8)}

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from control.cost_model import DecodeCost, PrefillCost
 from deploy.plan_model import Layout, Workload, _simulate_prefill, mean_wait_md1, simulate
-from engine.cost_model import DecodeCost, PrefillCost
 
 FIXED = 1e9  # a prior this strong is the model: no samples are observed
 

@@ -11,11 +11,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from control.cluster_config import ClusterConfig, RouterConfig
+from control.errors import ConfigError
 from deploy import probe
 from deploy.k8s_cluster import cluster_toml, k8s_cluster
 from deploy.local_cluster import dump_toml
-from engine.cluster_config import ClusterConfig, RouterConfig
-from engine.errors import ConfigError
 
 try:
     import tomllib

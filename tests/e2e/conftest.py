@@ -4,8 +4,8 @@ own cluster (started once for the module, stopped after it)."""
 import pytest
 from e2e_helpers import start_cluster
 
-from engine.tiny_model import ensure_tiny_model
-from engine.tokenizer import Tokenizer
+from control.tokenizer import Tokenizer
+from tinymodel.make import ensure_tiny_model
 
 
 @pytest.fixture(scope="module")

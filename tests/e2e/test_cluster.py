@@ -32,9 +32,9 @@ from e2e_helpers import (
     wait_until as _wait,
 )
 
+from control.tokenizer import Tokenizer
 from deploy.local_cluster import dump_toml
-from engine.tiny_model import make_tiny_model
-from engine.tokenizer import Tokenizer
+from tinymodel.make import make_tiny_model
 
 try:
     import tomllib

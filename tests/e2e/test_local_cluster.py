@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from control.cluster_config import ClusterConfig
+from control.errors import ConfigError
 from deploy.local_cluster import dump_toml, parse_args, resolve_config
-from engine.cluster_config import ClusterConfig
-from engine.errors import ConfigError
-from engine.tiny_model import ensure_tiny_model
+from tinymodel.make import ensure_tiny_model
 
 try:
     import tomllib

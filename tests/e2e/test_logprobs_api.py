@@ -6,8 +6,8 @@ import pytest
 import torch
 from oracles import teacher_forced
 
-from engine.model import DeepseekModel
-from engine.tiny_model import ensure_tiny_model
+from model.deepseek import DeepseekModel
+from tinymodel.make import ensure_tiny_model
 
 ATOL = 1e-4  # fp32 on both sides; chunked prefill and the decode path sum in another order
 PROMPT = "The quick brown fox"

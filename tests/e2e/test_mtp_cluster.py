@@ -13,7 +13,7 @@ import httpx
 import pytest
 from e2e_helpers import generate_reference, start_cluster, wait_until
 
-from engine.tiny_model import make_tiny_model
+from tinymodel.make import make_tiny_model
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "1, 2, 3, 4,"]
 MAX_NEW = 16

@@ -34,7 +34,7 @@ from e2e_helpers import generate_reference
 from netns_helpers import NetnsLab, NetnsUnavailable, listening_addresses
 
 from deploy.local_cluster import dump_toml
-from engine.tiny_model import ensure_tiny_model
+from tinymodel.make import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = ["router", "prefill-0", "prefill-1", "decode"]

@@ -11,8 +11,8 @@ import torch
 from e2e_helpers import generate_reference, wait_until
 from oracles import teacher_forced
 
-from engine.model import DeepseekModel
-from engine.tiny_model import ensure_tiny_model
+from model.deepseek import DeepseekModel
+from tinymodel.make import ensure_tiny_model
 
 DTYPE = "float32"
 MAX_NEW = 12

@@ -13,9 +13,9 @@ import httpx
 import pytest
 from e2e_helpers import free_port, free_port_pair, start_cluster, wait_until
 
+from control.version import package_version
 from deploy.grafana import load_dashboard, missing_metrics
 from deploy.local_cluster import dump_toml
-from engine.version import package_version
 
 try:
     import tomllib

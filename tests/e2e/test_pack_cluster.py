@@ -12,7 +12,7 @@ import httpx
 import pytest
 from e2e_helpers import generate_reference, start_cluster, wait_until
 
-from engine.tiny_model import make_tiny_model
+from tinymodel.make import make_tiny_model
 
 PROMPT = "The quick brown fox"
 MAX_NEW = 12

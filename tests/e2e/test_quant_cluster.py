@@ -8,9 +8,9 @@ import pytest
 import torch
 from e2e_helpers import generate_reference, start_cluster
 
-from engine.model import DeepseekModel
-from engine.tiny_model import ensure_tiny_model
-from engine.tokenizer import Tokenizer
+from control.tokenizer import Tokenizer
+from model.deepseek import DeepseekModel
+from tinymodel.make import ensure_tiny_model
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "1, 2, 3, 4,"]
 MAX_NEW = 16
@@ -40,7 +40,7 @@ def test_bf16_prefill_int8_decode_matches_generate(cluster, prompt):
 def _offline_logprobs(prefill_model, decode_model, prompt_ids, tokens) -> list[float]:
     """Each token's raw logprob: the first from `prefill_model`'s prefill, the rest from
     `decode_model`'s decode steps over that KV (as the PD pair computes them)."""
-    from engine.generate import OfflineGenerator
+    from runtime.generate import OfflineGenerator
 
     gen = OfflineGenerator(prefill_model, decode_model=decode_model)
     table = gen.pool.new_table()

@@ -29,8 +29,8 @@ import zmq
 from e2e_helpers import alive, start_cluster
 from zmq.utils.monitor import recv_monitor_message
 
-from engine import protocol
-from engine.protocol import (
+from control import protocol
+from control.protocol import (
     Abort,
     Heartbeat,
     NodeFailed,
@@ -41,8 +41,8 @@ from engine.protocol import (
     StepTokens,
     sampling_to_dict,
 )
-from engine.sampling import SamplingParams
-from engine.security import CurveKeys, CurveSecurity, read_key_file
+from control.sampling_params import SamplingParams
+from control.security import CurveKeys, CurveSecurity, read_key_file
 from kvtransfer import wire
 from kvtransfer.wire import Hello, KVDone, Rendezvous, build_chunk
 

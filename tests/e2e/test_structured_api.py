@@ -13,8 +13,8 @@ import pytest
 from e2e_helpers import generate_reference, start_cluster
 from structured_cases import CASES, JSON_OBJECT, MAX_NEW, check_output
 
-from engine.tiny_model import make_tiny_model
-from engine.tokenizer import Tokenizer
+from control.tokenizer import Tokenizer
+from tinymodel.make import make_tiny_model
 
 DTYPE = "float32"
 PROMPT = "The quick brown fox"

@@ -25,12 +25,12 @@ import openai
 import pytest
 import torch
 
+from control.sampling_params import SamplingParams
 from deploy.local_cluster import dump_toml
-from engine.generate import OfflineGenerator
-from engine.model import DeepseekModel
-from engine.sampling import SamplingParams
 from kvtransfer import DropReason, InprocSender
 from kvtransfer.faults import ENV_VAR, KVFaultPlan, inject
+from model.deepseek import DeepseekModel
+from runtime.generate import OfflineGenerator
 from tests.decode_node.pd_harness import TIMEOUT, Pair
 from tests.e2e.e2e_helpers import (
     alive,

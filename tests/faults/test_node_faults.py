@@ -27,7 +27,6 @@ import openai
 import pytest
 
 from deploy.local_cluster import dump_toml
-from engine.tiny_model import make_tiny_model
 from tests.e2e.e2e_helpers import (
     alive,
     cluster_shorthand,
@@ -36,6 +35,7 @@ from tests.e2e.e2e_helpers import (
     start_cluster,
 )
 from tests.e2e.e2e_helpers import wait_until as _wait
+from tinymodel.make import make_tiny_model
 
 MAX_NEW = 24
 PROMPTS = [f"Request {i}: tell me about the river" for i in range(8)]

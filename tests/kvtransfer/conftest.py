@@ -3,7 +3,7 @@
 import pytest
 from kv_helpers import Link
 
-from engine.kv_pool import KVPool
+from model.kv_pool import KVPool
 
 
 @pytest.fixture(params=["inproc", "zmq"])

@@ -14,7 +14,6 @@ from collections.abc import Callable
 import torch
 import zmq
 
-from engine.kv_pool import KVPool, PageTable
 from kvtransfer import (
     InprocReceiver,
     InprocSender,
@@ -25,6 +24,7 @@ from kvtransfer import (
     make_fingerprint,
 )
 from kvtransfer.wire import Hello, HelloAck, KVDone, build_chunk, decode, encode
+from model.kv_pool import KVPool, PageTable
 
 NUM_LAYERS = 4
 ROW_WIDTH = 24

@@ -9,7 +9,7 @@ import pytest
 import zmq
 from kv_helpers import TIMEOUT, fingerprint, make_pool, random_rows, reserve, wait_until
 
-from engine.security import CurveKeys, CurveSecurity
+from control.security import CurveKeys, CurveSecurity
 from kvtransfer import KVTransferError, Rendezvous, ZmqReceiver, ZmqSender
 from kvtransfer.wire import Hello, build_chunk, encode
 

@@ -16,7 +16,7 @@ Tolerances:
 import pytest
 import torch
 
-from engine.weights import dequantize_fp8_blockwise, quantize_fp8_blockwise
+from model.fp8_blocks import dequantize_fp8_blockwise, quantize_fp8_blockwise
 from native import _fp8_ops, ops, reference
 
 FP8 = torch.float8_e4m3fn
@@ -96,7 +96,7 @@ def test_pack_roundtrip():
 
 
 def test_block_math_matches_engine_loader():
-    # One math for FP8 checkpoints: the twins equal engine/weights.py's load-time functions.
+    # One math for FP8 checkpoints: the twins equal model/weights.py's load-time functions.
     w = torch.randn(300, 200) * torch.exp(torch.randn(300, 1))
     w[:128, :128] = 0  # an all-zero block gets scale 1
     q, scale = reference.quantize_fp8_blocks(w)

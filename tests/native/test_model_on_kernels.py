@@ -4,11 +4,11 @@ bf16 tolerance and the same greedy tokens over 32 decode steps."""
 import pytest
 import torch
 
-from engine.generate import OfflineGenerator
-from engine.model import DeepseekModel
-from engine.sampling import SamplingParams
-from engine.tiny_model import make_tiny_model
+from control.sampling_params import SamplingParams
+from model.deepseek import DeepseekModel
 from native import ops
+from runtime.generate import OfflineGenerator
+from tinymodel.make import make_tiny_model
 
 pytestmark = pytest.mark.skipif(not ops.native_available(), reason="native extension not built")
 

@@ -6,11 +6,11 @@ its reference twin."""
 import pytest
 import torch
 
-from engine.generate import OfflineGenerator
-from engine.model import DeepseekModel
-from engine.pack_cache import build_pack, load_model, pack_spec
-from engine.tiny_model import make_tiny_model
+from model.deepseek import DeepseekModel
+from model.pack_cache import build_pack, load_model, pack_spec
 from native import ops, reference
+from runtime.generate import OfflineGenerator
+from tinymodel.make import make_tiny_model
 
 SCHEMES = ("none", "int8", "fp8")
 

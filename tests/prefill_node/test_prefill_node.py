@@ -8,11 +8,9 @@ import time
 import pytest
 import torch
 
-from engine.cluster_config import PrefillNodeConfig, TimeoutConfig
-from engine.generate import OfflineGenerator
-from engine.kv_pool import KVPool
-from engine.messaging import QueueInbox, QueueOutbox
-from engine.protocol import (
+from control.cluster_config import PrefillNodeConfig, TimeoutConfig
+from control.messaging import QueueInbox, QueueOutbox
+from control.protocol import (
     Abort,
     FirstToken,
     Heartbeat,
@@ -21,9 +19,11 @@ from engine.protocol import (
     Shutdown,
     sampling_to_dict,
 )
-from engine.sampling import SamplingParams
+from control.sampling_params import SamplingParams
 from kvtransfer import InprocReceiver, InprocSender, Rendezvous, make_fingerprint
+from model.kv_pool import KVPool
 from prefill_node.node import PrefillNode
+from runtime.generate import OfflineGenerator
 
 PROMPT_A = [3, 44, 18, 250, 9, 71, 130, 5, 66, 301, 12, 40, 77, 8]
 PROMPT_B = list(range(20, 31))

@@ -4,9 +4,9 @@ pages held only while a prompt is being computed, abort and queue timeouts."""
 import pytest
 import torch
 
-from engine.errors import InvalidRequestError
-from engine.kv_pool import KVPool
-from engine.sampling import SamplingParams
+from control.errors import InvalidRequestError
+from control.sampling_params import SamplingParams
+from model.kv_pool import KVPool
 from prefill_node.scheduler import PrefillRequest, PrefillScheduler, PrefillState
 
 

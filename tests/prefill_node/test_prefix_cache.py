@@ -4,7 +4,7 @@ matches, inserts that hand back duplicates, LRU eviction of unlocked leaves only
 import pytest
 import torch
 
-from engine.kv_pool import KVPool
+from model.kv_pool import KVPool
 from prefill_node.prefix_cache import PrefixCache
 
 PS = 4  # page size

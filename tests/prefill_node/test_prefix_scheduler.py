@@ -5,8 +5,8 @@ sharing a prefix; an abort frees nothing shared; prompt_logprobs bypass; pages b
 
 import torch
 
-from engine.kv_pool import KVPool
-from engine.sampling import SamplingParams
+from control.sampling_params import SamplingParams
+from model.kv_pool import KVPool
 from prefill_node.prefix_cache import PrefixCache
 from prefill_node.scheduler import PrefillRequest, PrefillScheduler, PrefillState
 

@@ -7,8 +7,8 @@ import msgpack
 import pytest
 import torch
 
-from engine.batch import ForwardBatch
-from engine.kv_pool import KVPool
+from model.batch import ForwardBatch
+from model.kv_pool import KVPool
 from prefill_node.ranks import BATCH_TENSORS, decode_forward, encode_forward
 
 

@@ -3,8 +3,8 @@ oracle for expected text)."""
 
 import pytest
 
-from engine.tiny_model import ensure_tiny_model
-from engine.tokenizer import Tokenizer
+from control.tokenizer import Tokenizer
+from tinymodel.make import ensure_tiny_model
 
 
 @pytest.fixture(scope="module")

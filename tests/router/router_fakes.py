@@ -20,10 +20,9 @@ import httpx
 import uvicorn
 import zmq
 
-from deploy.local_cluster import free_ports
-from engine import protocol
-from engine.cluster_config import ClusterConfig
-from engine.protocol import (
+from control import protocol
+from control.cluster_config import ClusterConfig
+from control.protocol import (
     Abort,
     FirstToken,
     Heartbeat,
@@ -35,6 +34,7 @@ from engine.protocol import (
     ReserveReply,
     StepTokens,
 )
+from deploy.local_cluster import free_ports
 
 FAKE_FINGERPRINT = None  # the fakes send none, so the router's check is skipped
 

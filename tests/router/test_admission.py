@@ -13,9 +13,9 @@ import pytest
 from router_fakes import fake_config
 from test_core import EOS, RecordingTransport, sent_reserves
 
-from engine.cost_model import PREFILL_PRIOR, PrefillCost
-from engine.protocol import FirstToken, Heartbeat, NodeReady, Prefill, Reserve, ReserveReply
-from engine.sampling import SamplingParams
+from control.cost_model import PREFILL_PRIOR, PrefillCost
+from control.protocol import FirstToken, Heartbeat, NodeReady, Prefill, Reserve, ReserveReply
+from control.sampling_params import SamplingParams
 from router.core import Router, RouterError
 from router.state import RequestState
 

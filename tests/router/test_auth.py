@@ -13,8 +13,8 @@ import pytest
 from router_fakes import fake_config, start_cluster, stop_all, wait_for
 
 import router.auth
-from engine.cluster_config import ClusterConfig, SecurityConfig
-from engine.errors import ConfigError
+from control.cluster_config import ClusterConfig, SecurityConfig
+from control.errors import ConfigError
 from router.__main__ import build_app
 from router.auth import ApiKeys, KeyLimiter, read_key_file
 

@@ -10,7 +10,7 @@ import time
 import pytest
 from router_fakes import fake_config, tokens
 
-from engine.protocol import (
+from control.protocol import (
     Abort,
     FirstToken,
     Heartbeat,
@@ -21,7 +21,7 @@ from engine.protocol import (
     Reserve,
     ReserveReply,
 )
-from engine.sampling import SamplingParams
+from control.sampling_params import SamplingParams
 from router.core import Router, RouterError
 from router.nodes import NodeState
 from router.policy import LeastLoadedPolicy

@@ -9,7 +9,7 @@ from router_fakes import tokens
 from test_core import EOS, RecordingTransport, drain, submit  # noqa: F401
 from test_migration import answer_reserve, make_router, tokens_of
 
-from engine.protocol import FirstToken, NodeFailed, Prefill, RequestError, Reserve
+from control.protocol import FirstToken, NodeFailed, Prefill, RequestError, Reserve
 from router.state import ErrorEvent, RequestState
 
 

@@ -26,8 +26,8 @@ from http_fuzz import (
 from hypothesis import HealthCheck, given, settings
 from router_fakes import FakeCluster, RouterServer, fake_config
 
-from engine.tiny_model import ensure_tiny_model
-from engine.tokenizer import Tokenizer
+from control.tokenizer import Tokenizer
+from tinymodel.make import ensure_tiny_model
 
 NUM_EXAMPLES = int(os.environ.get("DUET_FUZZ_EXAMPLES", "400"))
 SHARES = {"raw": 0.2, "json": 0.2, "openai": 0.45, "nesting": 0.15}

@@ -8,8 +8,8 @@ import openai
 import pytest
 from router_fakes import FakeCluster, RouterServer, fake_config, fake_logprobs
 
-from engine.tiny_model import ensure_tiny_model
-from engine.tokenizer import Tokenizer
+from control.tokenizer import Tokenizer
+from tinymodel.make import ensure_tiny_model
 
 SCRIPT_TEXT = "The quick brown fox jumps over the lazy dog."
 
@@ -141,7 +141,7 @@ def test_bad_logprob_requests_are_400(server, path, body, param):
 
 
 def test_a_moved_request_keeps_logprobs_but_asks_prompt_logprobs_only_once():
-    from engine.sampling import SamplingParams
+    from control.sampling_params import SamplingParams
     from router.state import RouterRequest
 
     params = SamplingParams(max_new_tokens=8, logprobs=2, prompt_logprobs=2)

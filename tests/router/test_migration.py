@@ -9,14 +9,7 @@ import time
 from router_fakes import fake_config, tokens
 from test_core import EOS, RecordingTransport, drain, submit  # noqa: F401
 
-from engine.protocol import (
-    FirstToken,
-    NodeFailed,
-    NodeReady,
-    Prefill,
-    Reserve,
-    ReserveReply,
-)
+from control.protocol import FirstToken, NodeFailed, NodeReady, Prefill, Reserve, ReserveReply
 from router.core import Router
 from router.state import ErrorEvent, RequestState, TokenEvent
 

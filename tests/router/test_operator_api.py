@@ -11,10 +11,10 @@ import httpx
 import pytest
 from router_fakes import fake_config, start_cluster, stop_all, wait_for
 
+from control.cluster_config import ClusterConfig, SecurityConfig
+from control.version import package_version
 from deploy.cli import main as duet
 from deploy.local_cluster import dump_toml, free_port
-from engine.cluster_config import ClusterConfig, SecurityConfig
-from engine.version import package_version
 
 SCRIPT_TEXT = "The quick brown fox jumps over the lazy dog, again and again and again."
 API_KEY = "operator-key-1"

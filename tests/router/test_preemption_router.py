@@ -11,7 +11,7 @@ from router_fakes import fake_config, tokens
 from test_core import EOS, RecordingTransport, drain, submit  # noqa: F401
 from test_migration import answer_reserve, tokens_of
 
-from engine.protocol import (
+from control.protocol import (
     FirstToken,
     NodeFailed,
     NodeReady,

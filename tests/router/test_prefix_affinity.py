@@ -4,8 +4,8 @@ node reports caching, a restarted node forgotten, and which policy a config gets
 
 from router_fakes import fake_config
 
-from engine.cluster_config import ClusterConfig
-from engine.protocol import Heartbeat
+from control.cluster_config import ClusterConfig
+from control.protocol import Heartbeat
 from router.nodes import NodeState
 from router.policy import CacheAwarePolicy, LeastLoadedPolicy, default_policy
 from router.prefix_affinity import PrefixAffinityTree

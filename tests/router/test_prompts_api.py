@@ -29,8 +29,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from router_fakes import FakeCluster, fake_config, start_cluster, stop_all, wait_for
 
-from engine.protocol import RequestError
-from engine.tiny_model import make_tiny_model
+from control.protocol import RequestError
+from tinymodel.make import make_tiny_model
 
 SCRIPT_TEXT = "The quick brown fox jumps over the lazy dog. 日本語 🚀 done."
 CONTEXT = 512  # the tiny model's max_position_embeddings

@@ -8,10 +8,10 @@ import openai
 import pytest
 from router_fakes import FakeCluster, RouterServer, assert_invalid_value, fake_config
 
-from engine.protocol import Prefill, Reserve, sampling_from_dict
-from engine.sampling import SamplingParams
-from engine.tiny_model import make_tiny_model
-from engine.tokenizer import Tokenizer
+from control.protocol import Prefill, Reserve, sampling_from_dict
+from control.sampling_params import SamplingParams
+from control.tokenizer import Tokenizer
+from tinymodel.make import make_tiny_model
 
 VOCAB = 512  # the random tiny model's (`model_dir`)
 SCRIPT = "one two three four five six seven eight"

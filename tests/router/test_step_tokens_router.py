@@ -9,8 +9,8 @@ import asyncio
 from router_fakes import tokens
 from test_core import drain, make_router, submit
 
-from engine.logprobs import TokenLogprobs
-from engine.protocol import FirstToken, RequestTokens, StepTokens
+from control.logprobs import TokenLogprobs
+from control.protocol import FirstToken, RequestTokens, StepTokens
 from router.state import ErrorEvent, RequestState, TokenEvent
 
 STEP = [

@@ -11,10 +11,10 @@ import openai
 import pytest
 from router_fakes import FakeCluster, RouterServer, assert_invalid_value, fake_config, tokens
 
-from engine.protocol import Prefill, Reserve, sampling_from_dict
-from engine.structured import MAX_SPEC_CHARS
-from engine.tiny_model import ensure_tiny_model
-from engine.tokenizer import Tokenizer
+from control.protocol import Prefill, Reserve, sampling_from_dict
+from control.structured_output import MAX_SPEC_CHARS
+from control.tokenizer import Tokenizer
+from tinymodel.make import ensure_tiny_model
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 SCHEMA_TEXT = json.dumps(SCHEMA, separators=(",", ":"))
@@ -181,7 +181,7 @@ def test_a_preempted_structured_request_resumes_its_grammar():
     from test_migration import answer_reserve
     from test_preemption_router import REASON, make_router
 
-    from engine.protocol import FirstToken, Preempted
+    from control.protocol import FirstToken, Preempted
 
     async def main():
         r = make_router(num_decode=2)

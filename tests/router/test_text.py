@@ -3,9 +3,9 @@ strings cut the text exactly before their first occurrence, even across token bo
 
 import pytest
 
-from engine.tiny_model import ensure_tiny_model
-from engine.tokenizer import Tokenizer
+from control.tokenizer import Tokenizer
 from router.text import TextStream
+from tinymodel.make import ensure_tiny_model
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

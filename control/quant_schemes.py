@@ -1,0 +1,45 @@
+"""The names of the weight quantization schemes (`model.quant` implements them), apart so that
+the configs and the router can check a name without importing the kernels."""
+
+from __future__ import annotations
+
+from control.errors import ConfigError
+
+QUANT_SCHEMES = ("none", "int8", "fp8")
+# Where a node's weights live (model.pack_cache.weights_backing): the heap, or a mapped pack on
+# a file or shmem, on 4 KiB or 2 MiB pages. Here so the router can check a name without torch.
+WEIGHT_BACKINGS = ("heap", "file", "file_hugepages", "shmem", "shmem_hugepages")
+
+
+def parse_quant(value: object, where: str = "quant") -> str:
+    """The scheme's name ("none" for None); a ConfigError naming `where` for anything else."""
+    if value is None:
+        return "none"
+    if not isinstance(value, str) or value not in QUANT_SCHEMES:
+        raise ConfigError(f"{where} must be one of {', '.join(QUANT_SCHEMES)}, got {value!r}")
+    return value
+
+
+# The matrices a scheme other than "none" quantizes (model/quant.py): every MLA projection but
+# kv_b_proj, and every MLP and expert projection. The rest (embedding, LM head, kv_b, norms,
+# router gate) stays in the model dtype.
+_QUANTIZED = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
+_QUANTIZED += ("gate_proj", "up_proj", "down_proj")
+FP8_BLOCK = 128
+
+
+def is_quantized(name: str) -> bool:
+    """Whether a scheme other than "none" quantizes the checkpoint tensor `name`."""
+    return name.startswith("model.layers.") and name.endswith(
+        tuple(f".{p}.weight" for p in _QUANTIZED)
+    )
+
+
+def quantized_bytes(quant: str, shape: tuple[int, ...]) -> int:
+    """Bytes a quantized matrix [N, K] is held in: 1 per weight, plus per row an fp32 scale and
+    an int32 compensation (int8), or an fp32 scale per 128x128 block (fp8)."""
+    n, k = shape
+    if quant == "int8":
+        return n * k + 8 * n
+    blocks = -(-n // FP8_BLOCK) * -(-k // FP8_BLOCK)
+    return n * k + 4 * blocks
