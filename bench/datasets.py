@@ -67,8 +67,9 @@ class PromptMaker:
 
     def __init__(self, tokenizer: Tokenizer, seed: int = 0):
         self.tokenizer = tokenizer
-        self._words = [tokenizer.decode([i], skip_special_tokens=False)
-                       for i in word_token_ids(tokenizer)]  # fmt: skip
+        self._words = [
+            tokenizer.decode([i], skip_special_tokens=False) for i in word_token_ids(tokenizer)
+        ]
         self._rng = np.random.default_rng(seed)
 
     def prompt(self, num_tokens: int) -> str:
@@ -112,8 +113,9 @@ def synthetic_chat_requests(
     if max_input_len is not None:
         in_cap = max(1, min(in_cap, max_input_len))
     ins = lognormal_lengths(rng, num_prompts, input_len, CHAT_INPUT_SIGMA, in_cap)
-    outs = lognormal_lengths(rng, num_prompts, output_len, CHAT_OUTPUT_SIGMA,
-                             int(CHAT_TAIL * output_len))  # fmt: skip
+    outs = lognormal_lengths(
+        rng, num_prompts, output_len, CHAT_OUTPUT_SIGMA, int(CHAT_TAIL * output_len)
+    )
     return [BenchRequest(maker.prompt(i), i, o) for i, o in zip(ins, outs, strict=True)]
 
 

@@ -51,9 +51,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _rank_main(rank, world, port, model_dir, threads, batches, context, steps, out_dir):
     ops.set_num_threads(threads)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=300),
-    )  # fmt: skip
+    )
     try:
         num_experts = ModelConfig.from_model_dir(model_dir).n_routed_experts
         shard = expert_shard(num_experts, rank, world) if world > 1 else None
@@ -69,8 +72,9 @@ def _rank_main(rank, world, port, model_dir, threads, batches, context, steps, o
 
 
 def _time_batch(model, ep, num_seqs, context, steps):
-    pool = model.new_kv_pool(num_pages=-(-(context + steps + 4) // 64) * max(1, num_seqs) + 1,
-                             page_size=64)  # fmt: skip
+    pool = model.new_kv_pool(
+        num_pages=-(-(context + steps + 4) // 64) * max(1, num_seqs) + 1, page_size=64
+    )
     tables = [pool.new_table() for _ in range(num_seqs)]
     for table in tables:
         pool.reserve(table, context + steps + 3)
@@ -108,10 +112,12 @@ def run_config(model_dir, world, threads, batches, context, steps) -> dict:
         mp.spawn(_rank_main, args=args, nprocs=world, join=True)
         rank0 = json.load(open(Path(out) / "rank0.json"))
     return {
-        int(b): {"tokens_per_s": int(b) * steps / r["seconds"],
-                 "dispatch_combine_share": r["comm_seconds"] / r["seconds"]}
+        int(b): {
+            "tokens_per_s": int(b) * steps / r["seconds"],
+            "dispatch_combine_share": r["comm_seconds"] / r["seconds"],
+        }
         for b, r in rank0.items()
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,14 +143,18 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
         return 0
     print(f"decode tokens/s, bench shapes ({args.layers} layers), context {args.context}")
-    print(f"{'batch':>6} {'R=1 x' + str(args.threads) + 't':>10} "
-          f"{'R=' + str(args.ranks) + ' x' + str(args.threads // args.ranks) + 't':>10} "
-          f"{'ratio':>6} {'dispatch/combine share':>24}")  # fmt: skip
+    print(
+        f"{'batch':>6} {'R=1 x' + str(args.threads) + 't':>10} "
+        f"{'R=' + str(args.ranks) + ' x' + str(args.threads // args.ranks) + 't':>10} "
+        f"{'ratio':>6} {'dispatch/combine share':>24}"
+    )
     for b in batches:
         a, m = one[b], many[b]
-        print(f"{b:>6} {a['tokens_per_s']:>10.2f} {m['tokens_per_s']:>10.2f} "
-              f"{m['tokens_per_s'] / a['tokens_per_s']:>6.2f} "
-              f"{100 * m['dispatch_combine_share']:>23.1f}%")  # fmt: skip
+        print(
+            f"{b:>6} {a['tokens_per_s']:>10.2f} {m['tokens_per_s']:>10.2f} "
+            f"{m['tokens_per_s'] / a['tokens_per_s']:>6.2f} "
+            f"{100 * m['dispatch_combine_share']:>23.1f}%"
+        )
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The decode node's step, profiled: how much of it is Python (issue 12).
+"""The decode node's step, profiled: how much of it is Python.
 
 A real `DecodeNode` (in-process queues and KV receiver, no sockets) holds B running requests of
 `--context` cached tokens each (the KV rows are whatever the pool holds: the timing does not
@@ -56,10 +56,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--accept", type=float, default=None, help="forced draft acceptance in [0, 1]")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument(
-        "--overlap", choices=("off", "on", "both"), default="off",
+        "--overlap",
+        choices=("off", "on", "both"),
+        default="off",
         help="the overlapped step (the loop's work on a helper thread); 'both' runs each batch size "
         "in order, then overlapped, then in order again (the host's DRAM rate drifts)",
-    )  # fmt: skip
+    )
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
@@ -70,17 +72,28 @@ def make_node(
     page_size = 16
     need = batch * (-(-(context + 4 * steps + 64) // page_size) + 1)
     pool = model.new_kv_pool(need, page_size)
-    fp = make_fingerprint(model.cfg.fingerprint(), model.num_kv_layers, model.cfg.kv_row_width,
-                          model.dtype)  # fmt: skip
+    fp = make_fingerprint(
+        model.cfg.fingerprint(), model.num_kv_layers, model.cfg.kv_row_width, model.dtype
+    )
     cfg = DecodeNodeConfig(
-        "bench", max_batch=batch, num_pages=need, page_size=page_size,
-        kv_reservation="worst_case", mtp=mtp_tokens > 0, mtp_tokens=max(1, mtp_tokens),
+        "bench",
+        max_batch=batch,
+        num_pages=need,
+        page_size=page_size,
+        kv_reservation="worst_case",
+        mtp=mtp_tokens > 0,
+        mtp_tokens=max(1, mtp_tokens),
         overlap=overlap,
-    )  # fmt: skip
+    )
     return DecodeNode(
-        "bench", model, cfg, TimeoutConfig(decode_s=3600), QueueInbox(), QueueOutbox(),
+        "bench",
+        model,
+        cfg,
+        TimeoutConfig(decode_s=3600),
+        QueueInbox(),
+        QueueOutbox(),
         InprocReceiver(pool, fp),
-    )  # fmt: skip
+    )
 
 
 def add_requests(node: DecodeNode, batch: int, context: int, max_new: int, temperature: float):
@@ -186,8 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"args": vars(args), "rows": rows}))
         return 0
-    print(f"context {args.context}, {args.threads} threads, mtp_tokens {args.mtp_tokens}, "
-          f"accept {args.accept}")  # fmt: skip
+    print(
+        f"context {args.context}, {args.threads} threads, mtp_tokens {args.mtp_tokens}, "
+        f"accept {args.accept}"
+    )
     print("batch  overlap  step ms  TPOT ms  tok/step  python  kernels  torch-C  acceptance")
     for r in rows:
         print(

@@ -94,8 +94,14 @@ def load_model(model_dir: str, quant: str, pack: str | None = None) -> DeepseekM
 
     scheme, _, via = quant.partition("@")
     mapped = via == "pack"
-    return load(model_dir, torch.bfloat16, scheme, progress=False,
-                pack=pack if mapped else None, weights_cache=mapped)  # fmt: skip
+    return load(
+        model_dir,
+        torch.bfloat16,
+        scheme,
+        progress=False,
+        pack=pack if mapped else None,
+        weights_cache=mapped,
+    )
 
 
 def prefill_batch(

@@ -73,11 +73,24 @@ class Dims:
 
 FULL = Dims()
 QUICK = Dims(
-    hidden=256, heads=2, q_lora_rank=96, kv_lora_rank=64, rope_dim=16, qk_nope_dim=32,
-    v_head_dim=32, num_experts=8, top_k=2, moe_inter=96, dense_inter=320, prefill_tokens=48,
-    gemm_tokens=16, mla_batches=(1, 3), mla_contexts=(40,), extend_prefixes=(0, 33),
+    hidden=256,
+    heads=2,
+    q_lora_rank=96,
+    kv_lora_rank=64,
+    rope_dim=16,
+    qk_nope_dim=32,
+    v_head_dim=32,
+    num_experts=8,
+    top_k=2,
+    moe_inter=96,
+    dense_inter=320,
+    prefill_tokens=48,
+    gemm_tokens=16,
+    mla_batches=(1, 3),
+    mla_contexts=(40,),
+    extend_prefixes=(0, 33),
     decode_tokens=(1,),
-)  # fmt: skip
+)
 
 
 @dataclass
@@ -158,10 +171,13 @@ def moe_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
     expert_bytes = 3 * d.moe_inter * d.hidden * ELEM
     for name, tokens in token_counts:
         yield _moe_case(
-            d, name, tokens, expert_bytes,
+            d,
+            name,
+            tokens,
+            expert_bytes,
             run=lambda x, w, ids: ops.fused_moe(x, *packed, w, ids),
             reference=lambda x, w, ids: reference.fused_moe(x, *ref_packed, w, ids),
-        )  # fmt: skip
+        )
 
 
 def moe_int8_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
@@ -181,11 +197,14 @@ def moe_int8_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
     expert_bytes = 3 * d.moe_inter * d.hidden + 8 * (2 * d.moe_inter + d.hidden)
     for name, tokens in token_counts:
         yield _moe_case(
-            d, name, tokens, expert_bytes,
+            d,
+            name,
+            tokens,
+            expert_bytes,
             run=lambda x, w, ids: ops.fused_moe_int8(x, *packed, w, ids),
             reference=lambda x, w, ids: reference.fused_moe_int8(x, *ref_packed, w, ids),
             compute="int8",
-        )  # fmt: skip
+        )
 
 
 def moe_fp8_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
@@ -210,11 +229,16 @@ def moe_fp8_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
     expert_bytes = 3 * d.moe_inter * d.hidden + scale_bytes
     for name, tokens in token_counts:
         yield _moe_case(
-            d, name, tokens, expert_bytes,
+            d,
+            name,
+            tokens,
+            expert_bytes,
             run=lambda x, w, ids: ops.fused_moe_fp8(x, *packed, w, ids),
             reference=lambda x, w, ids: reference.fused_moe_fp8(x, *ref_packed, w, ids),
-            others={"bf16": {"fused_moe": lambda x, w, ids: ops.fused_moe(x, *bf16_packed, w, ids)}},
-        )  # fmt: skip
+            others={
+                "bf16": {"fused_moe": lambda x, w, ids: ops.fused_moe(x, *bf16_packed, w, ids)}
+            },
+        )
 
 
 def _routing(d: Dims, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -370,14 +394,20 @@ def extend_attention_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
         yield Case(
             kernel="extend_attention",
             shape=f"new={new_len} prefix={prefix_len} H={heads} qk={dqk} v={dv}",
-            num_bytes=(2 * q.numel() + v.numel() + k_prefix.numel() + v_prefix.numel()
-                       + new_len * heads * dv) * ELEM,
+            num_bytes=(
+                2 * q.numel()
+                + v.numel()
+                + k_prefix.numel()
+                + v_prefix.numel()
+                + new_len * heads * dv
+            )
+            * ELEM,
             flops=2 * heads * pairs * (dqk + dv),
             run=lambda a=args: ops.extend_attention(*a()),
             reference=lambda a=args: reference.extend_attention(*a()),
             others={"sdpa": {"sdpa": lambda s=sdpa_calls: s()()}},
             level=memory_level(copies * input_bytes),
-        )  # fmt: skip
+        )
 
 
 # ---- small per-token ops ---------------------------------------------------------------------
@@ -392,19 +422,28 @@ def small_op_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
         x = _act(tokens, d.hidden)
         num_bytes = (2 * x.numel() + w.numel()) * ELEM
         yield Case(
-            "rmsnorm", f"T={tokens} D={d.hidden}", num_bytes, 4 * x.numel(),
-            lambda x=x: ops.rms_norm(x, w, 1e-6), lambda x=x: reference.rms_norm(x, w, 1e-6),
-            compute="none", level=memory_level(num_bytes),
-        )  # fmt: skip
+            "rmsnorm",
+            f"T={tokens} D={d.hidden}",
+            num_bytes,
+            4 * x.numel(),
+            lambda x=x: ops.rms_norm(x, w, 1e-6),
+            lambda x=x: reference.rms_norm(x, w, 1e-6),
+            compute="none",
+            level=memory_level(num_bytes),
+        )
     for tokens in token_counts if wanted("rmsnorm_fused_add") else ():
         x, res = _act(tokens, d.hidden), _act(tokens, d.hidden)
         num_bytes = (4 * x.numel() + w.numel()) * ELEM
         yield Case(
-            "rmsnorm_fused_add", f"T={tokens} D={d.hidden}", num_bytes, 5 * x.numel(),
+            "rmsnorm_fused_add",
+            f"T={tokens} D={d.hidden}",
+            num_bytes,
+            5 * x.numel(),
             lambda x=x, r=res: ops.fused_add_rms_norm(x, r, w, 1e-6),
             lambda x=x, r=res: reference.fused_add_rms_norm(x, r, w, 1e-6),
-            compute="none", level=memory_level(num_bytes),
-        )  # fmt: skip
+            compute="none",
+            level=memory_level(num_bytes),
+        )
     cos_sin = torch.randn(4096, d.rope_dim)
     for tokens in token_counts if wanted("rope") else ():
         # q_pe / k_pe are slices of q [T, H, nope + rope] and kv_a [T, L + rope], as in the model.
@@ -414,19 +453,29 @@ def small_op_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
         values = tokens * (d.heads + 1) * d.rope_dim
         num_bytes = 2 * values * ELEM + tokens * (d.rope_dim * 4 + 8)
         yield Case(
-            "rope", f"T={tokens} H={d.heads} R={d.rope_dim}", num_bytes, 3 * values,
-            lambda a=args: ops.apply_rope(*a), lambda a=args: reference.apply_rope(*a),
-            compute="none", level=memory_level(num_bytes),
-        )  # fmt: skip
+            "rope",
+            f"T={tokens} H={d.heads} R={d.rope_dim}",
+            num_bytes,
+            3 * values,
+            lambda a=args: ops.apply_rope(*a),
+            lambda a=args: reference.apply_rope(*a),
+            compute="none",
+            level=memory_level(num_bytes),
+        )
     for tokens in token_counts if wanted("topk") else ():
         logits = _act(tokens, d.num_experts)
         args = (logits, None, d.top_k, 1, 1, "softmax", "greedy", False, 1.0)
         num_bytes = logits.numel() * ELEM + tokens * d.top_k * 8
         yield Case(
-            "topk", f"T={tokens} E={d.num_experts} K={d.top_k}", num_bytes, 8 * logits.numel(),
-            lambda a=args: ops.grouped_topk(*a), lambda a=args: reference.grouped_topk(*a),
-            compute="none", level=memory_level(num_bytes),
-        )  # fmt: skip
+            "topk",
+            f"T={tokens} E={d.num_experts} K={d.top_k}",
+            num_bytes,
+            8 * logits.numel(),
+            lambda a=args: ops.grouped_topk(*a),
+            lambda a=args: reference.grouped_topk(*a),
+            compute="none",
+            level=memory_level(num_bytes),
+        )
 
 
 FAMILIES = (

@@ -1,4 +1,4 @@
-"""TPOT with MTP speculative decoding against without, on the trained tiny model (issue 12).
+"""TPOT with MTP speculative decoding against without, on the trained tiny model.
 
 Greedy generation of `--tokens` tokens after the first 300 characters of each held-out stdlib
 file (text the model never trained on), offline (`OfflineGenerator` against
@@ -63,14 +63,18 @@ def main(argv: list[str] | None = None) -> int:
             for k, spec in specs.items():
                 times[f"mtp{k}"].append(decode_ms_per_token(spec, ids, params))
     base = statistics.median(times["plain"])
-    print(f"trained tiny model, {args.dtype}, 1 thread, {len(prompts)} held-out prompts x "
-          f"{args.rounds} rounds, {args.tokens} tokens")  # fmt: skip
+    print(
+        f"trained tiny model, {args.dtype}, 1 thread, {len(prompts)} held-out prompts x "
+        f"{args.rounds} rounds, {args.tokens} tokens"
+    )
     print(f"plain: TPOT {base:.3f} ms")
     for k, spec in specs.items():
         tpot = statistics.median(times[f"mtp{k}"])
-        print(f"mtp_tokens {k}: TPOT {tpot:.3f} ms ({tpot / base:.2f}x), acceptance "
-              f"{spec.acceptance_rate:.2f}, tokens/step "
-              f"{(spec.num_accepted + spec.num_steps) / spec.num_steps:.2f}")  # fmt: skip
+        print(
+            f"mtp_tokens {k}: TPOT {tpot:.3f} ms ({tpot / base:.2f}x), acceptance "
+            f"{spec.acceptance_rate:.2f}, tokens/step "
+            f"{(spec.num_accepted + spec.num_steps) / spec.num_steps:.2f}"
+        )
     return 0
 
 

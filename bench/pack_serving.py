@@ -90,8 +90,11 @@ def memory(launcher: int, packs: list[Path]) -> dict:
 
 def _serves(url: str, model: str) -> bool:
     try:
-        r = httpx.post(url + "/v1/completions", timeout=120,
-                       json={"model": model, "prompt": "Hello", "max_tokens": 2})  # fmt: skip
+        r = httpx.post(
+            url + "/v1/completions",
+            timeout=120,
+            json={"model": model, "prompt": "Hello", "max_tokens": 2},
+        )
         return r.status_code == 200
     except httpx.HTTPError:
         return False
@@ -134,8 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"start {result['start_s']:.1f} s ({'pack built' if result['built_pack'] else 'pack mapped'})"
         )
-        print(f"PSS sum {mem['pss_sum_gb']:.2f} GB over {mem['processes']} processes (file "
-              f"{mem['pss_file_gb']:.2f}, anon {mem['pss_anon_gb']:.2f}); packs {mem['pack_gb']:.2f} GB")  # fmt: skip
+        print(
+            f"PSS sum {mem['pss_sum_gb']:.2f} GB over {mem['processes']} processes (file "
+            f"{mem['pss_file_gb']:.2f}, anon {mem['pss_anon_gb']:.2f}); packs {mem['pack_gb']:.2f} GB"
+        )
         for name, gb in mem["per_process_pss_gb"].items():
             print(f"  {name}: {gb:.2f} GB")
         if "recovery_s" in result:

@@ -73,8 +73,13 @@ def plot_timeline(
             xs, ys = zip(*points, strict=True)
             ax.scatter(xs, np.asarray(ys) * 1e3, s=10, label="completed")
         if failed:
-            ax.scatter([r.start_s for r in failed], [0.0] * len(failed), marker="x",
-                       color="red", label=f"failed ({len(failed)})")  # fmt: skip
+            ax.scatter(
+                [r.start_s for r in failed],
+                [0.0] * len(failed),
+                marker="x",
+                color="red",
+                label=f"failed ({len(failed)})",
+            )
         ax.axhline(sla, color="red", linestyle="--", label=f"SLA {sla:g} ms")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -104,8 +109,10 @@ def plot_sweep(runs: dict[str, list[dict[str, Any]]], path: str | Path, xlabel: 
         points = sorted((p for p in points if np.isfinite(p["x"])), key=lambda p: p["x"])
         xs = [p["x"] for p in points]
         for i, (ax, _, value) in enumerate(panels):
-            ys = np.array([np.nan if value(p["summary"]) is None else value(p["summary"])
-                           for p in points], dtype=float)  # fmt: skip
+            ys = np.array(
+                [np.nan if value(p["summary"]) is None else value(p["summary"]) for p in points],
+                dtype=float,
+            )
             ax.plot(xs, ys, marker="o", label=label)
             if np.isfinite(ys).any():
                 top[i] = max(top[i], float(np.nanmax(ys)))

@@ -1,4 +1,4 @@
-"""Prefill with tensor parallelism (issue 14): ranks = 1 (T threads) vs ranks = R (T/R each),
+"""Prefill with tensor parallelism: ranks = 1 (T threads) vs ranks = R (T/R each),
 for each scheme ("tp", "tp_sp": `--schemes`) and collectives (gloo, shm: `--comm`).
 
 On the bench shapes (`tinymodel.bench_model`, `--layers` layers written to a temporary directory,
@@ -64,8 +64,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="alternations of the configurations")
     p.add_argument("--comm", default="gloo,shm", help="collectives to compare: gloo, shm")
     p.add_argument("--schemes", default="tp,tp_sp", help="parallel schemes to compare")
-    p.add_argument("--pin", choices=("auto", "off"), default="auto",
-                   help="the ranks' cores, as a prefill node's `pin` (default auto)")  # fmt: skip
+    p.add_argument(
+        "--pin",
+        choices=("auto", "off"),
+        default="auto",
+        help="the ranks' cores, as a prefill node's `pin` (default auto)",
+    )
     p.add_argument("--dry-run", action="store_true", help="the schemes' traffic per layer only")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
@@ -95,15 +99,30 @@ class _TimedComm:
         return self._timed(self.inner.all_to_all, pieces, pieces.numel() * pieces.element_size())
 
 
-def _rank_main(rank, world, port, model_dir, threads, prompt_len, chunk, repeats, comm, out_dir,
-               allowed_cpus, scheme):  # fmt: skip
+def _rank_main(
+    rank,
+    world,
+    port,
+    model_dir,
+    threads,
+    prompt_len,
+    chunk,
+    repeats,
+    comm,
+    out_dir,
+    allowed_cpus,
+    scheme,
+):
     if allowed_cpus and world > 1:  # as a prefill node's ranks with pin = "auto"
         os.sched_setaffinity(0, plan_rank(rank, world, allowed_cpus, numa_nodes()).cpus)
     ops.set_num_threads(threads)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=600),
-    )  # fmt: skip
+    )
     try:
         tp = (rank, world) if world > 1 else None
         model = DeepseekModel.from_pretrained(
@@ -117,8 +136,9 @@ def _rank_main(rank, world, port, model_dir, threads, prompt_len, chunk, repeats
         elif tp is not None:
             install_tensor_parallel(model, reduce)
         pool = model.new_kv_pool(num_pages=-(-prompt_len // 64) + 1, page_size=64)
-        ids = torch.randint(0, model.cfg.vocab_size, (prompt_len,),
-                            generator=torch.Generator().manual_seed(0)).tolist()  # fmt: skip
+        ids = torch.randint(
+            0, model.cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)
+        ).tolist()
 
         def prefill():
             table = pool.new_table()
@@ -165,8 +185,10 @@ def dry_run(args) -> int:
     if args.json:
         print(json.dumps({"prompt_len": args.prompt_len, "ranks": args.ranks, **traffic}))
         return 0
-    print(f"bytes one rank sends per layer, {args.prompt_len} tokens over {args.ranks} ranks "
-          f"(hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads):")  # fmt: skip
+    print(
+        f"bytes one rank sends per layer, {args.prompt_len} tokens over {args.ranks} ranks "
+        f"(hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads):"
+    )
     for scheme, sent in traffic.items():
         print(f"  {scheme:22s} {sent / 2**20:8.2f} MiB")
     return 0
@@ -217,10 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  1 rank x {args.threads} threads: {one:.3f} s (median)")
     for comm in names:
         r = report[f"ranks{args.ranks}_{comm}"]
-        print(f"  {args.ranks} ranks x {r['threads_per_rank']} threads, {comm}: "
-              f"{r['median_s']:.3f} s (median), {r['throughput_ratio']:.2f}x of 1 rank, "
-              f"collectives {r['all_reduce_share']:.1%} of rank 0's time, "
-              f"{r['comm_bytes_per_layer'] / 2**20:.1f} MiB handed to them per layer")  # fmt: skip
+        print(
+            f"  {args.ranks} ranks x {r['threads_per_rank']} threads, {comm}: "
+            f"{r['median_s']:.3f} s (median), {r['throughput_ratio']:.2f}x of 1 rank, "
+            f"collectives {r['all_reduce_share']:.1%} of rank 0's time, "
+            f"{r['comm_bytes_per_layer'] / 2**20:.1f} MiB handed to them per layer"
+        )
     return 0
 
 

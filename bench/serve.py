@@ -155,8 +155,12 @@ def _error_message(body: str) -> str:
 
 async def send_one(client, target: Target, index: int, req: BenchRequest, t0: float, tokenizer):
     """One request's RequestRecord; every failure is recorded as an error kind, never raised."""
-    rec = RequestRecord(index=index, start_s=time.perf_counter() - t0,
-                        prompt_len=req.prompt_len, expected_output_len=req.output_len)  # fmt: skip
+    rec = RequestRecord(
+        index=index,
+        start_s=time.perf_counter() - t0,
+        prompt_len=req.prompt_len,
+        expected_output_len=req.output_len,
+    )
     try:
         await asyncio.wait_for(_stream(client, target, req, rec, tokenizer), target.timeout_s)
     except _Failed as exc:
@@ -200,8 +204,12 @@ async def run_requests(
     sem = asyncio.Semaphore(limit)
     timeout = httpx.Timeout(target.timeout_s, connect=min(CONNECT_TIMEOUT_S, target.timeout_s))
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    bar = tqdm(total=len(requests), desc="requests", unit="req",
-               disable=None if progress is None else not progress)  # fmt: skip
+    bar = tqdm(
+        total=len(requests),
+        desc="requests",
+        unit="req",
+        disable=None if progress is None else not progress,
+    )
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
         t0 = time.perf_counter()
 
@@ -238,8 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="duet bench-serve", description=__doc__.splitlines()[0])
     p.add_argument("--url", help="server base URL (default: the router of --config)")
     p.add_argument("--config", help="cluster config: SLA defaults, URL, model (tokenizer)")
-    p.add_argument("--tokenizer", help="model dir whose tokenizer makes prompts (default: the "
-                   "config's model, else the built-in tiny model)")  # fmt: skip
+    p.add_argument(
+        "--tokenizer",
+        help="model dir whose tokenizer makes prompts (default: the "
+        "config's model, else the built-in tiny model)",
+    )
     p.add_argument("--model", help="the request's `model` field (default: GET /v1/models)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson (inf)")
@@ -247,12 +258,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", choices=DATASETS, default="random")
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens (chat: median)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens (chat: median)")
-    p.add_argument("--prefix-len", type=int, default=DEFAULT_PREFIX_LEN,
-                   help="shared-prefix: tokens of the prefix every prompt starts with")  # fmt: skip
-    p.add_argument("--endpoint", choices=("auto", "completions", "chat"), default="auto",
-                   help="auto: chat for synthetic-chat, completions for random")  # fmt: skip
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="ask for exactly --output-len tokens (a vLLM/SGLang extension)")  # fmt: skip
+    p.add_argument(
+        "--prefix-len",
+        type=int,
+        default=DEFAULT_PREFIX_LEN,
+        help="shared-prefix: tokens of the prefix every prompt starts with",
+    )
+    p.add_argument(
+        "--endpoint",
+        choices=("auto", "completions", "chat"),
+        default="auto",
+        help="auto: chat for synthetic-chat, completions for random",
+    )
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask for exactly --output-len tokens (a vLLM/SGLang extension)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument(
         "--extra-body",
@@ -335,15 +358,37 @@ def load_tokenizer(model_dir: str | None):
 def run(args: argparse.Namespace, tokenizer=None) -> dict[str, Any]:
     """Run one benchmark from resolved arguments; write OUT; return the summary."""
     tokenizer = tokenizer or load_tokenizer(args.tokenizer)
-    requests = make_requests(tokenizer, args.dataset, args.num_prompts, args.input_len,
-                             args.output_len, args.seed, args.prefix_len)  # fmt: skip
+    requests = make_requests(
+        tokenizer,
+        args.dataset,
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        args.seed,
+        args.prefix_len,
+    )
     model = args.model or asyncio.run(_model_name(args.url))
-    target = Target(args.url, args.endpoint == "chat", model, args.ignore_eos,
-                    args.temperature, args.timeout, args.extra_body)  # fmt: skip
+    target = Target(
+        args.url,
+        args.endpoint == "chat",
+        model,
+        args.ignore_eos,
+        args.temperature,
+        args.timeout,
+        args.extra_body,
+    )
     progress = False if args.no_progress else None
-    records, duration = asyncio.run(run_requests(
-        target, requests, args.request_rate, args.max_concurrency, args.seed, tokenizer, progress
-    ))  # fmt: skip
+    records, duration = asyncio.run(
+        run_requests(
+            target,
+            requests,
+            args.request_rate,
+            args.max_concurrency,
+            args.seed,
+            tokenizer,
+            progress,
+        )
+    )
     summary = summarize(records, duration, args.ttft_ms, args.tpot_ms)
     write_outputs(Path(args.out), args, summary, records)
     return summary
@@ -351,8 +396,9 @@ def run(args: argparse.Namespace, tokenizer=None) -> dict[str, Any]:
 
 def write_outputs(out: Path, args, summary: dict[str, Any], records: list[RequestRecord]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    arg_dict = {k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
-                for k, v in vars(args).items()}  # fmt: skip
+    arg_dict = {
+        k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()
+    }
     result = {"args": arg_dict, "summary": summary}
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     with open(out / "requests.jsonl", "w") as f:
@@ -369,8 +415,10 @@ def write_outputs(out: Path, args, summary: dict[str, Any], records: list[Reques
 def main(argv: list[str] | None = None) -> int:
     args = resolve(build_parser().parse_args(argv))
     summary = run(args)
-    title = f"Serving benchmark: {args.url} ({args.dataset}, rate {args.request_rate:g}/s, " \
-            f"concurrency {args.max_concurrency or 'unlimited'})"  # fmt: skip
+    title = (
+        f"Serving benchmark: {args.url} ({args.dataset}, rate {args.request_rate:g}/s, "
+        f"concurrency {args.max_concurrency or 'unlimited'})"
+    )
     print(format_table(summary, title))
     print(f"results: {args.out}")
     return 0

@@ -116,14 +116,20 @@ def format_table(summary: dict[str, Any], title: str = "Serving benchmark") -> s
     row("Input token throughput (tok/s)", _fmt(summary["input_throughput"]))
     row("Output token throughput (tok/s)", _fmt(summary["output_throughput"]))
     sla = summary["sla"]
-    row(f"SLA (TTFT <= {sla['ttft_ms']:g} ms, TPOT <= {sla['tpot_ms']:g} ms) met",
-        f"{summary['sla_met']} ({100 * summary['sla_attainment']:.1f}%)")  # fmt: skip
+    row(
+        f"SLA (TTFT <= {sla['ttft_ms']:g} ms, TPOT <= {sla['tpot_ms']:g} ms) met",
+        f"{summary['sla_met']} ({100 * summary['sla_attainment']:.1f}%)",
+    )
     if summary.get("rejected"):
         row("Rejected at admission (503/429)", str(summary["rejected"]))
         row("SLA met among admitted", f"{100 * summary['sla_attainment_admitted']:.1f}%")
     row("Goodput (req/s)", _fmt(summary["goodput"], 3))
-    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"),
-                      ("e2e_ms", "E2E latency")):  # fmt: skip
+    for key, name in (
+        ("ttft_ms", "TTFT"),
+        ("tpot_ms", "TPOT"),
+        ("itl_ms", "ITL"),
+        ("e2e_ms", "E2E latency"),
+    ):
         lines.append(f"{' ' + name + ' (ms) ':-^{width}}")
         for stat in ("mean", "median", "p90", "p99"):
             row(f"{stat.capitalize()} {name}", _fmt(summary[key][stat]))

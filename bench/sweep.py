@@ -59,8 +59,13 @@ class Cluster:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             # Its own session: the whole process group can be signalled if `duet up` lingers.
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         try:
             self._wait_ready()
         except BaseException:
@@ -83,16 +88,20 @@ class Cluster:
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise DuetError(f"`{' '.join(self.cmd)}` exited with {self.proc.returncode} "
-                                f"before the cluster was ready: {self._log_tail()}")  # fmt: skip
+                raise DuetError(
+                    f"`{' '.join(self.cmd)}` exited with {self.proc.returncode} "
+                    f"before the cluster was ready: {self._log_tail()}"
+                )
             try:
                 if _is_healthy(httpx.get(self.health_url, timeout=2.0, trust_env=False)):
                     return
             except httpx.HTTPError:
                 pass  # not listening yet
             time.sleep(POLL_S)
-        raise DuetError(f"the cluster was not ready within {self.timeout_s:g} s "
-                        f"({self.health_url}); log: {self.log_path}")  # fmt: skip
+        raise DuetError(
+            f"the cluster was not ready within {self.timeout_s:g} s "
+            f"({self.health_url}); log: {self.log_path}"
+        )
 
     def stop(self) -> None:
         """SIGINT (Ctrl-C, which `duet up` handles by stopping its children) and wait; if it
@@ -215,10 +224,12 @@ def _brief(s: dict[str, Any]) -> str:
     def ms(v):
         return "-" if v is None else f"{v:.1f}"
 
-    return (f"{s['completed']}/{s['num_requests']} ok, goodput {s['goodput']:.3f} req/s, "
-            f"p99 TTFT {ms(s['ttft_ms']['p99'])} ms, p99 TPOT {ms(s['tpot_ms']['p99'])} ms, "
-            f"{s['output_throughput']:.1f} out tok/s, decode streams peak "
-            f"{s.get('decode_running', {}).get('peak', 0):g}")  # fmt: skip
+    return (
+        f"{s['completed']}/{s['num_requests']} ok, goodput {s['goodput']:.3f} req/s, "
+        f"p99 TTFT {ms(s['ttft_ms']['p99'])} ms, p99 TPOT {ms(s['tpot_ms']['p99'])} ms, "
+        f"{s['output_throughput']:.1f} out tok/s, decode streams peak "
+        f"{s.get('decode_running', {}).get('peak', 0):g}"
+    )
 
 
 def main(argv: list[str] | None = None, up_command: Sequence[str] = DUET_UP) -> int:
@@ -233,8 +244,10 @@ def main(argv: list[str] | None = None, up_command: Sequence[str] = DUET_UP) -> 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     axis = "request rate (req/s)" if args.rates else "max concurrency"
-    safe = {k: [{**p, "x": str(p["x"]) if math.isinf(p["x"]) else p["x"]} for p in v]
-            for k, v in results.items()}  # fmt: skip
+    safe = {
+        k: [{**p, "x": str(p["x"]) if math.isinf(p["x"]) else p["x"]} for p in v]
+        for k, v in results.items()
+    }
     (out / "sweep.json").write_text(json.dumps({"axis": axis, "runs": safe}, indent=2) + "\n")
     from bench.plots import plot_sweep
 

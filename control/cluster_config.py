@@ -18,7 +18,7 @@
 `quant` ("none", "int8", "fp8"; model.quant) is each node's own weight scheme: the KV it
 produces or consumes is the same whatever the scheme, so any prefill node feeds any decode node.
 
-`mtp = true` (issue 12) makes a decode node speculate with the checkpoint's MTP layer, verifying
+`mtp = true` makes a decode node speculate with the checkpoint's MTP layer, verifying
 `mtp_tokens` drafts a step (`runtime.speculative`). The MTP layer's KV is one more layer of the
 cache, which the prefill nodes compute and send: so every decode node must agree on `mtp`, and
 the prefill nodes run the MTP layer exactly when they do (`ClusterConfig.uses_mtp`).
@@ -93,7 +93,7 @@ class _Addresses:
 class SlaConfig:
     ttft_ms: float = 1000.0
     tpot_ms: float = 50.0
-    # ---- SLA admission (issue 10 part 2; router/admission.py, control/cost_model.py) --------
+    # ---- SLA admission (router/admission.py, control/cost_model.py) --------
     # What a request whose predicted TTFT exceeds ttft_ms on every prefill node gets: "reject"
     # (503 + Retry-After), "queue" (waits at the router up to queue_s, then 503), "none" (served).
     admission: str = "none"
@@ -126,10 +126,10 @@ class RouterConfig(_Addresses):
     max_prompt_tokens: int = 0  # 0: the model's context; more prompt tokens get 400
     max_concurrent_per_key: int = 0  # 0: unlimited; more unfinished requests per key get 429
     max_migrations: int = 2  # a request moves to another node pair at most this often
-    # On-demand decode KV (issue 10, part 3): a request preempted by a decode node whose pool
+    # On-demand decode KV: a request preempted by a decode node whose pool
     # ran out is re-prefilled at most this often (not counted in max_migrations), then fails.
     max_preemptions: int = 8
-    # Cache-aware routing (issue 10): a prompt goes to the prefill node with the longest cached
+    # Cache-aware routing: a prompt goes to the prefill node with the longest cached
     # prefix among those whose queue is at most this many tokens longer than the shortest.
     cache_balance_tokens: int = 2048
 
@@ -146,18 +146,18 @@ class PrefillNodeConfig(_Addresses):
     chunk_size: int = 256
     num_pages: int = 4096
     max_batch_tokens: int = 512  # token budget of one prefill forward (chunks of several requests)
-    # Prefix cache (issue 10): finished prompts' KV pages stay cached in the pool (LRU), and a
+    # Prefix cache: finished prompts' KV pages stay cached in the pool (LRU), and a
     # prompt starting with a cached prefix computes only the rest. false: every prompt cold
     # (and the router pairs this node by load alone).
     prefix_cache: bool = True
-    quant: str = "none"  # weight quantization (issue 9): "none" | "int8" | "fp8"
+    quant: str = "none"  # weight quantization: "none" | "int8" | "fp8"
     # Packed weights (`model.weight_pack`): `pack` maps this packed weight store (made by
     # `duet pack`) instead of loading the checkpoint; else with `weights_cache` the node builds
     # the pack once under the cache dir (keyed by checkpoint, scheme, dtype and shard) and maps
     # it, so every process on the host shares one copy and a restart maps instead of rebuilding.
     pack: str = ""
     weights_cache: bool = True
-    # Tensor parallelism (issue 14, `prefill_node.ranks`): `ranks` processes on this machine,
+    # Tensor parallelism (`prefill_node.ranks`): `ranks` processes on this machine,
     # each holding its share of the heads, MLP columns and routed experts, `threads` each; rank
     # 0 talks to the router and streams the KV, which is the same whatever the ranks.
     ranks: int = 1
@@ -198,23 +198,23 @@ class DecodeNodeConfig(_Addresses):
     num_pages: int = 4096
     max_batch: int = 64  # running requests per rank
     ranks: int = 1
-    # On-demand decode KV (issue 10, part 3; rule in control.kv_reservation): "on_demand"
+    # On-demand decode KV (rule in control.kv_reservation): "on_demand"
     # reserves the prompt + kv_headroom_tokens and grows as it decodes, preempting the newest
     # request when the pool runs out; "worst_case" reserves prompt + max_tokens up front.
     kv_reservation: str = "on_demand"
     kv_headroom_tokens: int = 32
-    quant: str = "none"  # weight quantization (issue 9): "none" | "int8" | "fp8"
+    quant: str = "none"  # weight quantization: "none" | "int8" | "fp8"
     # Packed weights (`model.weight_pack`): `pack` maps this packed weight store (made by
     # `duet pack`) instead of loading the checkpoint; else with `weights_cache` the node builds
     # the pack once under the cache dir (keyed by checkpoint, scheme, dtype and shard) and maps
     # it, so every process on the host shares one copy and a restart maps instead of rebuilding.
     pack: str = ""
     weights_cache: bool = True
-    # MTP speculative decoding (issue 12): draft with the checkpoint's MTP layer, verify
+    # MTP speculative decoding: draft with the checkpoint's MTP layer, verify
     # mtp_tokens drafts per step.
     mtp: bool = False
     mtp_tokens: int = 1
-    # The overlapped step (issue 12, `decode_node.step_overlap`): while the forward runs, a
+    # The overlapped step (`decode_node.step_overlap`): while the forward runs, a
     # helper thread emits the last step's tokens and takes in the next one's inputs.
     # Single-rank nodes without MTP; elsewhere the step runs in order. Off by default: it
     # needs a core the kernels leave free, and on a 2-core host it measured no gain.
@@ -443,13 +443,15 @@ PIN_MODES = ("auto", "off")
 
 
 def _validate_prefill_ranks(node: PrefillNodeConfig, uses_mtp: bool) -> None:
-    """A prefill node's tensor parallelism (issue 14); the model's own split (heads, MLP and
+    """A prefill node's tensor parallelism; the model's own split (heads, MLP and
     expert counts) is checked against `ranks` when it loads (`model.sharding`)."""
     if node.ranks < 1:
         raise ConfigError(f"node {node.name}: ranks must be >= 1")
-    for key, value, allowed in (("parallel", node.parallel, PARALLEL_SCHEMES),
-                                ("all_reduce", node.all_reduce, ALL_REDUCES),
-                                ("pin", node.pin, PIN_MODES)):  # fmt: skip
+    for key, value, allowed in (
+        ("parallel", node.parallel, PARALLEL_SCHEMES),
+        ("all_reduce", node.all_reduce, ALL_REDUCES),
+        ("pin", node.pin, PIN_MODES),
+    ):
         if value not in allowed:
             raise ConfigError(
                 f"node {node.name}: {key} must be one of {', '.join(allowed)}, got {value!r}"
@@ -507,7 +509,7 @@ ADMISSION_POLICIES = ("reject", "queue", "none")
 
 
 def _validate_admission(sla: SlaConfig) -> None:
-    """SLA admission fields (issue 10 part 2)."""
+    """SLA admission fields."""
     if sla.admission not in ADMISSION_POLICIES:
         raise ConfigError(
             f"[sla] admission must be one of {', '.join(ADMISSION_POLICIES)}, got {sla.admission!r}"

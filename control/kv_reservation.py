@@ -1,4 +1,4 @@
-"""How many tokens of KV a decode node reserves for a request up front (issue 10, part 3).
+"""How many tokens of KV a decode node reserves for a request up front.
 
 One rule, read by the decode node's scheduler (what it takes from its pool) and by the router
 (its estimate of what a reservation takes), so the two agree:

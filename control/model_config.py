@@ -100,7 +100,7 @@ class ModelConfig:
     eos_token_id: tuple[int, ...] = ()
     tie_word_embeddings: bool = False
     quant: QuantConfig | None = None
-    # MTP (issue 12): DeepSeek-V3's next-token-prediction layers after the main ones (0 or 1).
+    # MTP: DeepSeek-V3's next-token-prediction layers after the main ones (0 or 1).
     num_nextn_predict_layers: int = 0
 
     # ---- derived values -------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Where a node's ranks run (issue 14): each rank on its own cores, and on a machine of several
+"""Where a node's ranks run: each rank on its own cores, and on a machine of several
 NUMA nodes on one node's cores with its memory bound there, so a rank's weights and KV sit next
 to the cores that read them. The machine's layout is read from sysfs; on one NUMA node the
 memory policy is left alone (binding it would change nothing).
@@ -55,8 +55,13 @@ class Placement:
     numa_node: int | None  # the node its memory is bound to (None: not bound)
 
 
-def plan_rank(rank: int, world: int, allowed: list[int], nodes: dict[int, list[int]],
-              explicit: tuple[str, ...] = ()) -> Placement:  # fmt: skip
+def plan_rank(
+    rank: int,
+    world: int,
+    allowed: list[int],
+    nodes: dict[int, list[int]],
+    explicit: tuple[str, ...] = (),
+) -> Placement:
     """Rank `rank` of `world`'s cores among `allowed` (this process's): `explicit[rank]` when
     given; else on several NUMA nodes rank r goes to the r-th node (round robin over the nodes
     that hold allowed cores), sharing it evenly with the other ranks sent there; on one node
@@ -108,8 +113,12 @@ def place_rank(node_cfg, rank: int) -> Placement | None:
         bind_memory(placement.numa_node)
     if node_cfg.threads > len(placement.cpus):
         log.warning("rank %d: %d threads on %d cores", rank, node_cfg.threads, len(placement.cpus))
-    log.info("rank %d on cpus %s, memory %s", rank, placement.cpus,
-             "anywhere" if placement.numa_node is None else f"on node {placement.numa_node}")  # fmt: skip
+    log.info(
+        "rank %d on cpus %s, memory %s",
+        rank,
+        placement.cpus,
+        "anywhere" if placement.numa_node is None else f"on node {placement.numa_node}",
+    )
     return placement
 
 
@@ -127,8 +136,9 @@ def bind_memory(numa_node: int) -> None:
     (a warning where the architecture's syscall number is not known here)."""
     number = SYS_SET_MEMPOLICY.get(platform.machine())
     if number is None:
-        log.warning("memory not bound to node %d: no set_mempolicy on %s", numa_node,
-                    platform.machine())  # fmt: skip
+        log.warning(
+            "memory not bound to node %d: no set_mempolicy on %s", numa_node, platform.machine()
+        )
         return
     words = numa_node // 64 + 1
     mask = (ctypes.c_ulong * words)()

@@ -79,16 +79,16 @@ class Heartbeat:
     num_malformed: int = 0  # control frames the node dropped as malformed, cumulative
     stage_ms: dict[str, float] = field(default_factory=dict)  # recent per-stage latencies
     draining: bool = False  # SIGTERMed: finishing what it holds, takes no new requests
-    # On-demand decode KV (issue 10, part 3): decode, cumulative: requests it preempted.
+    # On-demand decode KV: decode, cumulative: requests it preempted.
     num_preempted: int = 0
-    # Prefix cache (prefill, issue 10): cumulative counters, then the cache's current size.
+    # Prefix cache (prefill): cumulative counters, then the cache's current size.
     num_prefix_lookups: int = 0  # prefills that looked their prompt up in the cache
     num_prefix_hits: int = 0  # of which found a cached prefix
     num_prefix_hit_tokens: int = 0  # prompt tokens served from the cache (not computed)
     num_prefix_evicted_pages: int = 0  # cached pages evicted to make room
     num_prefix_cached_pages: int = 0  # now
     num_prefix_cached_tokens: int = 0  # now (whole pages only)
-    # ---- SLA admission (issue 10 part 2): what the router's cost models learn from ---------
+    # ---- SLA admission: what the router's cost models learn from ---------
     # The node's forwards since its previous heartbeat (the newest `control.cost_model.
     # MAX_TIMING_SAMPLES`): prefill [new tokens, sum of new*prefix over its chunks, seconds],
     # decode [batch size, total context tokens, seconds].
@@ -96,7 +96,7 @@ class Heartbeat:
     queued_attention: float = 0.0  # prefill: sum of new*prefix over the chunks still to compute
     queued_forwards: int = 0  # prefill: forwards its queued work needs at least
     last_prefill_seq: int = 0  # prefill: the highest Prefill.seq taken (0 after a router change)
-    # ---- MTP speculative decoding (issue 12): decode, cumulative (decode_node.speculative_step)
+    # ---- MTP speculative decoding: decode, cumulative (decode_node.speculative_step)
     mtp_drafted: int = 0  # draft tokens verified
     mtp_accepted: int = 0  # of which accepted
     mtp_emitted: int = 0  # tokens the speculating requests emitted
@@ -267,7 +267,7 @@ class StepTokens:
                 self.top_ids,
                 self.top_logprobs,
                 strict=True,
-            )  # fmt: skip
+            )
         ]
 
 

@@ -113,8 +113,11 @@ class ExpertParallel:
         needs.scatter_(1, owner, True)
         dest, token = needs.t().nonzero(as_tuple=True)
         send_counts = needs.sum(0, dtype=torch.int64)  # [R]
-        packed = _pack(x.index_select(0, token), ids.index_select(0, token).to(torch.int32),
-                       weights.index_select(0, token).to(torch.float32))  # fmt: skip
+        packed = _pack(
+            x.index_select(0, token),
+            ids.index_select(0, token).to(torch.int32),
+            weights.index_select(0, token).to(torch.float32),
+        )
 
         started = time.perf_counter()
         recv_counts = torch.empty_like(send_counts)
@@ -136,8 +139,9 @@ class ExpertParallel:
 
         started = time.perf_counter()
         back = partial.new_empty(len(token), hidden)
-        dist.all_to_all_single(back, partial.contiguous(), send_splits, recv_splits,
-                               group=self.group)  # fmt: skip
+        dist.all_to_all_single(
+            back, partial.contiguous(), send_splits, recv_splits, group=self.group
+        )
         self.comm_seconds += time.perf_counter() - started
         out = torch.zeros(num_tokens, hidden, dtype=torch.float32)
         out.index_add_(0, token, back.float())

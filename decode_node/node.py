@@ -29,22 +29,17 @@ import torch
 from control.cluster_config import DecodeNodeConfig, SlaConfig, TimeoutConfig
 from control.cost_model import DecodeCost, RecentSamples
 from control.errors import ConfigError, DuetError
-from control.lease import RouterLease
 from control.logprobs import TokenLogprobs
 from control.messaging import Inbox, Outbox, StageTimes
 from control.prompt import validate_prompt
 from control.protocol import (
     Abort,
     Heartbeat,
-    NodeFailed,
-    NodeReady,
     Preempted,
     RequestError,
     RequestTokens,
     Reserve,
     ReserveReply,
-    RouterPing,
-    Shutdown,
     sampling_from_dict,
     step_tokens_messages,
 )
@@ -59,12 +54,11 @@ from model.deepseek import DeepseekModel
 from runtime.block_table import BlockTable
 from runtime.grammar import GrammarMatcher, Grammars, TokenMasks
 from runtime.logprobs import token_logprobs
+from runtime.node_loop import NodeLoop
 from runtime.penalties import TokenCounts
 from runtime.sampling import request_seed, sample
 
 log = logging.getLogger(__name__)
-
-MAX_DRAIN = 256  # control messages handled per step at most
 
 Outputs = tuple[list[StepOutput], "dict[str, list[TokenLogprobs]] | None"]  # a step's, to emit
 
@@ -80,7 +74,8 @@ class StartedStep:
     started: float
 
 
-class DecodeNode:
+class DecodeNode(NodeLoop):
+    role = "decode"
     # A multi-rank node (decode_node.ranks) sets these: its rank answers reservations, and a
     # failed forward is fatal there (the ranks' collectives would no longer match).
     rank = 0
@@ -102,11 +97,8 @@ class DecodeNode:
         """`receiver` must be bound to `model`'s KV layout over `receiver.pool`, which this node
         decodes from. With `sla` (and its `cap_decode_batch`), the running batch is capped so
         the predicted step stays within `tpot_ms`."""
-        self.name = name
+        super().__init__(name, timeouts, inbox, outbox)
         self.model = model
-        self.timeouts = timeouts
-        self.inbox = inbox
-        self.outbox = outbox
         self.receiver = receiver
         self.pool = receiver.pool
         mcfg = model.cfg
@@ -119,7 +111,7 @@ class DecodeNode:
             headroom_tokens=cfg.kv_headroom_tokens,
         )
         self.token_counts = TokenCounts(cfg.max_batch, mcfg.vocab_size)  # by batch slot
-        # The running batch's page tables, kept across steps by batch slot (issue 12).
+        # The running batch's page tables, kept across steps by batch slot.
         max_pages = -(-mcfg.max_position_embeddings // self.pool.page_size) + 1
         self.block_table = BlockTable(cfg.max_batch, max_pages)
         self.fingerprint = make_fingerprint(
@@ -128,25 +120,20 @@ class DecodeNode:
         self.stage_times = StageTimes()
         # Structured output: grammars over the model's vocabulary (tokenizer loaded on first use).
         self.grammars = Grammars(model.model_dir, mcfg.vocab_size, mcfg.eos_token_id)
-        # SLA (issue 10 part 2): this node's step-time model, its samples for the router.
+        # SLA: this node's step-time model, its samples for the router.
         self.step_cost = DecodeCost()
         self.timing_samples = RecentSamples()
         self.tpot_s = sla.tpot_ms / 1000.0 if sla is not None and sla.cap_decode_batch else None
-        # MTP speculative decoding (issue 12): drafts from the model's MTP layer.
+        # MTP speculative decoding: drafts from the model's MTP layer.
         self.speculative: SpeculativeStep | None = None
         if cfg.mtp:
             if model.mtp is None:
                 raise ConfigError(f"node {name}: mtp = true needs the model's MTP layer loaded")
             self.speculative = SpeculativeStep(self, cfg.mtp_tokens)
-        # The overlapped step (issue 12): the loop's work beside the forward (step_overlap).
+        # The overlapped step: the loop's work beside the forward (step_overlap).
         overlap = cfg.overlap and self.supports_overlap and self.speculative is None
         self.overlap = StepOverlap(self.pool) if overlap else None
         self._unsent: Outputs | None = None  # overlap: the last step's, sent during the next
-        self.lease = RouterLease()
-        self.is_stopping = False
-        self.is_draining = False
-        self._drain_deadline = 0.0
-        self._next_heartbeat = 0.0
 
     def ready_info(self) -> dict[str, Any]:
         """What NodeReady carries."""
@@ -158,7 +145,7 @@ class DecodeNode:
             "fingerprint": self.fingerprint,
             "dtype": self.fingerprint["dtype"],
             "version": package_version(),
-            "quant": self.model.quant,  # the weights' scheme (issue 9): "none" | "int8" | "fp8"
+            "quant": self.model.quant,  # the weights' scheme: "none" | "int8" | "fp8"
             # Where the weights live: a mapped pack (file or shmem, which pages) or the heap.
             "weights_backing": self.model.weights_backing,
             "weights": self.model.weights_detail,
@@ -167,30 +154,8 @@ class DecodeNode:
             "kv_headroom_tokens": self.scheduler.headroom_tokens,
         }
 
-    def begin_drain(self) -> None:
-        """Takes no new reservations from now on and stops once the held requests are done
-        (or `drain_s` passed); the next heartbeat tells the router at once."""
-        if not self.is_draining:
-            self.is_draining = True
-            self._drain_deadline = time.monotonic() + self.timeouts.drain_s
-            self._next_heartbeat = 0.0
-            log.info("draining: %d requests to finish", len(self.scheduler.requests))
-
-    def run(self) -> None:
-        """Steps until a Shutdown message (or `is_stopping` set from outside), then closes."""
-        try:
-            while not self.is_stopping:
-                self.step()
-        except Exception as exc:
-            self.report_failure(exc)
-            raise
-        finally:
-            self.close("the decode node is shutting down")
-
-    def report_failure(self, exc: BaseException) -> None:
-        """NodeFailed to the router before the per-request errors of close(): the router then
-        moves this node's requests to another pair instead of failing them."""
-        self.outbox.send(NodeFailed(self.name, "decode", f"{type(exc).__name__}: {exc}"))
+    def num_held(self) -> int:
+        return len(self.scheduler.requests)
 
     def step(self) -> None:
         """One turn of the loop: 1-4 take in what came, 5 decodes, 6 tells the router. With
@@ -201,11 +166,11 @@ class DecodeNode:
         self._take_inputs(self._idle_wait())
         # 5. One decode step over the running batch (requests join and leave at every step).
         batch = self.scheduler.schedule(self.batch_cap())
-        self._report_preempted()
+        self.report_preempted()
         if batch:
-            self._decode(batch)
+            self.decode_batch(batch)
         # 6. Heartbeat with the free pages the router admits by.
-        self._maybe_heartbeat()
+        self.maybe_heartbeat()
 
     def _overlapped_step(self) -> None:
         batch = self.scheduler.schedule(self.batch_cap())  # after the last step's inputs
@@ -214,9 +179,9 @@ class DecodeNode:
         def loop_side(wait: float = 0.0) -> None:
             if unsent is not None:
                 self._emit(*unsent)
-            self._report_preempted()  # after the StepTokens of the victims' last tokens
+            self.report_preempted()  # after the StepTokens of the victims' last tokens
             self._take_inputs(wait)
-            self._maybe_heartbeat()
+            self.maybe_heartbeat()
 
         if not batch:
             return loop_side(self._idle_wait())
@@ -235,43 +200,29 @@ class DecodeNode:
 
     def _take_inputs(self, wait: float) -> None:
         # 2. Drain inputs: reservations, aborts, shutdown.
-        msg, num_handled = self.inbox.recv(wait), 0
-        while msg is not None:  # bounded, so a flood of messages cannot starve compute
-            self._handle(msg)
-            num_handled += 1
-            msg = self.inbox.recv(0.0) if num_handled < MAX_DRAIN else None
+        self.take_messages(wait)
         # 3. Drain transfer events: complete KV joins the batch, anything else fails.
         for event in self.receiver.poll(0.001 if wait else 0.0):
-            self._on_transfer(event)
+            self.on_transfer(event)
         # 4. Fail requests that decoded too long; drop everything if the router's lease lapsed.
         now = time.monotonic()
         for request in self.scheduler.expire(now):
-            self._error(request.request_id, "decode", f"decode timed out: {request.error}")
-        if self.lease.lapsed(now):
-            self._orphan_all(f"no word from the router for {self.timeouts.lease_s:g} s")
-        if self.is_draining and (not self.scheduler.requests or now >= self._drain_deadline):
-            self.is_stopping = True  # close() fails what is left; the router moves it
+            self.report_error(request.request_id, "decode", f"decode timed out: {request.error}")
+        self.check_lease_and_drain(now)
 
     # ---- inputs ----------------------------------------------------------------------------
-    def _handle(self, msg: Any) -> None:
+    def handle(self, msg: Any) -> None:
         if isinstance(msg, Reserve):
             self._on_reserve(msg)
         elif isinstance(msg, Abort):
             self._abort(msg.request_id, f"aborted: {msg.reason}")
-        elif isinstance(msg, RouterPing):
-            self._on_ping(msg)
-        elif isinstance(msg, Shutdown):
-            self.is_stopping = True
         else:
-            log.warning("decode node ignores a %s message", type(msg).__name__)
+            super().handle(msg)
 
-    def _on_ping(self, msg: RouterPing) -> None:
-        if self.lease.renew(msg.router_id, msg.lease_s, time.monotonic()):
-            # A new router knows none of our requests, and not us either: start over with it.
-            self._orphan_all("the router restarted")
-            self.outbox.send(NodeReady(self.name, "decode", self.ready_info()))
+    def orphan_all(self, reason: str) -> None:
+        self.abort_all(reason)
 
-    def _orphan_all(self, reason: str) -> None:
+    def abort_all(self, reason: str) -> None:
         """Aborts every held request: no live router owns them any more."""
         if self.scheduler.requests:
             log.warning("aborting %d requests: %s", len(self.scheduler.requests), reason)
@@ -293,9 +244,14 @@ class DecodeNode:
             return refuse(f"bad sampling parameters: {exc}")
         now = time.monotonic()
         request, reason = self.scheduler.reserve(
-            msg.request_id, msg.room, msg.prompt_len, params, now, msg.priority,
+            msg.request_id,
+            msg.room,
+            msg.prompt_len,
+            params,
+            now,
+            msg.priority,
             tuple(msg.fork_ids),
-        )  # fmt: skip
+        )
         if request is None:
             return refuse(reason)
         for sequence in (request, *request.forks):  # n > 1: each sequence its own stream
@@ -335,7 +291,7 @@ class DecodeNode:
         first token."""
         return self.grammars.matcher_for(params.structured, params.resumed_output(prompt_ids))
 
-    def _on_transfer(self, event: TransferEvent) -> None:
+    def on_transfer(self, event: TransferEvent) -> None:
         request = self.scheduler.get(event.rendezvous.request_id)
         if (
             request is None
@@ -347,7 +303,7 @@ class DecodeNode:
         problem = self._transfer_problem(event)
         if problem:  # the pages hold garbage (or the token is bad): never decoded
             self.scheduler.kv_failed(request.request_id, problem)
-            self._error(request.request_id, "transfer", problem)
+            self.report_error(request.request_id, "transfer", problem)
             return
         now = time.monotonic()
         self.stage_times.add("reserve_to_ready", now - request.arrival)
@@ -357,12 +313,12 @@ class DecodeNode:
                 f"{len(request.forks)} sequences"
             )
             self.scheduler.kv_failed(request.request_id, problem)
-            self._error(request.request_id, "transfer", problem)
+            self.report_error(request.request_id, "transfer", problem)
             return
         problem = self._first_tokens_grammar_problem(request, event)
         if problem:  # never, as they were sampled under the mask: the request fails
             self.scheduler.abort(request.request_id, problem)
-            self._error(request.request_id, "decode", problem)
+            self.report_error(request.request_id, "decode", problem)
             return
         outputs = self.scheduler.kv_ready(
             request.request_id,
@@ -407,7 +363,7 @@ class DecodeNode:
         self.scheduler.abort(request_id, reason)
 
     # ---- compute ---------------------------------------------------------------------------
-    def _decode(self, batch: list[DecodeRequest]) -> None:
+    def decode_batch(self, batch: list[DecodeRequest]) -> None:
         if self.speculative is not None:
             started = time.monotonic()
             result = self.speculative.run(batch)
@@ -465,7 +421,7 @@ class DecodeNode:
         log.exception("decode forward failed")
         for request in batch:
             self.scheduler.abort(request.request_id)
-            self._error(request.request_id, "decode", f"decode forward failed: {exc}")
+            self.report_error(request.request_id, "decode", f"decode forward failed: {exc}")
 
     def _record_step(self, batch: list[DecodeRequest], elapsed: float) -> None:
         """The step's time for the stage figures and this node's step-time model (SLA)."""
@@ -520,7 +476,7 @@ class DecodeNode:
             return True
         message = f"structured output: token {token} breaks the grammar ({request.grammar.error})"
         self.scheduler.abort(request.request_id, message)
-        self._error(request.request_id, "decode", message)
+        self.report_error(request.request_id, "decode", message)
         return False
 
     def _emit(
@@ -546,7 +502,7 @@ class DecodeNode:
         for msg in step_tokens_messages(entries):  # one, but for a batch past the bounds
             self.outbox.send(msg)
 
-    def _report_preempted(self) -> None:
+    def report_preempted(self) -> None:
         """Preempted for each request `schedule` dropped to find pages: after the StepTokens of
         its output (the same outbox, in order), so the router has its whole output when it
         re-prefills it."""
@@ -554,35 +510,29 @@ class DecodeNode:
             log.info("request %s: preempted (%s)", request.request_id, request.error)
             self.outbox.send(Preempted(request.request_id, len(request.output_ids), request.error))
 
-    def _error(self, request_id: str, stage: str, message: str) -> None:
+    def report_error(self, request_id: str, stage: str, message: str) -> None:
         log.warning("request %s: failed at %s: %s", request_id, stage, message)
         self.outbox.send(RequestError(request_id, stage, message))
 
-    def _maybe_heartbeat(self) -> None:
-        now = time.monotonic()
-        if now < self._next_heartbeat:
-            return
-        self._next_heartbeat = now + self.timeouts.heartbeat_s
+    def heartbeat(self) -> Heartbeat:
         stats = self.receiver.stats()
-        self.outbox.send(
-            Heartbeat(
-                self.name,
-                "decode",
-                num_waiting=self.scheduler.count(DecodeState.AWAITING_KV)
-                + self.scheduler.count(DecodeState.READY),
-                num_running=self.scheduler.count(DecodeState.RUNNING),
-                free_pages=self.pool.allocator.num_free,
-                total_pages=self.pool.num_pages,
-                page_size=self.pool.page_size,
-                kv_bytes_received=stats.bytes_written,
-                kv_chunks_dropped=stats.num_dropped,
-                num_malformed=self.inbox.num_malformed,
-                stage_ms=self.stage_times.means(),
-                draining=self.is_draining,
-                num_preempted=self.scheduler.num_preempted,
-                timing_samples=self.timing_samples.take(),
-                **self._mtp_figures(),
-            )
+        return Heartbeat(
+            self.name,
+            "decode",
+            num_waiting=self.scheduler.count(DecodeState.AWAITING_KV)
+            + self.scheduler.count(DecodeState.READY),
+            num_running=self.scheduler.count(DecodeState.RUNNING),
+            free_pages=self.pool.allocator.num_free,
+            total_pages=self.pool.num_pages,
+            page_size=self.pool.page_size,
+            kv_bytes_received=stats.bytes_written,
+            kv_chunks_dropped=stats.num_dropped,
+            num_malformed=self.inbox.num_malformed,
+            stage_ms=self.stage_times.means(),
+            draining=self.is_draining,
+            num_preempted=self.scheduler.num_preempted,
+            timing_samples=self.timing_samples.take(),
+            **self._mtp_figures(),
         )
 
     def _mtp_figures(self) -> dict[str, int]:
@@ -606,7 +556,7 @@ class DecodeNode:
             self.overlap.close()
         for request in self.scheduler.requests:
             self._abort(request.request_id, reason)
-            self._error(request.request_id, "decode", reason)
+            self.report_error(request.request_id, "decode", reason)
         self.receiver.close()
         self.grammars.close()
 

@@ -38,8 +38,9 @@ from control.cluster_config import ClusterConfig, DecodeNodeConfig
 from control.errors import ConfigError
 from control.protocol import Abort, Heartbeat, NodeFailed, Reserve
 from decode_node.expert_parallel import ExpertParallel, check_shardable, expert_shard
-from decode_node.node import MAX_DRAIN, DecodeNode
+from decode_node.node import DecodeNode
 from decode_node.scheduler import DecodeState
+from runtime.node_loop import MAX_DRAIN
 from runtime.rank_group import RankGroup, collective_timeout_s, rank_args, reap_children
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,20 @@ class RankDecodeNode(DecodeNode):
     forward_errors_are_fatal = True
     supports_overlap = False
 
-    def __init__(self, name, model, cfg, timeouts, inbox, outbox, receiver, group: RankGroup,
-                 ep: ExpertParallel, children: list[subprocess.Popen] | None = None,
-                 sla=None):  # fmt: skip
+    def __init__(
+        self,
+        name,
+        model,
+        cfg,
+        timeouts,
+        inbox,
+        outbox,
+        receiver,
+        group: RankGroup,
+        ep: ExpertParallel,
+        children: list[subprocess.Popen] | None = None,
+        sla=None,
+    ):
         super().__init__(name, model, cfg, timeouts, inbox, outbox, receiver, sla)
         self.rank, self.num_ranks = group.rank, group.world
         self.group, self.ep = group, ep
@@ -100,29 +112,29 @@ class RankDecodeNode(DecodeNode):
             if target in (-1, self.rank):
                 msg = protocol.decode(frame)
                 self.num_reserved += isinstance(msg, Reserve)
-                self._handle(msg)
+                self.dispatch(msg)
         if body.get("orphan"):
-            DecodeNode._orphan_all(self, body["orphan"])
+            self.abort_all(body["orphan"])
         stop = bool(body["stop"])
         self.is_stopping = self.is_stopping or stop
         # 2. KV events, expiry, this rank's batch.
         for event in self.receiver.poll(0.0):
-            self._on_transfer(event)
+            self.on_transfer(event)
         for request in self.scheduler.expire(time.monotonic()):
-            self._error(request.request_id, "decode", f"decode timed out: {request.error}")
+            self.report_error(request.request_id, "decode", f"decode timed out: {request.error}")
         # Preemption (on-demand KV) is this rank's own business: its scheduler drops requests
         # before the stats, so the BATCH figure below, which decides the forward, is exact.
         batch = [] if stop else self.scheduler.schedule(self.batch_cap())
-        self._report_preempted()
+        self.report_preempted()
         # 3. Everyone's stats; 4. the forward, on every rank if any rank has work.
         self._stats = self.group.all_gather(self._local_stats(len(batch)))
         if any(row[BATCH] for row in self._stats):
             if batch:
-                self._decode(batch)
+                self.decode_batch(batch)
             else:
                 self.ep.idle_step()
         if self.rank == 0:
-            self._maybe_heartbeat()
+            self.maybe_heartbeat()
         self._stopped = stop
 
     # ---- rank 0: planning ------------------------------------------------------------------
@@ -145,23 +157,22 @@ class RankDecodeNode(DecodeNode):
             elif isinstance(msg, Abort):
                 msgs.append([-1, protocol.encode(msg)])
             else:  # Shutdown sets is_stopping; a Reserve while stopping/draining is refused here
-                self._handle(msg)
+                self.dispatch(msg)
             num_handled += 1
             msg = self.inbox.recv(0.0) if num_handled < MAX_DRAIN else None
-        now = time.monotonic()
-        if self.lease.lapsed(now):
-            self._orphan_all(f"no word from the router for {self.timeouts.lease_s:g} s")
-        held = sum(row[AWAITING] + row[READY] + row[RUNNING] for row in stats)
-        if self.is_draining and (not held or now >= self._drain_deadline):
-            self.is_stopping = True
+        self.check_lease_and_drain(time.monotonic())
         orphan, self._orphan_reason = self._orphan_reason, ""
         body = {"msgs": msgs, "stop": self.is_stopping, "orphan": orphan}
         return msgpack.packb(body, use_bin_type=True)
 
-    def _orphan_all(self, reason: str) -> None:
+    def orphan_all(self, reason: str) -> None:
         """On rank 0 (the only one that hears the router): every rank drops its requests at
         the next step, from the plan."""
         self._orphan_reason = reason
+
+    def num_held(self) -> int:
+        """The requests of all ranks, as last gathered."""
+        return sum(row[AWAITING] + row[READY] + row[RUNNING] for row in self._stats)
 
     def _pick_rank(self, msg: Reserve, free: list[int], in_flight: list[int]) -> int:
         """The rank with the fewest context tokens in flight among those with room (else the
@@ -199,41 +210,53 @@ class RankDecodeNode(DecodeNode):
             row[MTP_DRAFTED : MTP_STEPS + 1] = s.drafted, s.accepted, s.emitted, s.request_steps
         return row
 
-    def _maybe_heartbeat(self) -> None:
+    def heartbeat(self) -> Heartbeat:
         """The node's heartbeat: the sums over ranks of the last gathered stats."""
-        now = time.monotonic()
-        if now < self._next_heartbeat:
-            return
-        self._next_heartbeat = now + self.timeouts.heartbeat_s
         total = [sum(col) for col in zip(*self._stats, strict=True)]
-        self.outbox.send(
-            Heartbeat(
-                self.name, "decode",
-                num_waiting=total[AWAITING] + total[READY], num_running=total[RUNNING],
-                free_pages=total[FREE_PAGES], total_pages=self.pool.num_pages * self.num_ranks,
-                page_size=self.pool.page_size, kv_bytes_received=total[KV_BYTES],
-                kv_chunks_dropped=total[DROPPED], num_malformed=self.inbox.num_malformed,
-                stage_ms=self.stage_times.means(), draining=self.is_draining,
-                num_preempted=total[PREEMPTED],
-                timing_samples=self.timing_samples.take(),
-                **self._mtp_totals(total),
-            )
-        )  # fmt: skip
+        return Heartbeat(
+            self.name,
+            "decode",
+            num_waiting=total[AWAITING] + total[READY],
+            num_running=total[RUNNING],
+            free_pages=total[FREE_PAGES],
+            total_pages=self.pool.num_pages * self.num_ranks,
+            page_size=self.pool.page_size,
+            kv_bytes_received=total[KV_BYTES],
+            kv_chunks_dropped=total[DROPPED],
+            num_malformed=self.inbox.num_malformed,
+            stage_ms=self.stage_times.means(),
+            draining=self.is_draining,
+            num_preempted=total[PREEMPTED],
+            timing_samples=self.timing_samples.take(),
+            **self._mtp_totals(total),
+        )
 
     def _mtp_totals(self, total: list[int]) -> dict[str, int]:
         if self.speculative is None:
             return {}
-        return dict(mtp_drafted=total[MTP_DRAFTED], mtp_accepted=total[MTP_ACCEPTED],
-                    mtp_emitted=total[MTP_EMITTED], mtp_request_steps=total[MTP_STEPS])  # fmt: skip
+        return dict(
+            mtp_drafted=total[MTP_DRAFTED],
+            mtp_accepted=total[MTP_ACCEPTED],
+            mtp_emitted=total[MTP_EMITTED],
+            mtp_request_steps=total[MTP_STEPS],
+        )
 
     def _reap_children(self) -> None:
         reap_children(self.children)
 
 
 # ---- building a rank -------------------------------------------------------------------------
-def build_rank(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, rank: int,
-               rendezvous: socket.socket | tuple[str, int], inbox, outbox, children=None,
-               security=None) -> RankDecodeNode:  # fmt: skip
+def build_rank(
+    cluster: ClusterConfig,
+    cfg: DecodeNodeConfig,
+    model,
+    rank: int,
+    rendezvous: socket.socket | tuple[str, int],
+    inbox,
+    outbox,
+    children=None,
+    security=None,
+) -> RankDecodeNode:
     """Joins the group (`rendezvous` as in RankGroup), installs expert parallelism, binds this
     rank's KV receiver (CURVE with `security`, an control.security.CurveSecurity; plain with
     None)."""
@@ -255,8 +278,19 @@ def build_rank(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, rank: int,
     except Exception:
         group.close()
         raise
-    return RankDecodeNode(cfg.name, model, cfg, cluster.timeouts, inbox, outbox, receiver, group,
-                          ep, children, cluster.sla)  # fmt: skip
+    return RankDecodeNode(
+        cfg.name,
+        model,
+        cfg,
+        cluster.timeouts,
+        inbox,
+        outbox,
+        receiver,
+        group,
+        ep,
+        children,
+        cluster.sla,
+    )
 
 
 def shard_of(cluster: ClusterConfig, cfg: DecodeNodeConfig, model_dir: str | None, rank: int):

@@ -50,6 +50,7 @@ from typing import Any
 
 from control import kv_reservation
 from control.errors import OutOfPagesError
+from control.finish import finish_reason
 from control.sampling_params import SamplingParams
 from model.kv_pool import KVPool, PageTable
 
@@ -125,7 +126,7 @@ class DecodeScheduler:
     max_position: int  # the model's context (max_position_embeddings)
     eos_ids: frozenset[int]
     max_requests: int = 0  # reserved + ready + running at most; 0 = 4 * max_batch
-    # On-demand KV with preemption (issue 10, part 3): the reservation rule and its headroom.
+    # On-demand KV with preemption: the reservation rule and its headroom.
     reservation: str = kv_reservation.ON_DEMAND
     headroom_tokens: int = 32
     num_preempted: int = 0  # cumulative
@@ -409,16 +410,16 @@ class DecodeScheduler:
         return any(f.request_id == request_id for r in self._requests.values() for f in r.forks)
 
     def _finish_reason(self, request: DecodeRequest, token: int) -> str | None:
-        """Same rule as OfflineGenerator: stop token, then max_new_tokens, then context end."""
-        if token in request.stop_ids:
-            return "stop"
+        """`control.finish.finish_reason` of the token just appended to the output."""
         num_out = len(request.output_ids)
-        if (
-            num_out >= request.params.max_new_tokens
-            or request.next_position + 1 >= self.max_position
-        ):
-            return "length"
-        return None
+        return finish_reason(
+            token,
+            request.stop_ids,
+            num_out,
+            request.prompt_len + num_out,
+            request.params.max_new_tokens,
+            self.max_position,
+        )
 
     def _finish(self, request: DecodeRequest, reason: str) -> None:
         request.advance(DecodeState.FINISHED)

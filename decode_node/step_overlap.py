@@ -1,4 +1,4 @@
-"""The decode step's overlap (issue 12): the loop's own work beside the forward.
+"""The decode step's overlap: the loop's own work beside the forward.
 
 With `overlap` on, a step runs its forward on the loop's thread while one helper thread does the
 loop's side of the step: it emits the previous step's tokens (and the Preempted that follow

@@ -143,9 +143,14 @@ def _run_generate(args) -> int:
     if args.pack and decode_quant != prefill_quant:
         raise InvalidRequestError("--pack holds one scheme: drop --prefill-quant/--decode-quant")
     load = lambda quant: load_model(  # noqa: E731
-        model_dir, dtype, quant, mtp=mtp, progress=not args.json, pack=args.pack,
+        model_dir,
+        dtype,
+        quant,
+        mtp=mtp,
+        progress=not args.json,
+        pack=args.pack,
         weights_cache=args.weights_cache,
-    )  # fmt: skip
+    )
     model = load(prefill_quant)
     decode_model = None if decode_quant == prefill_quant else load(decode_quant)
     if mtp:
@@ -199,9 +204,11 @@ def _add_pack(sub) -> None:
     p.add_argument("--out", required=True, help="the pack file to write")
     p.add_argument("--mtp", action="store_true", help="include the MTP layer (mtp = true nodes)")
     p.add_argument(
-        "--tensor-parallel", type=_parse_shard, metavar="RANK/WORLD",
+        "--tensor-parallel",
+        type=_parse_shard,
+        metavar="RANK/WORLD",
         help="the shard of tensor-parallel prefill rank RANK of WORLD",
-    )  # fmt: skip
+    )
     p.add_argument("--parallel", choices=PARALLEL_SCHEMES, default="tp", help="the TP scheme")
     p.set_defaults(func=_run_pack)
 
@@ -309,9 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
         "bench.e2e:main",
     )
     _add_passthrough(
-        sub, "bench-masks", "structured output: the mask cost per decode step",
+        sub,
+        "bench-masks",
+        "structured output: the mask cost per decode step",
         "bench.structured_masks:main",
-    )  # fmt: skip
+    )
     _add_passthrough(sub, "bench-sweep", "bench-serve over rates and configs", "bench.sweep:main")
     _add_passthrough(
         sub, "make-bench-model", "random V2-Lite-shaped checkpoint", "tinymodel.bench_model:main"

@@ -79,8 +79,8 @@ def weight_bytes(
 ) -> int:
     """Bytes of the weights one process holds; `experts` limits the routed experts (a rank);
     `quant` the node's weight scheme (its quantized matrices take about a byte per weight);
-    `mtp`: the MTP layer is loaded too (issue 12); `tensor_parallel` = R: a tensor-parallel
-    rank's share of the matrices its `parallel` scheme splits (issue 14)."""
+    `mtp`: the MTP layer is loaded too; `tensor_parallel` = R: a tensor-parallel
+    rank's share of the matrices its `parallel` scheme splits."""
     keep = None if experts is None else (lambda e: e in experts)
     size = DTYPE_BYTES[dtype]
 

@@ -90,9 +90,14 @@ def search(args, fits, workload: Workload) -> list[Candidate]:
                         continue
                     layout = Layout(x, y, cap, args.chunk_size, args.max_batch_tokens)
                     prediction = simulate(
-                        workload, layout, prefill, decode, args.overhead_ms / 1000,
-                        args.num_requests, args.seed,
-                    )  # fmt: skip
+                        workload,
+                        layout,
+                        prefill,
+                        decode,
+                        args.overhead_ms / 1000,
+                        args.num_requests,
+                        args.seed,
+                    )
                     out.append(Candidate(layout, tp, td, prediction))
     return out
 
@@ -192,8 +197,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, required=True, help="requests/s (Poisson)")
     p.add_argument("--hosts", type=int, default=1)
     p.add_argument("--cores-per-host", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--threads", default="", help="thread counts to try, e.g. 1,2 (default: "
-                   "1, 2, 4, ... up to cores-per-host)")  # fmt: skip
+    p.add_argument(
+        "--threads",
+        default="",
+        help="thread counts to try, e.g. 1,2 (default: 1, 2, 4, ... up to cores-per-host)",
+    )
     p.add_argument("--target", type=float, default=0.9, help="SLA attainment to reach")
     p.add_argument("--max-prefill", type=int, default=8)
     p.add_argument("--max-decode", type=int, default=4)
@@ -201,21 +209,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--max-batch-tokens", type=int, default=512, help="prefill forward budget")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--overhead-ms", type=float, default=DEFAULT_OVERHEAD_S * 1000,
-                   help="router + reservation + last KV chunk, added to each TTFT")  # fmt: skip
+    p.add_argument(
+        "--overhead-ms",
+        type=float,
+        default=DEFAULT_OVERHEAD_S * 1000,
+        help="router + reservation + last KV chunk, added to each TTFT",
+    )
     p.add_argument("--num-requests", type=int, default=1000, help="simulated requests a layout")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per profiled shape")
-    p.add_argument("--colocated", action="store_true", help="profile each role while the "
-                   "other runs beside it (nodes sharing a host share its memory bandwidth)")  # fmt: skip
+    p.add_argument(
+        "--colocated",
+        action="store_true",
+        help="profile each role while the "
+        "other runs beside it (nodes sharing a host share its memory bandwidth)",
+    )
     p.add_argument("--profile", help="read this saved profile instead of measuring")
     p.add_argument("--save-profile", help="write the measured profile here (JSON)")
     p.add_argument("--write-config", help="write the recommended cluster TOML here")
     p.add_argument("--port", type=int, default=8000, help="first port of the written TOML's block")
     args = p.parse_args(argv)
-    for name in ("input_len", "output_len", "hosts", "cores_per_host", "max_prefill",
-                 "max_decode", "max_batch", "chunk_size", "max_batch_tokens", "page_size",
-                 "num_requests"):  # fmt: skip
+    for name in (
+        "input_len",
+        "output_len",
+        "hosts",
+        "cores_per_host",
+        "max_prefill",
+        "max_decode",
+        "max_batch",
+        "chunk_size",
+        "max_batch_tokens",
+        "page_size",
+        "num_requests",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.rate <= 0 or args.sla_ttft_ms <= 0 or args.sla_tpot_ms <= 0:
@@ -254,9 +280,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         counts = thread_counts(args.threads, args.cores_per_host)
         profile = profile_roles(
-            args.model, counts, args.input_len, args.output_len, args.max_batch,
-            args.chunk_size, args.page_size, args.repeats, colocated=args.colocated,
-        )  # fmt: skip
+            args.model,
+            counts,
+            args.input_len,
+            args.output_len,
+            args.max_batch,
+            args.chunk_size,
+            args.page_size,
+            args.repeats,
+            colocated=args.colocated,
+        )
         if args.save_profile:
             profile.save(args.save_profile)
             print(f"# wrote the profile to {args.save_profile}")

@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         tables = [pool.new_table() for _ in range(args.batch)]
         for table in tables:
             pool.reserve(table, args.context + 1)
-        batch = ForwardBatch.build(pool, tables, [[1]] * args.batch, [args.context] * args.batch,
-                                   is_decode=True)  # fmt: skip
+        batch = ForwardBatch.build(
+            pool, tables, [[1]] * args.batch, [args.context] * args.batch, is_decode=True
+        )
     else:
         table = pool.new_table()
         pool.reserve(table, args.chunk)

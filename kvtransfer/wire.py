@@ -257,9 +257,17 @@ def build_chunk(
     num_layers, num_tokens, width = rows.shape
     payload = rows_payload(rows)
     chunk = KVChunk(
-        rendezvous, seq, layer_start, layer_start + num_layers, token_start,
-        token_start + num_tokens, DTYPE_NAMES[rows.dtype], width, payload.nbytes, checksum(payload),
-    )  # fmt: skip
+        rendezvous,
+        seq,
+        layer_start,
+        layer_start + num_layers,
+        token_start,
+        token_start + num_tokens,
+        DTYPE_NAMES[rows.dtype],
+        width,
+        payload.nbytes,
+        checksum(payload),
+    )
     return chunk, payload
 
 
@@ -275,16 +283,28 @@ def encode(msg: Message) -> bytes:
         head.update(kind="hello_ack", ok=msg.ok, fp=msg.fingerprint, error=msg.error)
     elif isinstance(msg, KVChunk):
         head.update(
-            kind="kv_chunk", **_rdv(msg.rendezvous), seq=msg.seq,
-            l0=msg.layer_start, l1=msg.layer_end, t0=msg.token_start, t1=msg.token_end,
-            dtype=msg.dtype, w=msg.row_width, len=msg.payload_len, crc=msg.checksum,
-        )  # fmt: skip
+            kind="kv_chunk",
+            **_rdv(msg.rendezvous),
+            seq=msg.seq,
+            l0=msg.layer_start,
+            l1=msg.layer_end,
+            t0=msg.token_start,
+            t1=msg.token_end,
+            dtype=msg.dtype,
+            w=msg.row_width,
+            len=msg.payload_len,
+            crc=msg.checksum,
+        )
     elif isinstance(msg, KVDone):
         head.update(
-            kind="kv_done", **_rdv(msg.rendezvous), seq=msg.seq,
-            num_tokens=msg.num_tokens, first_token=msg.first_token, fork=list(msg.fork_tokens),
+            kind="kv_done",
+            **_rdv(msg.rendezvous),
+            seq=msg.seq,
+            num_tokens=msg.num_tokens,
+            first_token=msg.first_token,
+            fork=list(msg.fork_tokens),
             draft=list(msg.draft_tokens),
-        )  # fmt: skip
+        )
     elif isinstance(msg, KVAbort):
         head.update(kind="kv_abort", **_rdv(msg.rendezvous), seq=msg.seq, reason=msg.reason)
     elif isinstance(msg, KVCancel):
@@ -328,9 +348,15 @@ def decode(frame: Any) -> Message:
         raise WireError(f"header of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
         head = msgpack.unpackb(
-            frame, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0,
-            max_str_len=MAX_HEADER_BYTES, max_array_len=1024, max_map_len=1024,
-        )  # fmt: skip
+            frame,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=0,
+            max_ext_len=0,
+            max_str_len=MAX_HEADER_BYTES,
+            max_array_len=1024,
+            max_map_len=1024,
+        )
     except Exception as exc:  # any msgpack/unicode failure means the same thing: not a header
         raise WireError(f"header is not valid msgpack ({type(exc).__name__})") from None
     if not isinstance(head, dict):

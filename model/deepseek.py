@@ -142,8 +142,9 @@ class DeepseekModel:
 
     @classmethod
     @contextmanager
-    def open_checkpoint(cls, model_dir, dtype, expert_range, progress, quant, mtp,
-                        tensor_parallel, parallel):  # fmt: skip
+    def open_checkpoint(
+        cls, model_dir, dtype, expert_range, progress, quant, mtp, tensor_parallel, parallel
+    ):
         """(config, CheckpointReader of the tensors these arguments read, the experts held);
         on leaving, checks that the model built from it read every one."""
         cfg = ModelConfig.from_model_dir(model_dir)
@@ -166,10 +167,17 @@ class DeepseekModel:
             raise RuntimeError(f"the model did not read {len(unread)} tensors: {unread[:3]}")
 
     @classmethod
-    def from_pack(cls, cfg: ModelConfig, pack: MappedPack, dtype: torch.dtype,
-                  expert_range: range | None,
-                  quant: str | None, mtp: bool, tensor_parallel: tuple[int, int] | None,
-                  parallel: str) -> DeepseekModel:  # fmt: skip
+    def from_pack(
+        cls,
+        cfg: ModelConfig,
+        pack: MappedPack,
+        dtype: torch.dtype,
+        expert_range: range | None,
+        quant: str | None,
+        mtp: bool,
+        tensor_parallel: tuple[int, int] | None,
+        parallel: str,
+    ) -> DeepseekModel:
         """The model around a mapped pack's weights (`model.weight_pack`), which must be of
         these arguments (`model.pack_cache.load_model` checks its spec)."""
         whole = pack.spec.expert_range is None and pack.spec.tensor_parallel is None

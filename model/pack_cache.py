@@ -75,8 +75,15 @@ def checkpoint_fingerprint(model_dir: str | Path) -> str:
     return h.hexdigest()
 
 
-def pack_spec(model_dir, dtype: torch.dtype, quant: str | None, expert_range: range | None = None,
-              tensor_parallel=None, parallel: str = "tp", mtp: bool = False) -> PackSpec:  # fmt: skip
+def pack_spec(
+    model_dir,
+    dtype: torch.dtype,
+    quant: str | None,
+    expert_range: range | None = None,
+    tensor_parallel=None,
+    parallel: str = "tp",
+    mtp: bool = False,
+) -> PackSpec:
     """The spec of the pack a process loading these arguments needs. An expert-parallel rank
     (an `expert_range` without tensor parallelism) maps the whole model's pack and takes its
     experts out of it, so every process of the host shares one pack: its spec names no shard."""
@@ -119,13 +126,26 @@ def build_pack(model_dir, out: str | Path, spec: PackSpec, progress: bool = True
     try:
         expert_range = None if spec.expert_range is None else range(*spec.expert_range)
         with DeepseekModel.open_checkpoint(
-            model_dir, getattr(torch, spec.dtype), expert_range, progress, spec.quant, spec.mtp,
-            spec.tensor_parallel, spec.parallel,
-        ) as (cfg, reader, experts):  # fmt: skip
+            model_dir,
+            getattr(torch, spec.dtype),
+            expert_range,
+            progress,
+            spec.quant,
+            spec.mtp,
+            spec.tensor_parallel,
+            spec.parallel,
+        ) as (cfg, reader, experts):
             DeepseekModel(
-                cfg, reader, getattr(torch, spec.dtype), experts, spec.quant, spec.mtp,
-                spec.tensor_parallel, spec.parallel, sink=writer,
-            )  # fmt: skip
+                cfg,
+                reader,
+                getattr(torch, spec.dtype),
+                experts,
+                spec.quant,
+                spec.mtp,
+                spec.tensor_parallel,
+                spec.parallel,
+                sink=writer,
+            )
             read = reader.bytes_read
         path = writer.finish()
     except BaseException:
@@ -136,10 +156,19 @@ def build_pack(model_dir, out: str | Path, spec: PackSpec, progress: bool = True
     return BuildStats(time.perf_counter() - start, read, path.stat().st_size)
 
 
-def load_model(model_dir, dtype: torch.dtype = torch.bfloat16, quant: str | None = None,
-               expert_range: range | None = None, tensor_parallel=None, parallel: str = "tp",
-               mtp: bool = False, progress: bool = True, pack: str | Path | None = None,
-               weights_cache: bool = False, numa_node: int | None = None):  # fmt: skip
+def load_model(
+    model_dir,
+    dtype: torch.dtype = torch.bfloat16,
+    quant: str | None = None,
+    expert_range: range | None = None,
+    tensor_parallel=None,
+    parallel: str = "tp",
+    mtp: bool = False,
+    progress: bool = True,
+    pack: str | Path | None = None,
+    weights_cache: bool = False,
+    numa_node: int | None = None,
+):
     """The model of `model_dir` as `from_pretrained` gives it, through a pack when asked (see
     the module). `numa_node`: the node this process is bound to, on a host of several."""
     from model.deepseek import DeepseekModel
@@ -168,8 +197,9 @@ def load_model(model_dir, dtype: torch.dtype = torch.bfloat16, quant: str | None
     return model
 
 
-def ensure_cached_pack(model_dir, spec: PackSpec, progress: bool = True,
-                       verify: bool = False) -> Path:  # fmt: skip
+def ensure_cached_pack(
+    model_dir, spec: PackSpec, progress: bool = True, verify: bool = False
+) -> Path:
     """The cache's pack for `spec`, built once: a missing or stale one is rebuilt; with `verify`
     a corrupt one too (every checksum read: mapping it verifies it anyway)."""
     key = hashlib.sha256(json.dumps(spec.to_json(), sort_keys=True).encode()).hexdigest()[:32]

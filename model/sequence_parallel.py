@@ -1,4 +1,4 @@
-"""The sequence-split tensor-parallel prefill (issue 14, `parallel = "tp_sp"`): the seeds'
+"""The sequence-split tensor-parallel prefill (`parallel = "tp_sp"`): the seeds'
 2P1D prefill scheme, as a forward of `model.deepseek.DeepseekModel` loaded with
 `parallel = "tp_sp"` (each rank holds its heads' q / kv_b projections; o_proj, the MLPs and
 every expert whole).

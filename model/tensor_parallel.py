@@ -1,4 +1,4 @@
-"""Tensor parallelism (issue 14, the prefill node's `ranks`, `parallel = "tp"`) as a transform of
+"""Tensor parallelism (the prefill node's `ranks`, `parallel = "tp"`) as a transform of
 `model.deepseek.DeepseekModel`: a model loaded with `tensor_parallel = (rank, world)` holds its
 rank's heads, MLP columns and routed experts (`model.sharding.ShardedWeights`), so its
 attention output (after o_proj) and its MLP / MoE output are partial sums over the ranks; this

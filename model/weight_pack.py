@@ -42,10 +42,19 @@ LAYOUT_VERSION = 1  # bump whenever a packed class or the file layout changes
 MAGIC = b"DUETPAK1"
 _FOOTER = struct.Struct("<QQQ8s")
 _ALIGN = 64
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.int8,
-    torch.uint8, torch.float8_e4m3fn,
-)}  # fmt: skip
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.int32,
+        torch.int64,
+        torch.int8,
+        torch.uint8,
+        torch.float8_e4m3fn,
+    )
+}
 
 
 class PackError(WeightLoadError):

@@ -136,9 +136,17 @@ def linear_fp8(x: torch.Tensor, weight: PackedLinearFp8) -> torch.Tensor:
         ldx = x2.stride(0) if m > 1 else 2 * weight.k_pairs
         scale = weight.scale_inv
         _C.linear_fp8(
-            _arg(x2, _TAG_BF16), m, ldx, weight.k_pairs, _arg(weight.packed, _TAG_FP8), n,
-            _arg(scale, _TAG_F32), scale.shape[1], _arg(y, _TAG_BF16), n,
-        )  # fmt: skip
+            _arg(x2, _TAG_BF16),
+            m,
+            ldx,
+            weight.k_pairs,
+            _arg(weight.packed, _TAG_FP8),
+            n,
+            _arg(scale, _TAG_F32),
+            scale.shape[1],
+            _arg(y, _TAG_BF16),
+            n,
+        )
     return y.reshape(*lead, n)
 
 
@@ -160,7 +168,13 @@ def dequantize_fp8_blocks(
     scale = scale_inv.float().contiguous()
     out = torch.empty(n, k, dtype=torch.float32)
     _C.dequantize_fp8_blocks(
-        w.data_ptr(), scale.data_ptr(), n, k, b0, b1, out.data_ptr(),
+        w.data_ptr(),
+        scale.data_ptr(),
+        n,
+        k,
+        b0,
+        b1,
+        out.data_ptr(),
         [DTYPE_TAGS[w.dtype], DTYPE_TAGS[scale.dtype], DTYPE_TAGS[out.dtype]],
-    )  # fmt: skip
+    )
     return out

@@ -138,9 +138,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear) -> torch.Tensor
     if m and n:
         ldx = x2.stride(0) if m > 1 else 2 * weight.k_pairs
         _C.linear_bf16(
-            x2.data_ptr(), m, ldx, weight.k_pairs, weight.packed.data_ptr(), n, y.data_ptr(), n,
+            x2.data_ptr(),
+            m,
+            ldx,
+            weight.k_pairs,
+            weight.packed.data_ptr(),
+            n,
+            y.data_ptr(),
+            n,
             tags(x2, weight.packed, y),
-        )  # fmt: skip
+        )
     return y.reshape(*lead, n)
 
 
@@ -277,11 +284,23 @@ def fused_moe(
     weights, ids = routing_tensors(topk_weights, topk_ids)
     ldx = x2.stride(0) if num_tokens > 1 else 2 * w13.k_pairs
     _C.fused_moe_bf16(
-        x2.data_ptr(), num_tokens, ldx, w13.k_pairs,
-        w13.packed.data_ptr(), w2.packed.data_ptr(), num_experts, inter, hidden,
-        weights.data_ptr(), ids.data_ptr(), top_k, int(expert_offset),
-        out.data_ptr(), hidden, tags(x2, w13.packed, w2.packed, weights, ids, out),
-    )  # fmt: skip
+        x2.data_ptr(),
+        num_tokens,
+        ldx,
+        w13.k_pairs,
+        w13.packed.data_ptr(),
+        w2.packed.data_ptr(),
+        num_experts,
+        inter,
+        hidden,
+        weights.data_ptr(),
+        ids.data_ptr(),
+        top_k,
+        int(expert_offset),
+        out.data_ptr(),
+        hidden,
+        tags(x2, w13.packed, w2.packed, weights, ids, out),
+    )
     return out
 
 
@@ -318,9 +337,17 @@ def _bmm_packed(a: torch.Tensor, b: PackedLinear) -> torch.Tensor:
         sa1 = a.stride(1)
     out = torch.empty(batch, m, p, dtype=torch.bfloat16)
     _C.bmm_packed_bf16(
-        a.data_ptr(), batch, m, b.k_pairs, a.stride(0), sa1, b.packed.data_ptr(), p,
-        out.data_ptr(), tags(a, b.packed, out),
-    )  # fmt: skip
+        a.data_ptr(),
+        batch,
+        m,
+        b.k_pairs,
+        a.stride(0),
+        sa1,
+        b.packed.data_ptr(),
+        p,
+        out.data_ptr(),
+        tags(a, b.packed, out),
+    )
     return out
 
 
@@ -348,7 +375,18 @@ def bmm(a: torch.Tensor, b: torch.Tensor | PackedLinear) -> torch.Tensor:
         b = b.contiguous()
     out = torch.empty(batch, m, p, dtype=torch.bfloat16)
     _C.bmm_bf16(
-        a.data_ptr(), batch, m, (k + 1) // 2, a.stride(0), a.stride(1),
-        b.data_ptr(), k, p, b.stride(0), b.stride(1), out.data_ptr(), tags(a, b, out),
-    )  # fmt: skip
+        a.data_ptr(),
+        batch,
+        m,
+        (k + 1) // 2,
+        a.stride(0),
+        a.stride(1),
+        b.data_ptr(),
+        k,
+        p,
+        b.stride(0),
+        b.stride(1),
+        out.data_ptr(),
+        tags(a, b, out),
+    )
     return out

@@ -195,10 +195,21 @@ def fused_moe_fp8(
     weights, ids = routing_tensors(topk_weights, topk_ids)
     ldx = x2.stride(0) if num_tokens > 1 else 2 * w13.k_pairs
     _C.fused_moe_fp8(
-        _arg(x2, _TAG_BF16), num_tokens, ldx, w13.k_pairs,
-        _arg(w13.packed, _TAG_FP8), _arg(w13.scale_inv, _TAG_F32),
-        _arg(w2.packed, _TAG_FP8), _arg(w2.scale_inv, _TAG_F32), num_experts, inter, hidden,
-        _arg(weights, _TAG_F32), _arg(ids, _TAG_I32), top_k, int(expert_offset),
+        _arg(x2, _TAG_BF16),
+        num_tokens,
+        ldx,
+        w13.k_pairs,
+        _arg(w13.packed, _TAG_FP8),
+        _arg(w13.scale_inv, _TAG_F32),
+        _arg(w2.packed, _TAG_FP8),
+        _arg(w2.scale_inv, _TAG_F32),
+        num_experts,
+        inter,
+        hidden,
+        _arg(weights, _TAG_F32),
+        _arg(ids, _TAG_I32),
+        top_k,
+        int(expert_offset),
         _arg(out, _TAG_BF16),
-    )  # fmt: skip
+    )
     return out

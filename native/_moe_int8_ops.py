@@ -129,11 +129,24 @@ def fused_moe_int8(
     weights, ids = routing_tensors(topk_weights, topk_ids)
     ldx = x2.stride(0) if num_tokens > 1 else hidden
     _C.fused_moe_int8(
-        x2.data_ptr(), num_tokens, ldx,
-        w13.packed.data_ptr(), w13.scale.data_ptr(), w13.comp.data_ptr(),
-        w2.packed.data_ptr(), w2.scale.data_ptr(), w2.comp.data_ptr(),
-        num_experts, inter, hidden, weights.data_ptr(), ids.data_ptr(), top_k,
-        int(expert_offset), out.data_ptr(), hidden,
+        x2.data_ptr(),
+        num_tokens,
+        ldx,
+        w13.packed.data_ptr(),
+        w13.scale.data_ptr(),
+        w13.comp.data_ptr(),
+        w2.packed.data_ptr(),
+        w2.scale.data_ptr(),
+        w2.comp.data_ptr(),
+        num_experts,
+        inter,
+        hidden,
+        weights.data_ptr(),
+        ids.data_ptr(),
+        top_k,
+        int(expert_offset),
+        out.data_ptr(),
+        hidden,
         tags(x2, w13.packed, w13.scale, w13.comp, w2.packed, w2.scale, w2.comp, weights, ids, out),
-    )  # fmt: skip
+    )
     return out

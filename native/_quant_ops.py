@@ -111,10 +111,17 @@ def quantize_pack_int8_rows(weight, packed, scale, comp, row_offset: int = 0) ->
     if scale.numel() != blocks * _BLOCK_N or comp.numel() != blocks * _BLOCK_N:
         raise ValueError("quantize_pack_int8_rows: scale and comp must have 16 * blocks entries")
     _C.quantize_pack_int8_rows(
-        weight.data_ptr(), n, k, row_offset, groups, blocks * _BLOCK_N, packed.data_ptr(),
-        scale.data_ptr(), comp.data_ptr(),
+        weight.data_ptr(),
+        n,
+        k,
+        row_offset,
+        groups,
+        blocks * _BLOCK_N,
+        packed.data_ptr(),
+        scale.data_ptr(),
+        comp.data_ptr(),
         [_TAGS.get(t.dtype, -1) for t in (weight, packed, scale, comp)],
-    )  # fmt: skip
+    )
 
 
 _QUANTIZE_ROWS = 256  # rows quantized at a time: bounds the fp32 temporaries while loading

@@ -36,9 +36,14 @@ def race_sample(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor
     probs = probs if probs.is_contiguous() else probs.contiguous()
     tokens = torch.empty(rows, dtype=torch.int64)
     kernels.race_sample(
-        probs.data_ptr(), seeds.data_ptr(), counters.data_ptr(), tokens.data_ptr(),
-        rows, probs.shape[1], tags(probs, seeds, counters, tokens),
-    )  # fmt: skip
+        probs.data_ptr(),
+        seeds.data_ptr(),
+        counters.data_ptr(),
+        tokens.data_ptr(),
+        rows,
+        probs.shape[1],
+        tags(probs, seeds, counters, tokens),
+    )
     return tokens
 
 
@@ -52,9 +57,13 @@ def race_exponentials(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: i
         return reference_sampling.race_exponentials(seeds, counters, vocab_size)
     out = torch.empty(rows, vocab_size, dtype=torch.float32)
     kernels.race_exponentials(
-        seeds.data_ptr(), counters.data_ptr(), out.data_ptr(), rows, vocab_size,
+        seeds.data_ptr(),
+        counters.data_ptr(),
+        out.data_ptr(),
+        rows,
+        vocab_size,
         tags(seeds, counters, out),
-    )  # fmt: skip
+    )
     return out
 
 
@@ -70,7 +79,11 @@ def random_uniform(seeds: torch.Tensor, counters: torch.Tensor, index: int) -> t
         return reference_sampling.random_uniform(seeds, counters, index)
     out = torch.empty(rows, dtype=torch.float32)
     kernels.random_uniform(
-        seeds.data_ptr(), counters.data_ptr(), out.data_ptr(), rows, index,
+        seeds.data_ptr(),
+        counters.data_ptr(),
+        out.data_ptr(),
+        rows,
+        index,
         tags(seeds, counters, out),
-    )  # fmt: skip
+    )
     return out

@@ -84,9 +84,18 @@ def fused_add_rms_norm(
     out = torch.empty(rows, dim, dtype=x.dtype)
     summed = torch.empty(rows, dim, dtype=x.dtype)
     _C.fused_add_rms_norm(
-        x.data_ptr(), x_stride, residual.data_ptr(), res_stride, w.data_ptr(), out.data_ptr(),
-        summed.data_ptr(), rows, dim, eps, tag,
-    )  # fmt: skip
+        x.data_ptr(),
+        x_stride,
+        residual.data_ptr(),
+        res_stride,
+        w.data_ptr(),
+        out.data_ptr(),
+        summed.data_ptr(),
+        rows,
+        dim,
+        eps,
+        tag,
+    )
     return out, summed
 
 
@@ -144,10 +153,21 @@ def apply_rope(
     q_out = torch.empty(num_tokens, num_heads, rope_dim, dtype=q_pe.dtype)
     k_out = torch.empty(num_tokens, rope_dim, dtype=q_pe.dtype)
     _C.apply_rope(
-        q_pe.data_ptr(), q_strides[0], q_strides[1], k_pe.data_ptr(), k_strides[0],
-        positions.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[0], q_out.data_ptr(),
-        k_out.data_ptr(), num_tokens, num_heads, rope_dim, tag,
-    )  # fmt: skip
+        q_pe.data_ptr(),
+        q_strides[0],
+        q_strides[1],
+        k_pe.data_ptr(),
+        k_strides[0],
+        positions.data_ptr(),
+        cos_sin.data_ptr(),
+        cos_sin.shape[0],
+        q_out.data_ptr(),
+        k_out.data_ptr(),
+        num_tokens,
+        num_heads,
+        rope_dim,
+        tag,
+    )
     return q_out, k_out
 
 
@@ -179,9 +199,16 @@ def grouped_topk(
             covered = covered and correction_bias.shape == (num_experts,)
     if not covered:
         return reference.grouped_topk(
-            router_logits, correction_bias, top_k, n_group, topk_group, scoring_func,
-            topk_method, norm_topk_prob, routed_scaling_factor,
-        )  # fmt: skip
+            router_logits,
+            correction_bias,
+            top_k,
+            n_group,
+            topk_group,
+            scoring_func,
+            topk_method,
+            norm_topk_prob,
+            routed_scaling_factor,
+        )
     logits, stride = _row_view(router_logits)
     bias_ptr = 0
     if correction_bias is not None:
@@ -191,10 +218,22 @@ def grouped_topk(
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32)
     _C.grouped_topk(
-        logits.data_ptr(), stride, tag, bias_ptr, weights.data_ptr(), ids.data_ptr(), num_tokens,
-        num_experts, top_k, n_group, topk_group, scoring_func == "softmax", method,
-        bool(norm_topk_prob), float(routed_scaling_factor),
-    )  # fmt: skip
+        logits.data_ptr(),
+        stride,
+        tag,
+        bias_ptr,
+        weights.data_ptr(),
+        ids.data_ptr(),
+        num_tokens,
+        num_experts,
+        top_k,
+        n_group,
+        topk_group,
+        scoring_func == "softmax",
+        method,
+        bool(norm_topk_prob),
+        float(routed_scaling_factor),
+    )
     return weights, ids
 
 

@@ -14,8 +14,15 @@ from runtime.node_process import load_model, model_dir_of, run_node_process
 from runtime.rank_group import RankZero
 
 
-def _build(cluster: ClusterConfig, cfg: PrefillNodeConfig, model, inbox, outbox, security,
-           ranks: dict | None = None):  # fmt: skip
+def _build(
+    cluster: ClusterConfig,
+    cfg: PrefillNodeConfig,
+    model,
+    inbox,
+    outbox,
+    security,
+    ranks: dict | None = None,
+):
     """The node; `ranks` (rank 0 of R > 1: group, all_reduce, children) makes it rank 0."""
     from kvtransfer import ZmqSender
     from kvtransfer.faults import inject, plan_from_env
@@ -56,8 +63,9 @@ class _Rank0(RankZero):
         # With rank_hosts each rank is started on its host and comes to the listener.
         self.start_ranks("prefill_node.ranks", cfg, spawn=not cfg.rank_hosts)
         place_rank(cfg, 0)  # after the spawn: the ranks start with every core this one has
-        return load_model(cluster, cfg, model_dir, tensor_parallel=(0, cfg.ranks),
-                          parallel=cfg.parallel)  # fmt: skip
+        return load_model(
+            cluster, cfg, model_dir, tensor_parallel=(0, cfg.ranks), parallel=cfg.parallel
+        )
 
     def build(self, cluster: ClusterConfig, cfg: PrefillNodeConfig, model, inbox, outbox, security):
         if cfg.ranks == 1:

@@ -24,7 +24,6 @@ import torch
 from control.cluster_config import PrefillNodeConfig, TimeoutConfig
 from control.cost_model import RecentSamples
 from control.errors import DuetError
-from control.lease import RouterLease
 from control.logprobs import TokenLogprobs
 from control.messaging import Inbox, Outbox, StageTimes
 from control.prompt import validate_prompt
@@ -32,13 +31,9 @@ from control.protocol import (
     Abort,
     FirstToken,
     Heartbeat,
-    NodeFailed,
-    NodeReady,
     Prefill,
     ProtocolError,
     RequestError,
-    RouterPing,
-    Shutdown,
     sampling_from_dict,
 )
 from control.sampling_params import SamplingParams
@@ -51,16 +46,16 @@ from prefill_node.prefix_cache import PrefixCache
 from prefill_node.scheduler import Chunk, PrefillRequest, PrefillScheduler, PrefillState
 from runtime.grammar import GrammarMatcher, Grammars
 from runtime.logprobs import token_logprobs
+from runtime.node_loop import NodeLoop
 from runtime.penalties import PastTokens
 from runtime.sampling import request_seed, sample
 from runtime.speculative import ahead_tokens
 
 log = logging.getLogger(__name__)
 
-MAX_DRAIN = 256  # control messages handled per step at most
 
-
-class PrefillNode:
+class PrefillNode(NodeLoop):
+    role = "prefill"
     # A multi-rank node (prefill_node.ranks) stops on a failed forward: its ranks' collectives
     # are out of step, so no forward after it would be right.
     forward_errors_are_fatal = False
@@ -75,13 +70,10 @@ class PrefillNode:
         outbox: Outbox,
         sender_factory: Callable[[], KVSender],
     ):
-        self.name = name
+        super().__init__(name, timeouts, inbox, outbox)
         self.model = model
         # Heartbeats between layers too: one forward may outlast the router's node timeout.
-        model.between_layers = self._maybe_heartbeat
-        self.timeouts = timeouts
-        self.inbox = inbox
-        self.outbox = outbox
+        model.between_layers = self.maybe_heartbeat
         self.pool = model.new_kv_pool(cfg.num_pages, cfg.page_size)
         self.prefix_cache = PrefixCache(self.pool) if cfg.prefix_cache else None
         self.scheduler = PrefillScheduler(
@@ -101,13 +93,8 @@ class PrefillNode:
         self.kv_bytes_sent = 0
         self.num_cancelled_by_decode = 0  # requests stopped by a kv_cancel
         self.last_prefill_seq = 0  # the router's numbering of its Prefills: the last one taken
-        self.lease = RouterLease()
-        self.is_stopping = False
-        self.is_draining = False
-        self._drain_deadline = 0.0
         self._is_stalled = False  # last schedule found nothing to run although work is queued
         self._has_failed = False  # NodeFailed sent (report_failure)
-        self._next_heartbeat = 0.0
 
     def ready_info(self) -> dict[str, Any]:
         """What NodeReady carries."""
@@ -117,61 +104,38 @@ class PrefillNode:
             "num_pages": self.pool.num_pages,
             "page_size": self.pool.page_size,
             "version": package_version(),
-            "quant": self.model.quant,  # the weights' scheme (issue 9): "none" | "int8" | "fp8"
+            "quant": self.model.quant,  # the weights' scheme: "none" | "int8" | "fp8"
             # Where the weights live: a mapped pack (file or shmem, which pages) or the heap.
             "weights_backing": self.model.weights_backing,
             "weights": self.model.weights_detail,
         }
 
-    def begin_drain(self) -> None:
-        """Finishes what it holds, then stops (the next heartbeat tells the router at once,
-        which sends it nothing new)."""
-        if not self.is_draining:
-            self.is_draining = True
-            self._drain_deadline = time.monotonic() + self.timeouts.drain_s
-            self._next_heartbeat = 0.0
-            log.info("draining: %d requests to finish", len(self.scheduler.requests))
-
-    def run(self) -> None:
-        """Steps until a Shutdown message (or `is_stopping` set from outside), then closes."""
-        try:
-            while not self.is_stopping:
-                self.step()
-        except Exception as exc:
-            self.report_failure(exc)
-            raise
-        finally:
-            self.close("the prefill node is shutting down")
+    def num_held(self) -> int:
+        return len(self.scheduler.requests)
 
     def report_failure(self, exc: BaseException) -> None:
-        """NodeFailed to the router before the per-request errors of close(): the router then
-        moves this node's requests to another pair instead of failing them. From here on the
-        decode nodes get no kv_abort: one would reach the router through D (RequestError)
-        maybe before the NodeFailed, and fail the request; the router's move aborts D's
-        reservation instead."""
+        """From here on the decode nodes get no kv_abort: one would reach the router through D
+        (RequestError) maybe before the NodeFailed, and fail the request; the router's move
+        aborts D's reservation instead."""
         self._has_failed = True
-        self.outbox.send(NodeFailed(self.name, "prefill", f"{type(exc).__name__}: {exc}"))
+        super().report_failure(exc)
+
+    def on_router_restart(self) -> None:
+        self.last_prefill_seq = 0  # the new router numbers its Prefills from 1
 
     def step(self) -> None:
         # 1. Block when idle: wait for a control message only if there is nothing to compute.
         is_busy = self.scheduler.has_work() and not self._is_stalled
         wait = 0.0 if is_busy else min(0.05, self.timeouts.heartbeat_s)
         # 2. Drain inputs: prefill requests, aborts, shutdown; and the decode nodes' cancels.
-        msg, num_handled = self.inbox.recv(wait), 0
-        while msg is not None:  # bounded, so a flood of messages cannot starve compute
-            self._handle(msg)
-            num_handled += 1
-            msg = self.inbox.recv(0.0) if num_handled < MAX_DRAIN else None
+        self.take_messages(wait)
         for endpoint, rendezvous, reason in self.senders.poll_cancels():
             self._on_cancel(endpoint, rendezvous, reason)
         # 3. Fail requests that waited too long for their turn.
         now = time.monotonic()
         for request in self.scheduler.expire(now):
             self._fail(request, "prefill_queue", request.error)
-        if self.lease.lapsed(now):
-            self._orphan_all(f"no word from the router for {self.timeouts.lease_s:g} s")
-        if self.is_draining and (not self.scheduler.requests or now >= self._drain_deadline):
-            self.is_stopping = True  # close() fails what is left; the router moves it
+        self.check_lease_and_drain(now)
         # 4. One forward over the scheduled chunks; rows stream out while the next one computes.
         chunks = self.scheduler.schedule(now)
         self._is_stalled = not chunks
@@ -180,10 +144,10 @@ class PrefillNode:
             self._run_chunks(chunks)
             self._record_forward(chunks, started)
         # 5. Heartbeat with the load figures the router pairs by.
-        self._maybe_heartbeat()
+        self.maybe_heartbeat()
 
     # ---- inputs ----------------------------------------------------------------------------
-    def _handle(self, msg: Any) -> None:
+    def handle(self, msg: Any) -> None:
         if isinstance(msg, Prefill):
             self._on_prefill(msg)
         elif isinstance(msg, Abort):
@@ -191,15 +155,8 @@ class PrefillNode:
             if request is not None:
                 log.info("request %s: aborted by the router (%s)", msg.request_id, msg.reason)
                 self._abort_peer(request, f"aborted by the router: {msg.reason}")
-        elif isinstance(msg, RouterPing):
-            if self.lease.renew(msg.router_id, msg.lease_s, time.monotonic()):
-                self._orphan_all("the router restarted")
-                self.last_prefill_seq = 0  # the new router numbers its Prefills from 1
-                self.outbox.send(NodeReady(self.name, "prefill", self.ready_info()))
-        elif isinstance(msg, Shutdown):
-            self.is_stopping = True
         else:
-            log.warning("prefill node ignores a %s message", type(msg).__name__)
+            super().handle(msg)
 
     def _on_cancel(self, endpoint: str, rendezvous: Rendezvous, reason: str) -> None:
         """D gave up on the request (aborted, expired, refused its KV): stop computing it and
@@ -212,7 +169,7 @@ class PrefillNode:
         self.scheduler.abort(request.request_id, f"cancelled by the decode node: {reason}")
         self.num_cancelled_by_decode += 1
 
-    def _orphan_all(self, reason: str) -> None:
+    def orphan_all(self, reason: str) -> None:
         """Drops every held request (no live router owns them) and tells their decode nodes."""
         if self.scheduler.requests:
             log.warning("aborting %d requests: %s", len(self.scheduler.requests), reason)
@@ -273,9 +230,9 @@ class PrefillNode:
         try:
             with self._beating():  # heartbeats between layers: a forward may be long
                 if self.model.mtp is None:
-                    logits = self._forward(batch)  # [B (+ N), vocab] fp32
+                    logits = self.forward(batch)  # [B (+ N), vocab] fp32
                 else:  # MTP: sample the first tokens now, the MTP layer needs them before the send
-                    logits, hidden = self._forward_with_hidden(batch)
+                    logits, hidden = self.forward_with_hidden(batch)
                     firsts = self._first_tokens_of(chunks, logits)
                     firsts = self._run_mtp(chunks, hidden, firsts)
         except Exception as exc:  # fail these requests loudly, keep serving the others
@@ -313,7 +270,7 @@ class PrefillNode:
 
         def beat() -> None:
             if time.monotonic() - started >= self.timeouts.heartbeat_s:
-                self._maybe_heartbeat()
+                self.maybe_heartbeat()
 
         self.model.between_layers = beat
         try:
@@ -321,14 +278,14 @@ class PrefillNode:
         finally:
             self.model.between_layers = None
 
-    # The model's three forwards (a multi-rank node runs each on every rank).
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+    # The model's three forwards: hooks a multi-rank node overrides to run each on every rank.
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model.forward(batch, self.pool)
 
-    def _forward_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.forward_with_hidden(batch, self.pool)
 
-    def _forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor):
+    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor):
         return self.model.forward_mtp(batch, hidden, self.pool)
 
     def _first_tokens_of(self, chunks: list[Chunk], logits: torch.Tensor) -> dict[int, tuple]:
@@ -356,7 +313,7 @@ class PrefillNode:
         mtp_batch = ForwardBatch.build(
             self.pool, [c.request.table for c in chunks], ahead, [c.start for c in chunks], False
         )
-        logits, _ = self._forward_mtp(mtp_batch, hidden)
+        logits, _ = self.forward_mtp(mtp_batch, hidden)
         drafts = logits[: len(chunks)].argmax(-1).tolist()
         return {
             id(c.request): (*firsts[id(c.request)], (drafts[i],))
@@ -450,9 +407,13 @@ class PrefillNode:
         log.info(
             "request %s: prefilled %d tokens, %d from the cache (queue %.1f ms, prefill %.1f ms)"
             " -> %s",
-            request.request_id, request.prompt_len, request.num_cached, stage_ms["queue"],
-            stage_ms["prefill"], request.kv_endpoint,
-        )  # fmt: skip
+            request.request_id,
+            request.prompt_len,
+            request.num_cached,
+            stage_ms["queue"],
+            stage_ms["prefill"],
+            request.kv_endpoint,
+        )
         try:
             sender = self.senders.get(request.kv_endpoint)
             sender.send_done(
@@ -497,30 +458,24 @@ class PrefillNode:
         except (KVTransferError, ValueError):
             pass  # D's deadline (or the router's Abort) reclaims its pages instead
 
-    def _maybe_heartbeat(self) -> None:
-        now = time.monotonic()
-        if now < self._next_heartbeat:
-            return
-        self._next_heartbeat = now + self.timeouts.heartbeat_s
+    def heartbeat(self) -> Heartbeat:
         _, queued_attention, queued_forwards = self.scheduler.queued_work()
-        self.outbox.send(
-            Heartbeat(
-                self.name,
-                "prefill",
-                queued_tokens=self.scheduler.queued_tokens,
-                num_waiting=self.scheduler.num_waiting,
-                num_running=self.scheduler.num_running,
-                kv_bytes_sent=self.kv_bytes_sent,
-                num_cancelled_by_decode=self.num_cancelled_by_decode,
-                num_malformed=self.inbox.num_malformed,
-                stage_ms=self.stage_times.means(),
-                draining=self.is_draining,
-                **self._prefix_cache_figures(),
-                timing_samples=self.timing_samples.take(),
-                queued_attention=float(queued_attention),
-                queued_forwards=queued_forwards,
-                last_prefill_seq=self.last_prefill_seq,
-            )
+        return Heartbeat(
+            self.name,
+            "prefill",
+            queued_tokens=self.scheduler.queued_tokens,
+            num_waiting=self.scheduler.num_waiting,
+            num_running=self.scheduler.num_running,
+            kv_bytes_sent=self.kv_bytes_sent,
+            num_cancelled_by_decode=self.num_cancelled_by_decode,
+            num_malformed=self.inbox.num_malformed,
+            stage_ms=self.stage_times.means(),
+            draining=self.is_draining,
+            **self._prefix_cache_figures(),
+            timing_samples=self.timing_samples.take(),
+            queued_attention=float(queued_attention),
+            queued_forwards=queued_forwards,
+            last_prefill_seq=self.last_prefill_seq,
         )
 
     def _prefix_cache_figures(self) -> dict[str, int]:

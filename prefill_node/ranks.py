@@ -1,4 +1,4 @@
-"""A prefill node of `ranks` > 1 processes: tensor parallelism (issue 14), `parallel = "tp"`
+"""A prefill node of `ranks` > 1 processes: tensor parallelism, `parallel = "tp"`
 (`model.tensor_parallel`) or "tp_sp" (sequence-split, `model.sequence_parallel`).
 
 Rank 0 (`python -m prefill_node`) is the node the router knows: its loop schedules, samples and
@@ -80,8 +80,9 @@ STOP = msgpack.packb({"op": "stop"})
 
 
 # ---- joining the group -----------------------------------------------------------------------
-def join_tensor_parallel(cluster: ClusterConfig, cfg: PrefillNodeConfig, model, rank: int,
-                         rendezvous, comm=None) -> tuple[RankGroup, object]:  # fmt: skip
+def join_tensor_parallel(
+    cluster: ClusterConfig, cfg: PrefillNodeConfig, model, rank: int, rendezvous, comm=None
+) -> tuple[RankGroup, object]:
     """Joins the node's group (`rendezvous` as in RankGroup) and, unless `comm` is the
     collectives of an earlier session (a rank on another host meets each rank 0 anew), makes
     `model`, this rank's shard, run its scheme (cfg.parallel: "tp" all-reduces, "tp_sp" runs
@@ -145,14 +146,15 @@ class RankPrefillNode(PrefillNode):
         if time.monotonic() - self._last_broadcast >= TICK_S:
             self._broadcast(TICK)
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self._on_every_rank("forward", batch, super()._forward, batch)
+    # The forward hooks: each runs on every rank.
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self._on_every_rank("forward", batch, super().forward, batch)
 
-    def _forward_with_hidden(self, batch: ForwardBatch):
-        return self._on_every_rank("forward_hidden", batch, super()._forward_with_hidden, batch)
+    def forward_with_hidden(self, batch: ForwardBatch):
+        return self._on_every_rank("forward_hidden", batch, super().forward_with_hidden, batch)
 
-    def _forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor):
-        return self._on_every_rank("mtp", batch, super()._forward_mtp, batch, hidden)
+    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor):
+        return self._on_every_rank("mtp", batch, super().forward_mtp, batch, hidden)
 
     def _on_every_rank(self, op: str, batch: ForwardBatch, forward, *args):
         """Sends the other ranks `op` over `batch`, then runs `forward(*args)` here."""
@@ -263,8 +265,9 @@ def worker_main(argv: list[str] | None = None) -> int:
     # once, even inside a collective (nothing of a session outlives it).
     signal.signal(signal.SIGINT, signal.SIG_IGN if spawned else signal.SIG_DFL)
     try:
-        model = load_model(cluster, cfg, args.model, tensor_parallel=(args.rank, cfg.ranks),
-                           parallel=cfg.parallel)  # fmt: skip
+        model = load_model(
+            cluster, cfg, args.model, tensor_parallel=(args.rank, cfg.ranks), parallel=cfg.parallel
+        )
         pool = model.new_kv_pool(cfg.num_pages, cfg.page_size)
     except Exception as exc:
         log.error("rank %d could not load its shard: %s", args.rank, exc)

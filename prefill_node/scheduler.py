@@ -145,7 +145,7 @@ class PrefillScheduler:
 
     def queued_work(self) -> tuple[int, int, int]:
         """(tokens, sum of new*prefix, forwards at least) still to compute: what the router's
-        cost model turns into this node's queue time (SLA admission, issue 10 part 2)."""
+        cost model turns into this node's queue time (SLA admission)."""
         tokens = attention = longest = 0
         for r in self._requests.values():
             new, attn, forwards = prompt_features(r.prompt_len, r.num_computed, self.chunk_size)

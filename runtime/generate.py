@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from control.errors import InvalidRequestError
+from control.finish import finish_reason
 from control.prompt import validate_prompt
 from control.sampling_params import SamplingParams
 from model.batch import ForwardBatch
@@ -98,14 +99,17 @@ class OfflineGenerator:
                     counts.start([0], [params], [prompt_ids], [tokens])
                 else:
                     counts.add([0], [token])
-                if token in stop_ids:
-                    return GenerationResult(prompt_ids, tokens, "stop")
                 position = len(prompt_ids) + len(tokens) - 1
-                if (
-                    len(tokens) >= params.max_new_tokens
-                    or position + 1 >= cfg.max_position_embeddings
-                ):
-                    return GenerationResult(prompt_ids, tokens, "length")
+                reason = finish_reason(
+                    token,
+                    stop_ids,
+                    len(tokens),
+                    position + 1,
+                    params.max_new_tokens,
+                    cfg.max_position_embeddings,
+                )
+                if reason is not None:
+                    return GenerationResult(prompt_ids, tokens, reason)
                 logits = self.decode(table, token, position)
                 past = counts.past([0], [params], [len(tokens)], [stop_ids])
         finally:

@@ -48,8 +48,14 @@ def model_dir_of(cluster: ClusterConfig, model_dir: str | None) -> str:
     return model_dir or cluster.model or str(ensure_builtin_model())
 
 
-def load_model(cluster: ClusterConfig, node_cfg: Any, model_dir: str | None, expert_range=None,
-               tensor_parallel: tuple[int, int] | None = None, parallel: str = "tp"):  # fmt: skip
+def load_model(
+    cluster: ClusterConfig,
+    node_cfg: Any,
+    model_dir: str | None,
+    expert_range=None,
+    tensor_parallel: tuple[int, int] | None = None,
+    parallel: str = "tp",
+):
     """The node's model on its device and threads, its weights in the node's `quant` scheme
     (the tiny model when none is named), mapped from its `pack` or the weights cache when the
     node says so (`model.pack_cache`); `expert_range` limits the routed experts held (an

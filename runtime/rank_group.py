@@ -45,8 +45,14 @@ class RankGroup:
     the store takes it over), on the other ranks its (host, port). Every rank's gloo sockets
     listen on that host too, or on `bind_host` (a rank on another host: its own address)."""
 
-    def __init__(self, rank: int, world: int, rendezvous: socket.socket | tuple[str, int],
-                 timeout_s: float, bind_host: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        rendezvous: socket.socket | tuple[str, int],
+        timeout_s: float,
+        bind_host: str | None = None,
+    ):
         wait = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
         if rank == 0:
             (host, port), fd = rendezvous.getsockname()[:2], rendezvous.detach()
@@ -166,8 +172,14 @@ class RankZero:
             proc.kill()
 
 
-def spawn_ranks(module: str, config: str, node: str, world: int, rendezvous: tuple[str, int],
-                model_dir: str | None):  # fmt: skip
+def spawn_ranks(
+    module: str,
+    config: str,
+    node: str,
+    world: int,
+    rendezvous: tuple[str, int],
+    model_dir: str | None,
+):
     """Starts ranks 1..world-1 (`python -m <module> ... --rank r`, parsed by `rank_args`) as
     children that get SIGTERM if this process dies; they join the group at rank 0's
     `rendezvous` (host, port)."""
@@ -179,7 +191,7 @@ def spawn_ranks(module: str, config: str, node: str, world: int, rendezvous: tup
     return [
         subprocess.Popen(
             [*cmd, "--rank", str(r)], stdin=subprocess.DEVNULL, preexec_fn=die_with_parent
-        )  # fmt: skip
+        )
         for r in range(1, world)
     ]
 

@@ -68,6 +68,7 @@ TORCH_FREE_MODULES = {
     "bench.sweep",
     "bench.occupancy",
     "bench.pack_serving",
+    "bench.router_start",
     # the shape rules the cluster tools size nodes with
     "model",
     "model.sharding",

@@ -225,8 +225,13 @@ def make_bench_model(
     gen = torch.Generator().manual_seed(seed)
     weight_map: dict[str, str] = {}
     kind = "fp8" if fp8 else raw["torch_dtype"]
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {out.name} ({kind})",
-               disable=not progress)  # fmt: skip
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc=f"writing {out.name} ({kind})",
+        disable=not progress,
+    )
     with bar:
         for i, names in enumerate(plan, start=1):
             file_name = f"model-{i:05d}-of-{len(plan):05d}.safetensors"
@@ -250,8 +255,10 @@ def make_bench_model(
     tok.save(str(out / "tokenizer.json"))
     tok_cfg = {**_tokenizer_config(), "model_max_length": raw["max_position_embeddings"]}
     _write_json(out / "tokenizer_config.json", tok_cfg)
-    _write_json(out / "generation_config.json",
-                {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"]})  # fmt: skip
+    _write_json(
+        out / "generation_config.json",
+        {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"]},
+    )
     _write_json(out / "config.json", raw)
     num_params = sum(math.prod(s) for s in shapes.values())
     info = {"layers": layers, "seed": seed, "dtype": raw["torch_dtype"], "fp8": fp8}

@@ -57,8 +57,11 @@ def attention(p: Params, cfg: ModelConfig, prefix: str, x, cos_sin) -> torch.Ten
     if cfg.q_lora_rank is None:
         q = x @ p[f"{prefix}.q_proj.weight"].T
     else:
-        q_a = rms_norm(x @ p[f"{prefix}.q_a_proj.weight"].T, p[f"{prefix}.q_a_layernorm.weight"],
-                       cfg.rms_norm_eps)  # fmt: skip
+        q_a = rms_norm(
+            x @ p[f"{prefix}.q_a_proj.weight"].T,
+            p[f"{prefix}.q_a_layernorm.weight"],
+            cfg.rms_norm_eps,
+        )
         q = q_a @ p[f"{prefix}.q_b_proj.weight"].T
     q = q.view(b, t, h, cfg.qk_head_dim)
     q_nope, q_pe = q.split([dn, r], dim=-1)
@@ -72,9 +75,12 @@ def attention(p: Params, cfg: ModelConfig, prefix: str, x, cos_sin) -> torch.Ten
     k = torch.cat((k_nope, k_pe[:, :, None, :].expand(b, t, h, r)), dim=-1)
     q = torch.cat((q_nope, q_pe), dim=-1)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        is_causal=True,
         scale=cfg.softmax_scale,
-    )  # fmt: skip
+    )
     out = out.transpose(1, 2).reshape(b, t, h * cfg.v_head_dim)
     return out @ p[f"{prefix}.o_proj.weight"].T
 
@@ -122,8 +128,13 @@ def moe(p: Params, cfg: ModelConfig, prefix: str, x: torch.Tensor, loads: dict |
 def decoder_layer(p: Params, cfg: ModelConfig, idx: int, x, cos_sin, loads=None):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). Returns the new residual stream."""
     prefix, eps = f"model.layers.{idx}", cfg.rms_norm_eps
-    x = x + attention(p, cfg, f"{prefix}.self_attn",
-                      rms_norm(x, p[f"{prefix}.input_layernorm.weight"], eps), cos_sin)  # fmt: skip
+    x = x + attention(
+        p,
+        cfg,
+        f"{prefix}.self_attn",
+        rms_norm(x, p[f"{prefix}.input_layernorm.weight"], eps),
+        cos_sin,
+    )
     y = rms_norm(x, p[f"{prefix}.post_attention_layernorm.weight"], eps)
     if cfg.is_moe_layer(idx):  # the MTP layer (idx N) too, as `mtp_shapes` lists it
         return x + moe(p, cfg, f"{prefix}.mlp", y, loads)
@@ -253,10 +264,13 @@ def train(
     decay = [t for n, t in params.items() if t.requires_grad and _decays(n)]
     rest = [t for n, t in params.items() if t.requires_grad and not _decays(n)]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": settings.weight_decay},
-         {"params": rest, "weight_decay": 0.0}],
-        lr=settings.lr, betas=(0.9, 0.95),
-    )  # fmt: skip
+        [
+            {"params": decay, "weight_decay": settings.weight_decay},
+            {"params": rest, "weight_decay": 0.0},
+        ],
+        lr=settings.lr,
+        betas=(0.9, 0.95),
+    )
     order = torch.randperm(data.shape[0], generator=torch.Generator().manual_seed(seed))
     history: list[float] = []
     bar = _progress_bar(settings.steps) if progress else None
@@ -307,8 +321,13 @@ def _progress_bar(total: int):
     began = time.monotonic()
 
     def line(step: int, loss: float, mtp: float) -> None:
-        print(f"\rtraining the tiny model: step {step}/{total} loss {loss:.3f} mtp {mtp:.3f} "
-              f"({time.monotonic() - began:.0f} s)", end="", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"\rtraining the tiny model: step {step}/{total} loss {loss:.3f} mtp {mtp:.3f} "
+            f"({time.monotonic() - began:.0f} s)",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
 
     return line
 

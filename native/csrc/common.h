@@ -10,6 +10,7 @@
 #include <initializer_list>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -60,6 +61,35 @@ inline void check_dtypes(const char* op, const std::vector<int>& tags,
     }
     ++i;
   }
+}
+
+// One tag against the dtype it must be, for bindings that take tags one by one.
+inline void check_dtype(const char* op, int tag, DType want, const char* name) {
+  if (tag != static_cast<int>(want)) {
+    throw std::invalid_argument(std::string(op) + ": " + name + " is " + dtype_name(tag) +
+                                ", expected " + dtype_name(static_cast<int>(want)));
+  }
+}
+
+// A tensor from Python: (data pointer, DType tag, number of elements it spans).
+using TensorArg = std::tuple<uintptr_t, int, int64_t>;
+
+// The tensor's pointer as T*, once its dtype is `want`, it spans at least `needed` elements
+// and it is aligned for T.
+template <typename T>
+T* checked_tensor(const char* op, const TensorArg& t, DType want, int64_t needed,
+                  const char* name) {
+  const auto [ptr, dtype, numel] = t;
+  check_dtype(op, dtype, want, name);
+  if (numel < needed) {
+    throw std::invalid_argument(std::string(op) + ": " + name + " holds " +
+                                std::to_string(numel) + " elements, the sizes need " +
+                                std::to_string(needed));
+  }
+  if (ptr % alignof(T) != 0) {
+    throw std::invalid_argument(std::string(op) + ": " + name + " is misaligned");
+  }
+  return reinterpret_cast<T*>(ptr);
 }
 
 // Per-function ISA targets: one binary carries every path and runtime dispatch picks one.

@@ -214,26 +214,10 @@ void fused_moe_fp8(const MoeFp8Args& p) {
   });
 }
 
-// ---- binding ---------------------------------------------------------------------------------
-
-// A tensor from Python: (data pointer, duet::DType tag, number of elements spanned).
-using TensorArg = std::tuple<uintptr_t, int, int64_t>;
-
+// The binding's tensor checks (common.h), with this op's name in their errors.
 template <typename T>
 T* checked(const TensorArg& t, DType want, int64_t needed, const char* name) {
-  const auto [ptr, dtype, numel] = t;
-  if (dtype != static_cast<int>(want)) {
-    throw std::invalid_argument(std::string("fused_moe_fp8: ") + name + " has the wrong dtype");
-  }
-  if (numel < needed) {
-    throw std::invalid_argument(std::string("fused_moe_fp8: ") + name + " holds " +
-                                std::to_string(numel) + " elements, the sizes need " +
-                                std::to_string(needed));
-  }
-  if (ptr % alignof(T) != 0) {
-    throw std::invalid_argument(std::string("fused_moe_fp8: ") + name + " is misaligned");
-  }
-  return reinterpret_cast<T*>(ptr);
+  return checked_tensor<T>("fused_moe_fp8", t, want, needed, name);
 }
 
 }  // namespace

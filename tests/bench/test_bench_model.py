@@ -178,8 +178,15 @@ def test_fp8_checkpoint_is_the_bf16_model_quantized(bf16_and_fp8):
     quantized = sorted(name for name in want if is_quantized(name))
     assert set(got) == set(want) | {f"{name}_scale_inv" for name in quantized}
     kinds = {name.split(".")[-2] for name in quantized}
-    assert kinds == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj",
-                     "gate_proj", "up_proj", "down_proj"}  # fmt: skip
+    assert kinds == {
+        "q_a_proj",
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
     assert any(".experts.7." in name for name in quantized)
     assert any(".shared_experts." in name for name in quantized)
     for name, w in want.items():

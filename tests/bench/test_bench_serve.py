@@ -104,12 +104,23 @@ def test_all_counted_and_stats_match_records(tmp_path, tok, capsys):
 
 
 def test_errors_counted_by_kind(tmp_path):
-    app, state = make_app(FakeBehavior(ttft_s=0.01, itl_s=0.002, http_error_every=5,
-                                       stream_error_every=7))  # fmt: skip
+    app, state = make_app(
+        FakeBehavior(ttft_s=0.01, itl_s=0.002, http_error_every=5, stream_error_every=7)
+    )
     with ServerThread(app) as server:
         # TTFT SLA of 1 ms: the fake sleeps 10 ms, so no request can meet it.
-        summary, records = run_bench(server.url, tmp_path, "--num-prompts", "20",
-                                     "--input-len", "4", "--output-len", "5", "--ttft-ms", "1")  # fmt: skip
+        summary, records = run_bench(
+            server.url,
+            tmp_path,
+            "--num-prompts",
+            "20",
+            "--input-len",
+            "4",
+            "--output-len",
+            "5",
+            "--ttft-ms",
+            "1",
+        )
     # Arrival k fails with 503 if k % 5 == 4 (4 of 20), else mid-stream if k % 7 == 6 (6, 13).
     assert len(state.received) == 20
     assert summary["errors"] == {"http_503": 4, "stream_error": 2}
@@ -131,8 +142,20 @@ def test_attainment_of_admitted_requests(tmp_path):
     """Requests refused with 503 count against attainment, not against that of the admitted."""
     app, _ = make_app(FakeBehavior(ttft_s=0.001, itl_s=0.001, http_error_every=4))
     with ServerThread(app) as server:
-        summary, _ = run_bench(server.url, tmp_path, "--num-prompts", "20", "--input-len", "4",
-                               "--output-len", "3", "--ttft-ms", "5000", "--tpot-ms", "5000")  # fmt: skip
+        summary, _ = run_bench(
+            server.url,
+            tmp_path,
+            "--num-prompts",
+            "20",
+            "--input-len",
+            "4",
+            "--output-len",
+            "3",
+            "--ttft-ms",
+            "5000",
+            "--tpot-ms",
+            "5000",
+        )
     assert summary["rejected"] == 5 and summary["completed"] == 15 and summary["sla_met"] == 15
     assert summary["sla_attainment"] == pytest.approx(0.75)
     assert summary["sla_attainment_admitted"] == 1.0
@@ -141,8 +164,19 @@ def test_attainment_of_admitted_requests(tmp_path):
 def test_timeouts_and_unreachable_server(tmp_path, capsys):
     app, _ = make_app(FakeBehavior(ttft_s=2.0))
     with ServerThread(app) as server:
-        summary, _ = run_bench(server.url, tmp_path, "--num-prompts", "2", "--input-len", "3",
-                               "--output-len", "2", "--timeout", "0.3", "--no-plots")  # fmt: skip
+        summary, _ = run_bench(
+            server.url,
+            tmp_path,
+            "--num-prompts",
+            "2",
+            "--input-len",
+            "3",
+            "--output-len",
+            "2",
+            "--timeout",
+            "0.3",
+            "--no-plots",
+        )
     assert summary["errors"] == {"timeout": 2} and summary["completed"] == 0
     assert summary["ttft_ms"]["p99"] is None
     # A server that is not there: one clear line, exit code 1, no traceback.
@@ -155,14 +189,25 @@ def test_timeouts_and_unreachable_server(tmp_path, capsys):
 def test_chat_without_usage_counts_tokens_with_tokenizer(tmp_path, tok):
     app, state = make_app(FakeBehavior(ttft_s=0.01, itl_s=0.002, usage=False))
     with ServerThread(app) as server:
-        summary, records = run_bench(server.url, tmp_path, "--dataset", "synthetic-chat",
-                                     "--num-prompts", "12", "--input-len", "16",
-                                     "--output-len", "4", "--no-plots")  # fmt: skip
+        summary, records = run_bench(
+            server.url,
+            tmp_path,
+            "--dataset",
+            "synthetic-chat",
+            "--num-prompts",
+            "12",
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--no-plots",
+        )
     assert summary["completed"] == 12
     assert len(tok.encode(WORD * 3)) == 3  # the oracle: one token per streamed word
     by_len = sorted((r["prompt_len"], r["expected_output_len"]) for r in records)
-    sent = sorted((len(tok.encode(b["messages"][0]["content"])), b["max_tokens"])
-                  for b in state.received)  # fmt: skip
+    sent = sorted(
+        (len(tok.encode(b["messages"][0]["content"])), b["max_tokens"]) for b in state.received
+    )
     assert by_len == sent
     for r in records:
         assert not r["usage_reported"] and r["output_len"] == r["expected_output_len"]
@@ -176,8 +221,19 @@ def test_poisson_arrivals(tmp_path):
     assert np.all(serve.arrival_times(5, float("inf"), 0) == 0)
     app, _ = make_app(FakeBehavior(ttft_s=0.005, itl_s=0.001))
     with ServerThread(app) as server:
-        _, records = run_bench(server.url, tmp_path, "--num-prompts", "8", "--request-rate",
-                               "40", "--input-len", "2", "--output-len", "2", "--no-plots")  # fmt: skip
+        _, records = run_bench(
+            server.url,
+            tmp_path,
+            "--num-prompts",
+            "8",
+            "--request-rate",
+            "40",
+            "--input-len",
+            "2",
+            "--output-len",
+            "2",
+            "--no-plots",
+        )
     planned = serve.arrival_times(8, 40.0, seed=3)
     for r in records:  # each request leaves no earlier than its planned arrival
         assert r["start_s"] >= planned[r["index"]] - 1e-6
@@ -187,8 +243,18 @@ def test_extra_body_reaches_every_request(tmp_path):
     app, state = make_app(FakeBehavior(ttft_s=0.0, itl_s=0.0))
     extra = {"repetition_penalty": 1.1, "min_p": 0.05, "presence_penalty": 0.5, "seed": 4}
     with ServerThread(app) as server:
-        summary, _ = run_bench(server.url, tmp_path, "--num-prompts", "5", "--input-len", "4",
-                               "--output-len", "3", "--extra-body", json.dumps(extra))  # fmt: skip
+        summary, _ = run_bench(
+            server.url,
+            tmp_path,
+            "--num-prompts",
+            "5",
+            "--input-len",
+            "4",
+            "--output-len",
+            "3",
+            "--extra-body",
+            json.dumps(extra),
+        )
     assert summary["completed"] == 5 and len(state.received) == 5
     for body in state.received:
         assert {k: body[k] for k in extra} == extra and body["max_tokens"] == 3

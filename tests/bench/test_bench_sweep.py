@@ -108,8 +108,12 @@ def test_hung_launcher_and_its_children_are_killed(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep, "STOP_TIMEOUT_S", 0.5)
     app, _ = make_app(FakeBehavior())
     with ServerThread(app) as server:
-        cluster = sweep.Cluster([sys.executable, "-c", script], server.url + "/health",
-                                tmp_path / "cluster.log", timeout_s=10)  # fmt: skip
+        cluster = sweep.Cluster(
+            [sys.executable, "-c", script],
+            server.url + "/health",
+            tmp_path / "cluster.log",
+            timeout_s=10,
+        )
         with cluster:
             deadline = time.monotonic() + 10
             while "pid" not in (tmp_path / "cluster.log").read_text():

@@ -132,14 +132,17 @@ def test_sla_admission_defaults_keep_todays_behaviour():
     cfg = ClusterConfig.from_dict({"prefill": [{"name": "p"}], "decode": [{"name": "d"}]})
     assert cfg.sla.admission == "none" and cfg.sla.queue_s == 5.0 and cfg.sla.cap_decode_batch
     cfg = ClusterConfig.from_dict(
-        {"prefill": [{"name": "p"}], "decode": [{"name": "d"}],
-         "sla": {"admission": "queue", "queue_s": 2}}
-    )  # fmt: skip
+        {
+            "prefill": [{"name": "p"}],
+            "decode": [{"name": "d"}],
+            "sla": {"admission": "queue", "queue_s": 2},
+        }
+    )
     assert cfg.sla.admission == "queue" and cfg.sla.queue_s == 2.0
 
 
 def test_mtp_settings_default_off_and_are_checked():
-    """MTP (issue 12): off by default; every decode node must agree (the MTP layer's cache is
+    """MTP: off by default; every decode node must agree (the MTP layer's cache is
     part of the KV every prefill node sends), mtp_tokens within what kv_done carries; with
     expert-parallel ranks too (the MTP layer's experts are sharded like the others)."""
     cfg = _cfg()
@@ -160,7 +163,7 @@ def test_mtp_settings_default_off_and_are_checked():
 
 
 def test_prefill_ranks_default_to_one_and_their_settings_are_checked():
-    """Tensor-parallel prefill (issue 14): one rank, "tp" over the shared-memory all-reduce and
+    """Tensor-parallel prefill: one rank, "tp" over the shared-memory all-reduce and
     automatic placement by default; what is not built (the MTP layer under "tp_sp") or cannot
     work is refused, naming the node and the key."""
     p = _cfg().prefill[0]
@@ -190,8 +193,9 @@ def test_ranks_on_other_hosts_need_gloo_a_group_port_and_one_host_a_rank():
     p = _cfg(prefill={"host": "10.0.0.4", **ok}).prefill[0]
     assert p.hosts_of_ranks == ("10.0.0.4", "10.0.0.5", "10.0.0.6")
     assert _cfg(prefill={"host": "10.0.0.4", "ranks": 2}).prefill[0].hosts_of_ranks == (
-        "10.0.0.4", "10.0.0.4",
-    )  # fmt: skip
+        "10.0.0.4",
+        "10.0.0.4",
+    )
     for change, match in (
         ({"rank_hosts": ["10.0.0.5"]}, "rank_hosts names 1 hosts for ranks 1..2"),
         ({"all_reduce": "shm"}, 'need all_reduce = "gloo" and a group_port'),

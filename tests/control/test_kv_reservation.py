@@ -1,4 +1,4 @@
-"""On-demand decode KV (issue 10, part 3), the shared pieces: the reservation rule the decode
+"""On-demand decode KV, the shared pieces: the reservation rule the decode
 node and the router both use, its config fields and their validation, and the Preempted
 message on the wire."""
 

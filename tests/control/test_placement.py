@@ -1,4 +1,4 @@
-"""Where a prefill node's ranks run (`control.placement`, issue 14): the cpu-list format, the
+"""Where a prefill node's ranks run (`control.placement`): the cpu-list format, the
 NUMA layout read from a sysfs tree, each rank's cores on one and on several NUMA nodes (and
 with `rank_cpus`), and the real calls in a child process: its affinity set, and on this machine
 (node 0 exists everywhere) its memory bound to node 0, as /proc's numa_maps shows."""
@@ -44,8 +44,9 @@ def test_the_numa_layout_comes_from_sysfs(tmp_path):
 def test_on_one_node_the_allowed_cores_split_evenly():
     one = {0: list(range(8))}
     assert [plan_rank(r, 2, [0, 1, 2, 3, 4], one) for r in range(2)] == [
-        Placement([0, 1, 2], None), Placement([3, 4], None),
-    ]  # fmt: skip
+        Placement([0, 1, 2], None),
+        Placement([3, 4], None),
+    ]
     # Fewer cores than ranks: one core each, round robin; memory never bound on one node.
     assert [plan_rank(r, 3, [6, 7], one).cpus for r in range(3)] == [[6], [7], [6]]
 
@@ -54,12 +55,16 @@ def test_on_several_nodes_each_rank_goes_to_a_node_and_binds_its_memory_there():
     two = {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
     allowed = list(range(8))
     assert [plan_rank(r, 2, allowed, two) for r in range(2)] == [
-        Placement([0, 1, 2, 3], 0), Placement([4, 5, 6, 7], 1),
-    ]  # fmt: skip
+        Placement([0, 1, 2, 3], 0),
+        Placement([4, 5, 6, 7], 1),
+    ]
     # Four ranks on two nodes: two a node, sharing its cores.
     assert [plan_rank(r, 4, allowed, two) for r in range(4)] == [
-        Placement([0, 1], 0), Placement([4, 5], 1), Placement([2, 3], 0), Placement([6, 7], 1),
-    ]  # fmt: skip
+        Placement([0, 1], 0),
+        Placement([4, 5], 1),
+        Placement([2, 3], 0),
+        Placement([6, 7], 1),
+    ]
     # A node with none of this process's cores takes no rank.
     assert plan_rank(1, 2, [0, 1, 2, 3], two) == Placement([2, 3], None)
 

@@ -48,13 +48,27 @@ def test_columns_are_compact_without_logprobs():
         ({"finish_reasons": []}, "differ in length"),
         ({"request_ids": ["a", "b"]}, "differ in length"),
         ({"logprobs": [[-1.0]], "top_ids": [], "top_logprobs": []}, "logprob columns"),
-        ({"logprobs": [[-1.0], [-2.0]], "top_ids": [[[1]], [[2]]], "top_logprobs": [[[-1.0]], [[-2.0]]]},
-         "logprob columns"),
-        ({"logprobs": [[-1.0, -2.0]], "top_ids": [[[1], [2]]], "top_logprobs": [[[-1.0], [-2.0]]]},
-         "do not match its tokens"),
+        (
+            {
+                "logprobs": [[-1.0], [-2.0]],
+                "top_ids": [[[1]], [[2]]],
+                "top_logprobs": [[[-1.0]], [[-2.0]]],
+            },
+            "logprob columns",
+        ),
+        (
+            {
+                "logprobs": [[-1.0, -2.0]],
+                "top_ids": [[[1], [2]]],
+                "top_logprobs": [[[-1.0], [-2.0]]],
+            },
+            "do not match its tokens",
+        ),
         ({"logprobs": [[-1.0]], "top_ids": [[]], "top_logprobs": [[]]}, "do not match its tokens"),
-        ({"logprobs": [[-1.0]], "top_ids": [[[1, 2]]], "top_logprobs": [[[-1.0]]]},
-         "top_ids and top_logprobs"),
+        (
+            {"logprobs": [[-1.0]], "top_ids": [[[1, 2]]], "top_logprobs": [[[-1.0]]]},
+            "top_ids and top_logprobs",
+        ),
         ({"token_ids": [["x"]]}, "wrong type"),
         ({"token_ids": [1]}, "wrong type"),
         ({"finish_reasons": [3]}, "wrong type"),
@@ -62,7 +76,7 @@ def test_columns_are_compact_without_logprobs():
         ({"top_ids": [[[1.5]]], "logprobs": [[-1.0]], "top_logprobs": [[[-1.0]]]}, "wrong type"),
         ({"node": "d0"}, "unknown fields"),
     ],
-)  # fmt: skip
+)
 def test_malformed_step_tokens_are_protocol_errors(fields, match):
     with pytest.raises(ProtocolError, match=match):
         decode(frame(**fields))

@@ -92,10 +92,15 @@ class Pair:
             prefix_cache=prefix_cache,
         )
         d_cfg = DecodeNodeConfig(
-            "d", page_size=d_page_size, max_batch=max_batch, kv_reservation=kv_reservation,
-            kv_headroom_tokens=kv_headroom_tokens, mtp=mtp_tokens > 0,
-            mtp_tokens=max(1, mtp_tokens), overlap=overlap,
-        )  # fmt: skip
+            "d",
+            page_size=d_page_size,
+            max_batch=max_batch,
+            kv_reservation=kv_reservation,
+            kv_headroom_tokens=kv_headroom_tokens,
+            mtp=mtp_tokens > 0,
+            mtp_tokens=max(1, mtp_tokens),
+            overlap=overlap,
+        )
         self.prefill = PrefillNode(
             "p", model, p_cfg, self.timeouts, self.p_in, self.p_out, sender_factory
         )

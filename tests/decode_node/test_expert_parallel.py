@@ -39,9 +39,12 @@ def greedy(model: DeepseekModel, prompts: list[list[int]], ep: ExpertParallel | 
             fb = ForwardBatch.build(pool, tables, prompts, [0] * len(prompts), is_decode=False)
         else:
             fb = ForwardBatch.build(
-                pool, tables, [[out[-1]] for out in outputs],
-                [len(p) + step - 1 for p in prompts], is_decode=True,
-            )  # fmt: skip
+                pool,
+                tables,
+                [[out[-1]] for out in outputs],
+                [len(p) + step - 1 for p in prompts],
+                is_decode=True,
+            )
         for out, token in zip(outputs, model.forward(fb, pool).argmax(-1).tolist(), strict=True):
             out.append(token)
     return outputs
@@ -50,9 +53,12 @@ def greedy(model: DeepseekModel, prompts: list[list[int]], ep: ExpertParallel | 
 def _rank_main(rank: int, world: int, port: int, model_dir: str, split: list, out_dir: str):
     ops.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
+    )
     try:
         cfg_e = json.load(open(f"{model_dir}/config.json"))["n_routed_experts"]
         shard = expert_shard(cfg_e, rank, world)
@@ -78,8 +84,12 @@ def _free_port() -> int:
 
 
 def _run_ranks(model_dir, split, tmp_path, world=2):
-    mp.spawn(_rank_main, args=(world, _free_port(), str(model_dir), split, str(tmp_path)),
-             nprocs=world, join=True)  # fmt: skip
+    mp.spawn(
+        _rank_main,
+        args=(world, _free_port(), str(model_dir), split, str(tmp_path)),
+        nprocs=world,
+        join=True,
+    )
     return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
 
 

@@ -1,4 +1,4 @@
-"""The overlapped decode step (issue 12; `decode_node.step_overlap`): while step n + 1's forward
+"""The overlapped decode step (`decode_node.step_overlap`): while step n + 1's forward
 runs, a helper thread emits step n's tokens and takes in new inputs.
 
 The same tokens and logprobs as the in-order step; a request aborted while its row is in flight

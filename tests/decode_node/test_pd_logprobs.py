@@ -14,9 +14,13 @@ ATOL = 1e-4  # fp32, but batched chunks and the decode path sum in another order
 def test_logprobs_equal_the_teacher_forced_log_softmax(model32, prompt):
     pair = Pair(model32, chunk_size=4)
     params = SamplingParams(
-        temperature=0.0, max_new_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2,
+        temperature=0.0,
+        max_new_tokens=6,
+        ignore_eos=True,
+        logprobs=3,
+        prompt_logprobs=2,
         presence_penalty=1.0,  # changes the sampling, never the raw logprobs
-    )  # fmt: skip
+    )
     pair.submit("r", prompt, params)
     pair.run_all()
     seen = pair.seen["r"]

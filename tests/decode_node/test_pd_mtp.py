@@ -180,9 +180,13 @@ def test_drafts_never_take_the_pages_others_need(mtp_model, plain_output, monkey
     page_size = 5
     pages = sum(-(-(len(p) + s.max_new_tokens) // page_size) for p, s in requests.values())
     pair = Pair(
-        mtp_model, mtp_tokens=4, d_page_size=page_size, d_num_pages=pages,
-        kv_reservation="on_demand", kv_headroom_tokens=0,
-    )  # fmt: skip
+        mtp_model,
+        mtp_tokens=4,
+        d_page_size=page_size,
+        d_num_pages=pages,
+        kv_reservation="on_demand",
+        kv_headroom_tokens=0,
+    )
     continuations = {}
     original = pair.decode.scheduler.kv_ready
 

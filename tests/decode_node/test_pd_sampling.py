@@ -32,7 +32,7 @@ def mixed_params() -> list[SamplingParams]:
             frequency_penalty=0.5,
             min_p=0.05,
             **common,
-        ),  # fmt: skip
+        ),
         SamplingParams(temperature=0.0, **common),
         SamplingParams(temperature=0.8, seed=5, min_p=0.2, top_k=30, logit_bias=((17, 3.0),)),
         SamplingParams(temperature=0.0, frequency_penalty=-1.0, logit_bias=((2, -100.0),)),

@@ -1,4 +1,4 @@
-"""DecodeScheduler with on-demand KV reservation (issue 10, part 3): the prompt plus a headroom
+"""DecodeScheduler with on-demand KV reservation: the prompt plus a headroom
 up front, pages grown as requests generate, LIFO preemption when the pool runs out (never a
 request whose KV is still arriving), pages back to baseline on every path. The worst-case rule
 is pinned down by test_decode_scheduler.py."""
@@ -20,9 +20,13 @@ PAGE = 4
 def make_scheduler(num_pages=32, max_batch=4, headroom=0, reservation="on_demand"):
     pool = KVPool(1, num_pages, PAGE, 1, torch.float32)
     return DecodeScheduler(
-        pool, max_batch, MAX_POS, frozenset({EOS}), reservation=reservation,
+        pool,
+        max_batch,
+        MAX_POS,
+        frozenset({EOS}),
+        reservation=reservation,
         headroom_tokens=headroom,
-    )  # fmt: skip
+    )
 
 
 def params(max_new=8):

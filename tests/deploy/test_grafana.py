@@ -116,7 +116,7 @@ def test_dashboard_has_the_operator_panels(dashboard):
         "duet_rejections_total",
         "duet_request_migrations_total",
         "duet_node_up",
-        # SLA-aware serving (issue 10)
+        # SLA-aware serving
         "duet_prefix_cache_hit_ratio",
         "duet_prefix_cache_hit_tokens_total",
         "duet_ttft_prediction_error_seconds_bucket",

@@ -111,8 +111,9 @@ def test_tensor_parallel_prefill_ranks_split_heads_mlps_and_experts(bench):
     res = node_resources(bench, "bfloat16", node)
     shapes = checkpoint_shapes(bench)
     full = weight_bytes(bench, "bfloat16")
-    split = sum(2 * math.prod(s) for n, s in shapes.items()
-                if n.endswith(SPLIT) and ".experts." not in n)  # fmt: skip
+    split = sum(
+        2 * math.prod(s) for n, s in shapes.items() if n.endswith(SPLIT) and ".experts." not in n
+    )
     experts = 3 * 64 * 3 * 2048 * 1408 * 2  # MoE layers x routed experts x 3 matrices, bf16
     assert split > 0
     assert res.weight_bytes == 2 * (full - split - experts) + split + experts
@@ -122,8 +123,11 @@ def test_tensor_parallel_prefill_ranks_split_heads_mlps_and_experts(bench):
         node_resources(bench, "bfloat16", PrefillNodeConfig(name="p", ranks=3))
     # "tp_sp": only the heads' q / kv_b projections split; o_proj, MLPs and experts whole.
     sp = node_resources(bench, "bfloat16", dataclasses.replace(node, parallel="tp_sp"))
-    heads = sum(2 * math.prod(s) for n, s in shapes.items()
-                if n.endswith(("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight")))  # fmt: skip
+    heads = sum(
+        2 * math.prod(s)
+        for n, s in shapes.items()
+        if n.endswith(("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight"))
+    )
     assert sp.weight_bytes == 2 * full - heads
     assert sp.kv_bytes == res.kv_bytes
 
@@ -176,8 +180,16 @@ def test_a_tensor_parallel_prefill_pod_gets_a_dev_shm_for_its_segment(tiny):
     (container,) = spec["containers"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     for role in ("prefill", "decode"):  # the shipped 1p1d: one rank, no volume
-        spec = _pod_spec(render_tree(ClusterConfig.from_dict(tomllib.loads(
-            (ROOT / "deploy" / "configs" / "1p1d.toml").read_text())), tiny, name="r"), role)  # fmt: skip
+        spec = _pod_spec(
+            render_tree(
+                ClusterConfig.from_dict(
+                    tomllib.loads((ROOT / "deploy" / "configs" / "1p1d.toml").read_text())
+                ),
+                tiny,
+                name="r",
+            ),
+            role,
+        )
         assert all(v["name"] != "dshm" for v in spec["volumes"])
 
 
@@ -230,7 +242,7 @@ def test_a_quantized_node_asks_for_its_quantized_weights(random_tiny_dir, quant)
 
 
 def test_a_cluster_with_mtp_sizes_the_mtp_layer_and_its_cache(tmp_path):
-    """mtp (issue 12): every node holds the MTP layer (the checkpoint's tensors but its copies
+    """mtp: every node holds the MTP layer (the checkpoint's tensors but its copies
     of the shared embedding and head) and a KV pool of one more layer."""
     from model.weight_names import mtp_copy_names
     from tinymodel.make import make_tiny_model

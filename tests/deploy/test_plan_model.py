@@ -28,8 +28,15 @@ def test_prefill_wait_matches_pollaczek_khinchine(load):
     layout = Layout(1, 1, 64, chunk_size=1024, max_batch_tokens=64)
     # TTFT target: the bare service time, so only requests that never waited meet it.
     w = Workload(64, 2, rate, ttft_s=service + 1e-9, tpot_s=10.0)
-    p = simulate(w, layout, prefill_taking(service), decode_taking(0.001), overhead_s=0.0,
-                 num_requests=40000, seed=1)  # fmt: skip
+    p = simulate(
+        w,
+        layout,
+        prefill_taking(service),
+        decode_taking(0.001),
+        overhead_s=0.0,
+        num_requests=40000,
+        seed=1,
+    )
     assert p.prefill_load == pytest.approx(load)
     assert p.mean_ttft_s - service == pytest.approx(mean_wait_md1(rate, service), rel=0.08)
     assert p.p_ttft == pytest.approx(1 - load, abs=0.02)  # M/D/1: P(no wait) = 1 - load
@@ -64,10 +71,12 @@ def test_batch_cap_makes_requests_wait():
     """With a cap of one request, a second one waits for the first's whole decode."""
     step = 0.01
     w = Workload(64, 11, rate=50.0, ttft_s=10.0, tpot_s=step * 1.5)
-    capped = simulate(w, Layout(1, 1, 1, 1024), prefill_taking(0.001), decode_taking(step),
-                      0.0, 2000, 5)  # fmt: skip
-    free = simulate(w, Layout(1, 1, 1000, 1024), prefill_taking(0.001), decode_taking(step),
-                    0.0, 2000, 5)  # fmt: skip
+    capped = simulate(
+        w, Layout(1, 1, 1, 1024), prefill_taking(0.001), decode_taking(step), 0.0, 2000, 5
+    )
+    free = simulate(
+        w, Layout(1, 1, 1000, 1024), prefill_taking(0.001), decode_taking(step), 0.0, 2000, 5
+    )
     assert free.p_tpot == 1.0 and capped.p_tpot < 0.5
 
 
@@ -75,8 +84,15 @@ def test_overloaded_decode_misses_tpot():
     """Each running request adds 1 ms a step; 64 tokens at 20 requests/s need more running
     requests than any TPOT target of 20 ms allows."""
     w = Workload(64, 64, rate=20.0, ttft_s=10.0, tpot_s=0.02)
-    p = simulate(w, Layout(1, 1, 1000, 1024), prefill_taking(0.001),
-                 decode_taking(0.002, 0.001), 0.0, 2000, 6)  # fmt: skip
+    p = simulate(
+        w,
+        Layout(1, 1, 1000, 1024),
+        prefill_taking(0.001),
+        decode_taking(0.002, 0.001),
+        0.0,
+        2000,
+        6,
+    )
     assert p.p_tpot < 0.05 and p.attainment <= p.p_tpot
 
 

@@ -45,8 +45,12 @@ def free_port() -> int:
 
 
 def _ports_of(raw: dict) -> list[int]:
-    return [v for section in (raw["router"], *raw["prefill"], *raw["decode"])
-            for k, v in section.items() if k.endswith("port")]  # fmt: skip
+    return [
+        v
+        for section in (raw["router"], *raw["prefill"], *raw["decode"])
+        for k, v in section.items()
+        if k.endswith("port")
+    ]
 
 
 def cluster_shorthand(num_prefill: int, num_decode: int) -> dict:

@@ -61,7 +61,7 @@ TIMEOUTS = {"node_timeout_s": 60.0}
 
 def _2p1d_config(path):
     """deploy/configs/2p1d.toml (prefill `replicas = 2`) moved to free loopback ports, its
-    decode node with the overlapped step (issue 12): every test here runs both ways."""
+    decode node with the overlapped step: every test here runs both ways."""
     raw = tomllib.loads((DEPLOY / "configs" / "2p1d.toml").read_text())
     raw["router"]["control_port"] = free_port()
     raw["prefill"][0]["control_port"] = free_port_pair()
@@ -138,9 +138,13 @@ def test_greedy_completions_match_duet_generate(cluster, prompt):
     assert out.choices[0].text == ref["text"]
     assert out.usage.completion_tokens == len(ref["token_ids"])
     stream = c.completions.create(
-        model="tiny-model", prompt=prompt, max_tokens=MAX_NEW, temperature=0, stream=True,
+        model="tiny-model",
+        prompt=prompt,
+        max_tokens=MAX_NEW,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     text, finish, usage = _stream_text(stream, chat=False)
     assert text == ref["text"] and finish in ("stop", "length")
     assert usage.completion_tokens == len(ref["token_ids"])
@@ -170,9 +174,13 @@ def test_seeded_sampling_matches_duet_generate(cluster):
         cluster.dtype, 12, prompt="Once upon a time", extra=sampling, model=cluster.model_dir
     )
     out = cluster.client().completions.create(
-        model="tiny-model", prompt="Once upon a time", max_tokens=12, temperature=0.9,
-        seed=1234, extra_body={"top_k": 40},
-    )  # fmt: skip
+        model="tiny-model",
+        prompt="Once upon a time",
+        max_tokens=12,
+        temperature=0.9,
+        seed=1234,
+        extra_body={"top_k": 40},
+    )
     assert out.choices[0].text == ref["text"]
 
 
@@ -193,8 +201,10 @@ def test_64_concurrent_streams_all_finish(cluster):
         c = cluster.async_client()
         return await asyncio.wait_for(asyncio.gather(*(one(c, p) for p in prompts)), 240)
 
-    before = {n: cluster.metric("duet_node_requests_total", node=n, role="prefill")
-              for n in ("prefill-0", "prefill-1")}  # fmt: skip
+    before = {
+        n: cluster.metric("duet_node_requests_total", node=n, role="prefill")
+        for n in ("prefill-0", "prefill-1")
+    }
     results = asyncio.run(run_all())
     assert all(finish in ("stop", "length") for _, finish in results)
     if cluster.dtype == "float32":
@@ -203,8 +213,10 @@ def test_64_concurrent_streams_all_finish(cluster):
         # 348 alone and 223 in a batch of 6), and the batches here depend on arrival times.
         for i in range(8):
             assert len({results[j][0] for j in range(i, 64, 8)}) == 1
-    served = {n: cluster.metric("duet_node_requests_total", node=n, role="prefill") - before[n]
-              for n in before}  # fmt: skip
+    served = {
+        n: cluster.metric("duet_node_requests_total", node=n, role="prefill") - before[n]
+        for n in before
+    }
     if cluster.name == "2p1d":
         assert served["prefill-0"] > 0 and served["prefill-1"] > 0
         assert served["prefill-0"] + served["prefill-1"] == 64
@@ -245,7 +257,7 @@ def _handshake_every_prefill_node(cluster, prefill: dict[str, int]) -> None:
                     model="tiny-model",
                     prompt="Hi",
                     max_tokens=2,
-                )  # fmt: skip
+                )
                 for _ in prefill
             ]
             assert _wait(

@@ -105,10 +105,17 @@ def _streams(up, prompts: list[str], max_tokens: int, firsts: list | None = None
 
     async def one(c, prompt):
         parts, finish = [], None
-        async with c.stream("POST", up.url + "/v1/completions", json={
-            "model": "tiny-model", "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True,
-        }) as r:  # fmt: skip
+        async with c.stream(
+            "POST",
+            up.url + "/v1/completions",
+            json={
+                "model": "tiny-model",
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "stream": True,
+            },
+        ) as r:
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
                     continue

@@ -86,6 +86,9 @@ def test_launch_script_passes_config_and_node():
     config = str(DEPLOY / "configs" / "1p1d.toml")
     r = subprocess.run(
         ["bash", str(DEPLOY / "launch_decode.sh"), config, "no-such-node"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
     assert r.returncode == 2 and "no node named 'no-such-node'" in r.stderr

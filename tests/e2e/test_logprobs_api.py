@@ -26,9 +26,15 @@ def model():
 @pytest.mark.parametrize("stream", [False, True])
 def test_completion_logprobs_with_echo(cluster, tok, model, stream):
     out = cluster.client().completions.create(
-        model="tiny-model", prompt=PROMPT, max_tokens=6, temperature=0.0, logprobs=3,
-        echo=True, stream=stream, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model="tiny-model",
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0.0,
+        logprobs=3,
+        echo=True,
+        stream=stream,
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(out) if stream else [out]
     token_lps, tops = [], []
     for chunk in chunks:
@@ -63,9 +69,14 @@ def test_echo_with_max_tokens_0_scores_the_prompt(cluster, tok, model, stream):
     completion token (usage 0), finish_reason "length"."""
     text = "The quick brown fox jumps over the lazy dog"
     out = cluster.client().completions.create(
-        model="tiny-model", prompt=[text, PROMPT], max_tokens=0, logprobs=1, echo=True,
-        stream=stream, stream_options={"include_usage": True} if stream else None,
-    )  # fmt: skip
+        model="tiny-model",
+        prompt=[text, PROMPT],
+        max_tokens=0,
+        logprobs=1,
+        echo=True,
+        stream=stream,
+        stream_options={"include_usage": True} if stream else None,
+    )
     chunks = list(out) if stream else [out]
     texts, lps, finishes = {}, {}, {}
     for chunk in chunks:
@@ -93,12 +104,22 @@ def test_max_tokens_0_without_echo_is_a_400(cluster):
 def test_chat_logprobs(cluster, tok, model, stream):
     messages = [{"role": "user", "content": "Hi"}]
     out = cluster.client().chat.completions.create(
-        model="tiny-model", messages=messages, max_tokens=5, temperature=0.0,
-        logprobs=True, top_logprobs=2, stream=stream, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model="tiny-model",
+        messages=messages,
+        max_tokens=5,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=stream,
+        extra_body={"ignore_eos": True},
+    )
     if stream:
-        content = [e for c in out if c.choices and c.choices[0].logprobs
-                   for e in c.choices[0].logprobs.content]  # fmt: skip
+        content = [
+            e
+            for c in out
+            if c.choices and c.choices[0].logprobs
+            for e in c.choices[0].logprobs.content
+        ]
     else:
         content = out.choices[0].logprobs.content
     assert len(content) == 5

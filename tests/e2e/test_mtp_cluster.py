@@ -30,8 +30,9 @@ def mtp_dir(tmp_path_factory):
     )
 
 
-@pytest.fixture(scope="module", params=[(1, 1), (1, 2), (2, 1)],
-                ids=["1rank", "2ranks", "2prefill-ranks"])  # fmt: skip
+@pytest.fixture(
+    scope="module", params=[(1, 1), (1, 2), (2, 1)], ids=["1rank", "2ranks", "2prefill-ranks"]
+)
 def cluster(request, tmp_path_factory, mtp_dir):
     prefill_ranks, decode_ranks = request.param
     args = ["--model", mtp_dir, "--threads", "1", "--mtp-tokens", "2", "--dtype", "float32",

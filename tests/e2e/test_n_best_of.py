@@ -120,9 +120,14 @@ def test_best_of_returns_the_likeliest_sequences(cluster, tok):
     assert texts == [refs[order[0]]["text"], refs[order[1]]["text"]]
     assert num_tokens == sum(len(r["token_ids"]) for r in refs)
     out = cluster.client().completions.create(
-        model="tiny-model", prompt=PROMPT, max_tokens=MAX_NEW, n=1, best_of=4, temperature=2.0,
+        model="tiny-model",
+        prompt=PROMPT,
+        max_tokens=MAX_NEW,
+        n=1,
+        best_of=4,
+        temperature=2.0,
         seed=11,
-    )  # fmt: skip
+    )
     assert out.choices[0].text == refs[order[0]]["text"]
     assert out.choices[0].logprobs is None  # asked for none: the ranking's are not shown
     assert pages_back(cluster)

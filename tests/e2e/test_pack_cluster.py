@@ -50,9 +50,11 @@ def test_both_nodes_map_one_pack_built_once(packed):
     assert _served(up, model) == want["text"]
     nodes = httpx.get(up.url + "/v1/cluster", timeout=10).json()["nodes"]
     assert all(n["weights"].startswith(f"pack {pack}") for n in nodes)
-    backing = [up.metric("duet_node_weights_backing_info", backing=b, node=n, role=r)
-               for n, r in (("prefill-0", "prefill"), ("decode-0", "decode"))
-               for b in ("file", "file_hugepages")]  # fmt: skip
+    backing = [
+        up.metric("duet_node_weights_backing_info", backing=b, node=n, role=r)
+        for n, r in (("prefill-0", "prefill"), ("decode-0", "decode"))
+        for b in ("file", "file_hugepages")
+    ]
     assert sum(backing) == 2
 
 

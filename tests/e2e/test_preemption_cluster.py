@@ -1,4 +1,4 @@
-"""End to end, on-demand decode KV with preemption (issue 10, part 3): `duet up` (1P1D, float32,
+"""End to end, on-demand decode KV with preemption: `duet up` (1P1D, float32,
 one decode rank and two) with a decode pool of 4 pages of 16 tokens per rank and the real router.
 
 Each request (a 5-6 token prompt, 48 tokens with ignore_eos) reserves one page up front (prompt +
@@ -43,9 +43,13 @@ def _reference_args(prompt: str) -> tuple[str, ...]:
 def cluster(request, tmp_path_factory):
     raw = cluster_shorthand(1, 1)
     raw["decode"][0].update(
-        num_pages=4, page_size=16, kv_reservation="on_demand", kv_headroom_tokens=8,
-        max_batch=4, ranks=request.param,
-    )  # fmt: skip
+        num_pages=4,
+        page_size=16,
+        kv_reservation="on_demand",
+        kv_headroom_tokens=8,
+        max_batch=4,
+        ranks=request.param,
+    )
     raw["router"]["max_preemptions"] = 100  # thrashing on a pool this small is expected
     # The prefill node is frozen for a moment: far inside these.
     raw["timeouts"] = {"node_timeout_s": 60.0, "lease_s": 60.0}

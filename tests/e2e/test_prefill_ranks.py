@@ -54,9 +54,12 @@ def _rank_pids(up) -> list[int]:
 
 def _complete(up, prompt_ids):
     out = up.client().completions.create(
-        model="tiny-model", prompt=prompt_ids, max_tokens=MAX_NEW, temperature=0.0,
+        model="tiny-model",
+        prompt=prompt_ids,
+        max_tokens=MAX_NEW,
+        temperature=0.0,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     return out.choices[0].text
 
 

@@ -34,10 +34,17 @@ MAX_NEW = 8
 def _outputs(up) -> list[str]:
     texts = []
     for prompt in PROMPTS:
-        r = httpx.post(up.url + "/v1/completions", timeout=120, json={
-            "model": "tiny-model", "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0,
-            "ignore_eos": True,
-        })  # fmt: skip
+        r = httpx.post(
+            up.url + "/v1/completions",
+            timeout=120,
+            json={
+                "model": "tiny-model",
+                "prompt": prompt,
+                "max_tokens": MAX_NEW,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
         r.raise_for_status()
         texts.append(r.json()["choices"][0]["text"])
     return texts
@@ -46,8 +53,9 @@ def _outputs(up) -> list[str]:
 def test_a_rank_on_another_host_serves_rank_0_and_its_restart(tmp_path):
     raw = cluster_shorthand(1, 1)
     raw["dtype"] = "float32"
-    raw["prefill"][0].update(ranks=2, rank_hosts=[RANK_HOST], group_port=free_port(),
-                             all_reduce="gloo", chunk_size=16)  # fmt: skip
+    raw["prefill"][0].update(
+        ranks=2, rank_hosts=[RANK_HOST], group_port=free_port(), all_reduce="gloo", chunk_size=16
+    )
     config = tmp_path / "elsewhere.toml"
     config.write_text(dump_toml(raw))
     refs = [
@@ -58,9 +66,11 @@ def test_a_rank_on_another_host_serves_rank_0_and_its_restart(tmp_path):
     rank_log = open(tmp_path / "rank1.log", "w")  # noqa: SIM115 - closed below
     rank = subprocess.Popen(
         ["bash", str(ROOT / "deploy" / "launch_prefill_rank.sh"), str(config), "prefill-0", "1"],
-        stdout=rank_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        stdout=rank_log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
         env={**os.environ, "PYTHON": sys.executable},
-    )  # fmt: skip
+    )
     rank_text = lambda: (tmp_path / "rank1.log").read_text()  # noqa: E731
     try:
         up.wait_ready()

@@ -30,9 +30,11 @@ def test_bf16_prefill_int8_decode_matches_generate(cluster, prompt):
         model="tiny-model", prompt=prompt, max_tokens=MAX_NEW, temperature=0.0
     )
     want = generate_reference(
-        "bfloat16", MAX_NEW, prompt=prompt,
+        "bfloat16",
+        MAX_NEW,
+        prompt=prompt,
         extra=("--prefill-quant", "none", "--decode-quant", "int8", "--threads", "1"),
-    )  # fmt: skip
+    )
     assert out.choices[0].text == want["text"]
     assert out.usage.completion_tokens == len(want["token_ids"])
 
@@ -83,9 +85,12 @@ def test_decode_logprobs_are_the_int8_models(cluster):
 
 def test_streamed_chat_from_the_mixed_pair(cluster):
     stream = cluster.client().chat.completions.create(
-        model="tiny-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
-        temperature=0.0, stream=True,
-    )  # fmt: skip
+        model="tiny-model",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=8,
+        temperature=0.0,
+        stream=True,
+    )
     chunks = list(stream)
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     assert "".join(c.choices[0].delta.content or "" for c in chunks)

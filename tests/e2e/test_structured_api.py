@@ -105,9 +105,12 @@ def test_outputs_validate_and_match_duet_generate(
 
 def test_ignore_eos_does_not_run_past_the_grammar(cluster):
     text, finish, _ = run(
-        cluster.client(), False, False, temperature=0.0,
+        cluster.client(),
+        False,
+        False,
+        temperature=0.0,
         extra_body={"guided_choice": ["yes", "no"], "ignore_eos": True},
-    )  # fmt: skip
+    )
     assert finish == "stop" and text in ("yes", "no")
 
 

@@ -40,9 +40,12 @@ class Load:
             n += 1
             try:
                 stream = client.completions.create(
-                    model="tiny-model", prompt=f"Worker {i} request {n}: the river",
-                    max_tokens=12, temperature=0, stream=True,
-                )  # fmt: skip
+                    model="tiny-model",
+                    prompt=f"Worker {i} request {n}: the river",
+                    max_tokens=12,
+                    temperature=0,
+                    stream=True,
+                )
                 finish = None
                 for chunk in stream:
                     finish = chunk.choices[0].finish_reason or finish

@@ -118,9 +118,12 @@ class Streams:
         parts, finish = [], None
         try:
             stream = await client.completions.create(
-                model="tiny-model", prompt=prompt, max_tokens=self.max_tokens, temperature=0,
+                model="tiny-model",
+                prompt=prompt,
+                max_tokens=self.max_tokens,
+                temperature=0,
                 stream=True,
-            )  # fmt: skip
+            )
             async for chunk in stream:
                 if not parts:
                     self.num_first += 1
@@ -308,9 +311,11 @@ def test_node_restarted_with_another_model_is_refused_then_rejoins(c2p1d, tmp_pa
         assert _wait(lambda: _node(up, "prefill-0")["status"] == "dead", 30)
         impostor = subprocess.Popen(
             ["bash", str(DEPLOY / "launch_prefill.sh"), config, "prefill-0", "--model", str(other)],
-            env={**os.environ, "PYTHON": sys.executable}, stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            env={**os.environ, "PYTHON": sys.executable},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         want = "incompatible model: 'num_hidden_layers' is 2 on the node, 3 here"
         assert _wait(lambda: want in _node(up, "prefill-0").get("error", ""), 60)
         served = _dispatched(up, "prefill", "prefill-0")

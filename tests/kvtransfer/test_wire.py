@@ -134,7 +134,7 @@ BAD_HEADERS = {
                 "draft": [],
             }
         )
-    ),  # fmt: skip
+    ),
     "zero tokens done": msgpack.packb(
         _sealed(
             {
@@ -149,7 +149,7 @@ BAD_HEADERS = {
                 "draft": [],
             }
         )
-    ),  # fmt: skip
+    ),
     **{
         f"fork {name}": msgpack.packb(
             _sealed(
@@ -165,7 +165,7 @@ BAD_HEADERS = {
                     "draft": [],
                 }
             )
-        )  # fmt: skip
+        )
         for name, fork in [
             ("not a list", 5),
             ("a string id", [1, "2"]),
@@ -190,7 +190,7 @@ BAD_HEADERS = {
                     "draft": draft,
                 }
             )
-        )  # fmt: skip
+        )
         for name, draft in [
             ("not a list", 5),
             ("a string id", ["2"]),
@@ -211,7 +211,7 @@ BAD_HEADERS = {
                 "fork": [],
             }
         )
-    ),  # fmt: skip
+    ),
     "cancel with a seq": msgpack.packb(_sealed(_cancel_head(seq=0))),
     "cancel without hcrc": msgpack.packb(_cancel_head()),
     "cancel reason too long": msgpack.packb(_sealed(_cancel_head(reason="x" * 1025))),

@@ -1,4 +1,4 @@
-"""MTP on the trained tiny model (issue 12): the inference MTP layer computes what the training
+"""MTP on the trained tiny model: the inference MTP layer computes what the training
 twin computes, and speculating with it on held-out Python (stdlib files the model never saw)
 keeps greedy output identical to plain decoding while accepting most drafts."""
 

@@ -55,16 +55,26 @@ def test_misspelled_quant_names_the_node_and_the_key():
 
 def test_up_overrides_every_node_of_a_role():
     args = SimpleNamespace(
-        config=None, prefill=2, decode=1, port=8123, threads=1, decode_ranks=None, prefill_ranks=None,
-        dtype=None, model=str(ensure_tiny_model()), prefill_quant=None, decode_quant="fp8",
-        mtp_tokens=None, no_weights_cache=False,
-    )  # fmt: skip
+        config=None,
+        prefill=2,
+        decode=1,
+        port=8123,
+        threads=1,
+        decode_ranks=None,
+        prefill_ranks=None,
+        dtype=None,
+        model=str(ensure_tiny_model()),
+        prefill_quant=None,
+        decode_quant="fp8",
+        mtp_tokens=None,
+        no_weights_cache=False,
+    )
     raw = resolve_config(args)
     assert [n.get("quant", "none") for n in raw["prefill"]] == ["none", "none"]
     assert [n["quant"] for n in raw["decode"]] == ["fp8"]
     cfg = ClusterConfig.from_dict(raw)
     assert cfg.decode[0].quant == "fp8" and not cfg.uses_mtp
-    args.mtp_tokens = 3  # `duet up --mtp-tokens 3`: every decode node speculates (issue 12)
+    args.mtp_tokens = 3  # `duet up --mtp-tokens 3`: every decode node speculates
     cfg = ClusterConfig.from_dict(resolve_config(args))
     assert cfg.uses_mtp and [(n.mtp, n.mtp_tokens) for n in cfg.decode] == [(True, 3)]
 
@@ -93,8 +103,11 @@ def test_a_node_that_cannot_run_its_scheme_says_which_node_and_key(tmp_path):
 def _duet(*args):
     return subprocess.run(
         [sys.executable, "-m", "deploy.cli", *args],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+    )
 
 
 def test_generate_per_role_quant_is_prefill_then_decode_models():
@@ -103,9 +116,17 @@ def test_generate_per_role_quant_is_prefill_then_decode_models():
     bf16 prefill node feeding an int8 decode node."""
     model_dir = ensure_tiny_model()
     r = _duet(
-        "generate", "--json", "--prompt-ids", ",".join(map(str, PROMPT_IDS)),
-        "--max-new-tokens", "12", "--prefill-quant", "none", "--decode-quant", "int8",
-    )  # fmt: skip
+        "generate",
+        "--json",
+        "--prompt-ids",
+        ",".join(map(str, PROMPT_IDS)),
+        "--max-new-tokens",
+        "12",
+        "--prefill-quant",
+        "none",
+        "--decode-quant",
+        "int8",
+    )
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])["token_ids"]
     bf16 = DeepseekModel.from_pretrained(model_dir, torch.bfloat16, progress=False)
@@ -115,9 +136,17 @@ def test_generate_per_role_quant_is_prefill_then_decode_models():
     assert got == want
     # --quant sets both; a role's own flag overrides it.
     r = _duet(
-        "generate", "--json", "--prompt-ids", ",".join(map(str, PROMPT_IDS)),
-        "--max-new-tokens", "12", "--quant", "int8", "--prefill-quant", "none",
-    )  # fmt: skip
+        "generate",
+        "--json",
+        "--prompt-ids",
+        ",".join(map(str, PROMPT_IDS)),
+        "--max-new-tokens",
+        "12",
+        "--quant",
+        "int8",
+        "--prefill-quant",
+        "none",
+    )
     assert json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] == want
 
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism (issue 14, `model.tensor_parallel`) on the tiny model, float32: two gloo
+"""Tensor parallelism (`model.tensor_parallel`) on the tiny model, float32: two gloo
 processes on loopback, each holding half the heads, half of every MLP's columns and half the
 routed experts, give the logits and KV rows of one process holding everything, through
 chunked prefill with a cached prefix (the extend path) and a decode step; both ranks agree
@@ -58,28 +58,36 @@ def run(model: DeepseekModel, decode: bool = True) -> dict[str, torch.Tensor]:
         out["decode"] = model.forward(step, pool)
     layers, extra = model.num_kv_layers, 1 if decode else 0
     out["kv"] = torch.cat(
-        [pool.read_rows(t, 0, layers, 0, len(p) + extra)
-         for t, p in zip(tables, PROMPTS, strict=True)],
+        [
+            pool.read_rows(t, 0, layers, 0, len(p) + extra)
+            for t, p in zip(tables, PROMPTS, strict=True)
+        ],
         dim=1,
-    )  # fmt: skip
+    )
     return out
 
 
 def _join(rank, world, port):
     ops.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
+    )
 
 
 def _rank_main(rank, world, port, model_dir, out_dir, comm, scheme="tp"):
     _join(rank, world, port)
     try:
         model = DeepseekModel.from_pretrained(
-            model_dir, torch.float32, progress=False, tensor_parallel=(rank, world),
+            model_dir,
+            torch.float32,
+            progress=False,
+            tensor_parallel=(rank, world),
             parallel=scheme,
-        )  # fmt: skip
+        )
         reduce = gloo_all_reduce() if comm == "gloo" else shm_all_reduce(rank, world)
         if scheme == "tp":
             install_tensor_parallel(model, reduce)
@@ -101,8 +109,9 @@ def model_dir(request, tmp_path_factory):
 @pytest.mark.parametrize("comm", ["gloo", "shm"])
 def test_two_tensor_parallel_ranks_match_one(model_dir, tmp_path, comm):
     reference = run(DeepseekModel.from_pretrained(model_dir, torch.float32, progress=False))
-    mp.spawn(_rank_main, args=(2, free_port(), str(model_dir), str(tmp_path), comm), nprocs=2,
-             join=True)  # fmt: skip
+    mp.spawn(
+        _rank_main, args=(2, free_port(), str(model_dir), str(tmp_path), comm), nprocs=2, join=True
+    )
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     cfg = ModelConfig.from_model_dir(model_dir)
     assert [r["heads"] for r in ranks] == [cfg.num_attention_heads // 2] * 2
@@ -121,10 +130,15 @@ def test_two_sequence_split_ranks_match_one(model_dir, tmp_path, comm):
     """ "tp_sp": each rank holds half the heads and every expert; its forward all-gathers the
     down-projections and all-to-alls the attention output (chunk 2 has 9 tokens: a padded
     piece). The logits and KV rows equal one rank's holding everything."""
-    reference = run(DeepseekModel.from_pretrained(model_dir, torch.float32, progress=False),
-                    decode=False)  # fmt: skip
-    mp.spawn(_rank_main, args=(2, free_port(), str(model_dir), str(tmp_path), comm, "tp_sp"),
-             nprocs=2, join=True)  # fmt: skip
+    reference = run(
+        DeepseekModel.from_pretrained(model_dir, torch.float32, progress=False), decode=False
+    )
+    mp.spawn(
+        _rank_main,
+        args=(2, free_port(), str(model_dir), str(tmp_path), comm, "tp_sp"),
+        nprocs=2,
+        join=True,
+    )
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     cfg = ModelConfig.from_model_dir(model_dir)
     assert [r["heads"] for r in ranks] == [cfg.num_attention_heads // 2] * 2
@@ -277,8 +291,10 @@ def test_the_dry_run_counts_each_schemes_bytes_by_hand(model_dir):
     gathered = 704.0 if cfg.q_lora_rank == 48 else 832.0
     assert cfg.q_lora_rank in (48, None)
     assert traffic_per_layer(cfg, tokens=8, world=2) == {
-        "tp": 4096.0, "tp_sp_reduce_scatter": gathered + 1024, "tp_sp": gathered + 256,
-    }  # fmt: skip
+        "tp": 4096.0,
+        "tp_sp_reduce_scatter": gathered + 1024,
+        "tp_sp": gathered + 256,
+    }
 
 
 def _setup_fails_main(rank, world, port, out_dir):

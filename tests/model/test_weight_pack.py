@@ -71,8 +71,14 @@ def _greedy(model, n=8):
 def test_a_shard_maps_to_the_same_shard_model(model_dir, tmp_path, shard):
     kwargs = dict(quant="int8", progress=False, **shard)
     heap = DeepseekModel.from_pretrained(model_dir, torch.bfloat16, **kwargs)
-    spec = pack_spec(model_dir, torch.bfloat16, "int8", shard.get("expert_range"),
-                     shard.get("tensor_parallel"), shard.get("parallel", "tp"))  # fmt: skip
+    spec = pack_spec(
+        model_dir,
+        torch.bfloat16,
+        "int8",
+        shard.get("expert_range"),
+        shard.get("tensor_parallel"),
+        shard.get("parallel", "tp"),
+    )
     build_pack(model_dir, tmp_path / "s.pack", spec, progress=False)
     mapped = load_model(model_dir, torch.bfloat16, pack=tmp_path / "s.pack", **kwargs)
     assert mapped.expert_range == heap.expert_range
@@ -259,7 +265,7 @@ def test_two_processes_mapping_one_pack_share_its_pages(tmp_path):
             text=True,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-        )  # fmt: skip
+        )
         for _ in range(2)
     ]
     for p in procs:
@@ -276,8 +282,9 @@ def test_two_processes_mapping_one_pack_share_its_pages(tmp_path):
     assert all(p <= 0.55 * kib for p in pss)
 
 
-def test_a_rank_bound_to_its_numa_node_maps_that_nodes_copy(model_dir, int8_pack, tmp_path,
-                                                            monkeypatch):  # fmt: skip
+def test_a_rank_bound_to_its_numa_node_maps_that_nodes_copy(
+    model_dir, int8_pack, tmp_path, monkeypatch
+):
     """On a (fake) two-node host the placement binds rank 1 to node 1; its loader then maps a
     node-1 copy (written by that process, so its pages are that node's), made once."""
     monkeypatch.setenv("DUET_NUMA_COPY_DIR", str(tmp_path / "shm"))

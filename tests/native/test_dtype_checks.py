@@ -32,9 +32,23 @@ def test_moe_and_bmm_check_theirs():
     zero, bf = 0, torch.zeros(2, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="fused_moe_bf16: topk_ids is int64, expected int32"):
         _C.fused_moe_bf16(
-            zero, 0, 2, 1, zero, zero, 1, 32, 2, zero, zero, 1, 0, zero, 2,
+            zero,
+            0,
+            2,
+            1,
+            zero,
+            zero,
+            1,
+            32,
+            2,
+            zero,
+            zero,
+            1,
+            0,
+            zero,
+            2,
             tags(bf, bf, bf, torch.zeros(1), torch.zeros(1, dtype=torch.int64), bf),
-        )  # fmt: skip
+        )
     with pytest.raises(ValueError, match="bmm_bf16: b is float32, expected bfloat16"):
         _C.bmm_bf16(zero, 0, 0, 1, 2, 2, zero, 2, 2, 4, 2, zero, tags(bf, torch.zeros(1), bf))
     with pytest.raises(ValueError, match="bmm_packed_bf16: out is float32, expected bfloat16"):

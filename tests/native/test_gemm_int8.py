@@ -182,10 +182,23 @@ def test_binding_checks_dtypes_and_sizes():
     def call(**changes):
         a = {**good, **changes}
         _C.linear_int8(
-            x.data_ptr(), a["x_tag"], 2, 32, a["ldx"], packed.packed.data_ptr(), a["w_tag"],
-            packed.scale.data_ptr(), a["scale_tag"], packed.comp.data_ptr(), a["comp_tag"], 16,
-            a["k_groups"], y.data_ptr(), a["y_tag"], 16,
-        )  # fmt: skip
+            x.data_ptr(),
+            a["x_tag"],
+            2,
+            32,
+            a["ldx"],
+            packed.packed.data_ptr(),
+            a["w_tag"],
+            packed.scale.data_ptr(),
+            a["scale_tag"],
+            packed.comp.data_ptr(),
+            a["comp_tag"],
+            16,
+            a["k_groups"],
+            y.data_ptr(),
+            a["y_tag"],
+            16,
+        )
 
     call()
     for change in ({"x_tag": 3}, {"y_tag": 0}, {"w_tag": 1}, {"scale_tag": 1}, {"comp_tag": 0}):

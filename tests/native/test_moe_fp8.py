@@ -195,9 +195,20 @@ def test_binding_checks_sizes():
     tags = _moe_fp8_ops.DTYPE_TAGS
     with pytest.raises(ValueError, match="w2 holds"):
         ops._moe_fp8_ops._C.fused_moe_fp8(
-            arg(x, tags[torch.bfloat16]), 3, 64, 32, arg(p13.packed, tags[FP8]),
-            arg(p13.scale_inv, tags[torch.float32]), arg(p2.packed[:1], tags[FP8]),
-            arg(p2.scale_inv, tags[torch.float32]), 2, 32, 64,
-            arg(weights, tags[torch.float32]), arg(ids, tags[torch.int32]), 2, 0,
+            arg(x, tags[torch.bfloat16]),
+            3,
+            64,
+            32,
+            arg(p13.packed, tags[FP8]),
+            arg(p13.scale_inv, tags[torch.float32]),
+            arg(p2.packed[:1], tags[FP8]),
+            arg(p2.scale_inv, tags[torch.float32]),
+            2,
+            32,
+            64,
+            arg(weights, tags[torch.float32]),
+            arg(ids, tags[torch.int32]),
+            2,
+            0,
             arg(out, tags[torch.bfloat16]),
-        )  # fmt: skip
+        )

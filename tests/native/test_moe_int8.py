@@ -158,6 +158,18 @@ def test_rejects_bad_inputs(isa):
     bad = (x, p13.packed, p13.comp, p13.comp, p2.packed, p2.scale, p2.comp, weights, ids, x)
     with pytest.raises(ValueError, match="w13 scale"):
         _C.fused_moe_int8(
-            x.data_ptr(), 3, 64, *(t.data_ptr() for t in bad[1:7]), 2, 32, 64,
-            weights.data_ptr(), ids.data_ptr(), 2, 0, x.data_ptr(), 64, tags(*bad),
-        )  # fmt: skip
+            x.data_ptr(),
+            3,
+            64,
+            *(t.data_ptr() for t in bad[1:7]),
+            2,
+            32,
+            64,
+            weights.data_ptr(),
+            ids.data_ptr(),
+            2,
+            0,
+            x.data_ptr(),
+            64,
+            tags(*bad),
+        )

@@ -164,9 +164,14 @@ def test_arguments_are_checked():
     tokens = torch.empty(2, dtype=torch.int64)
     with pytest.raises(ValueError, match="race_sample: counters is int32, expected int64"):
         _C.race_sample(
-            probs.data_ptr(), seeds.data_ptr(), draws.int().data_ptr(), tokens.data_ptr(), 2, 10,
+            probs.data_ptr(),
+            seeds.data_ptr(),
+            draws.int().data_ptr(),
+            tokens.data_ptr(),
+            2,
+            10,
             [0, 4, 3, 4],
-        )  # fmt: skip
+        )
 
 
 # ---- statistics --------------------------------------------------------------------------------
@@ -206,8 +211,9 @@ def test_consecutive_draws_are_independent(isa):
     """Pairs (token at draw c, token at draw c + 1) of one seed follow the product distribution."""
     probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
     n = 40001
-    tokens = ops.race_sample(probs[None].expand(n, -1).contiguous(), torch.full((n,), 7),
-                             torch.arange(n))  # fmt: skip
+    tokens = ops.race_sample(
+        probs[None].expand(n, -1).contiguous(), torch.full((n,), 7), torch.arange(n)
+    )
     pairs = torch.bincount(tokens[:-1] * 4 + tokens[1:], minlength=16)
     stat, dof = chi_square(pairs, torch.outer(probs, probs).flatten())
     assert stat < bound(dof), stat
@@ -217,8 +223,9 @@ def test_a_large_vocabulary_follows_its_probabilities(isa):
     """V = 4096 + 13 with a skewed distribution: counts of 24 equal-mass token groups."""
     vocab, n = 4096 + 13, 12000
     probs = torch.softmax(torch.randn(vocab, generator=torch.Generator().manual_seed(11)) * 2, -1)
-    tokens = ops.race_sample(probs[None].expand(n, -1).contiguous(), torch.arange(n) + 99,
-                             torch.full((n,), 3))  # fmt: skip
+    tokens = ops.race_sample(
+        probs[None].expand(n, -1).contiguous(), torch.arange(n) + 99, torch.full((n,), 3)
+    )
     group = (probs.cumsum(0) * 24).long().clamp(max=23)  # [V]: each token's mass bucket
     mass = torch.zeros(24, dtype=torch.float64).index_add_(0, group, probs.double())
     counts = torch.bincount(group[tokens], minlength=24)

@@ -17,8 +17,10 @@ def _e4m3(n: int, k: int, seed: int) -> torch.Tensor:
     return raw.view(torch.float8_e4m3fn)
 
 
-@pytest.mark.parametrize("shape,block", [((256, 384), (128, 128)), ((77, 130), (128, 128)),
-                                         ((33, 70), (16, 32)), ((1, 1), (128, 128))])  # fmt: skip
+@pytest.mark.parametrize(
+    "shape,block",
+    [((256, 384), (128, 128)), ((77, 130), (128, 128)), ((33, 70), (16, 32)), ((1, 1), (128, 128))],
+)
 def test_fp8_dequantization_equals_the_twin(isa, shape, block):
     w = _e4m3(*shape, seed=shape[0])
     scales = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))

@@ -17,8 +17,9 @@ def _batch(prefix: int, extra: bool) -> ForwardBatch:
     tables = [pool.new_table() for _ in range(2)]
     for table in tables:
         pool.reserve(table, prefix + 6)
-    batch = ForwardBatch.build(pool, tables, [[1, 2, 3], [4, 5, 6, 7, 8, 9]], [prefix, prefix],
-                               is_decode=False)  # fmt: skip
+    batch = ForwardBatch.build(
+        pool, tables, [[1, 2, 3], [4, 5, 6, 7, 8, 9]], [prefix, prefix], is_decode=False
+    )
     if extra:
         batch.extra_logit_index = torch.tensor([0, 4])
     return batch

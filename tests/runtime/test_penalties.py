@@ -348,10 +348,18 @@ def test_logit_bias_ids_are_checked_against_the_vocabulary():
 
 def test_every_field_crosses_the_wire():
     p = SamplingParams(
-        temperature=0.5, seed=9, max_new_tokens=20, stop_token_ids=(4, 5), ignore_eos=True,
-        presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2, min_p=0.1,
-        min_tokens=3, logit_bias=((1, 2.0), (30, -100.0)),
-    )  # fmt: skip
+        temperature=0.5,
+        seed=9,
+        max_new_tokens=20,
+        stop_token_ids=(4, 5),
+        ignore_eos=True,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        min_p=0.1,
+        min_tokens=3,
+        logit_bias=((1, 2.0), (30, -100.0)),
+    )
     msg = Reserve("r", 1, 3, sampling_to_dict(p), 5.0, prompt_ids=[7, 8, 9])
     back = decode(encode(msg))
     assert back == msg and sampling_from_dict(back.sampling) == p
