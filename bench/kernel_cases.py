@@ -479,9 +479,16 @@ def small_op_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
 
 
 FAMILIES = (
-    moe_cases, moe_int8_cases, moe_fp8_cases, linear_cases, int8_linear_cases, fp8_linear_cases, mla_decode_cases,
-    extend_attention_cases, small_op_cases,
-)  # fmt: skip
+    moe_cases,
+    moe_int8_cases,
+    moe_fp8_cases,
+    linear_cases,
+    int8_linear_cases,
+    fp8_linear_cases,
+    mla_decode_cases,
+    extend_attention_cases,
+    small_op_cases,
+)
 
 
 def all_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:

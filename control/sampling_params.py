@@ -41,8 +41,8 @@ class SamplingParams:
     # Raw logprobs (`control.logprobs`): None = off, k = the sampled token's and the top k.
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
-    # Structured output (`runtime.grammar`): (kind, spec), e.g. ("json_schema", "{...}"); the
-    # sampling nodes mask each token to the grammar. None = free text.
+    # Structured output (`control.structured_output`): (kind, spec), e.g. ("json_schema",
+    # "{...}"); the sampling nodes mask each token to the grammar. None = free text.
     structured: tuple[str, str] | None = None
     # A restarted attempt of a structured request (`router.state`): its last `structured_resume`
     # prompt tokens are output already streamed, which the grammar consumes before anything new.

@@ -75,6 +75,11 @@ class StartedStep:
 
 
 class DecodeNode(NodeLoop):
+    """A decode node on the node-loop base. Its step's parts are public for the rank variant
+    (`decode_node.ranks`), which runs them in its own lockstep turn: `on_transfer`,
+    `report_error`, `decode_batch`, `report_preempted`, `abort_all`; the speculative step
+    reuses `sample_tokens`, `advance_grammar` and `fail_forward` (`DecodeSteps`)."""
+
     role = "decode"
     # A multi-rank node (decode_node.ranks) sets these: its rank answers reservations, and a
     # failed forward is fatal there (the ranks' collectives would no longer match).

@@ -5,7 +5,7 @@
 
 - weights: every tensor of the checkpoint (`model.weight_names.checkpoint_shapes`, from the
   model's config.json) at the cluster dtype, the router gate and bias in float32 as loaded
-  (`model.weights.keeps_fp32`), except the matrices the node's `quant` scheme quantizes
+  (`model.weight_names.keeps_fp32`), except the matrices the node's `quant` scheme quantizes
   (`control.quant_schemes.quantized_bytes`: a byte per weight plus scales). An FP8 checkpoint on
   a quant = "none" node is dequantized at load, so it counts at the cluster dtype. A decode
   node of `ranks` R runs R processes, each with the full attention, dense and shared-expert

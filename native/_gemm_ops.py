@@ -204,7 +204,7 @@ def list_of(weights: torch.Tensor | list) -> list:
 def take_expert(parts: list, i: int):
     """Entry i of a list of the experts' tensors, released from the list (packing never holds
     two copies of the experts). An entry may be a zero-argument callable that loads the tensor:
-    a lazily read checkpoint (`engine.lazy_weights`) then reads each expert only as it is
+    a lazily read checkpoint (`model.checkpoint_reader`) then reads each expert only as it is
     packed, so loading holds one expert in flight, not a layer's experts."""
     entry, parts[i] = parts[i], None
     return entry() if callable(entry) else entry

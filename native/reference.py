@@ -93,8 +93,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 # ---- FP8 e4m3 weight-only linear -------------------------------------------------------------
 # DeepSeek's block FP8: w [N, K] = w_fp8 * scale_inv[n // 128, k // 128] (weight_scale_inv as in the
-# checkpoints). Same math as model/weights.py's quantize_/dequantize_fp8_blockwise (the tests pin
-# them equal); native does not import engine.
+# checkpoints). Same math as model/fp8_blocks.py's quantize_/dequantize_fp8_blockwise (the tests pin
+# them equal); native knows no model, so it does not import it.
 
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

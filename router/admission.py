@@ -307,9 +307,10 @@ class CostModelCollector:
             labels=["node", "role", "term"],
         )
         samples = GaugeMetricFamily(
-            "duet_cost_model_samples", "Timing samples a node's cost model has seen",
+            "duet_cost_model_samples",
+            "Timing samples a node's cost model has seen",
             labels=["node", "role"],
-        )  # fmt: skip
+        )
         models = [("prefill", self.admission.prefill_cost), ("decode", self.admission.decode_cost)]
         for role, costs in models:
             for name, cost in costs.items():

@@ -347,14 +347,18 @@ def sequences(body: _SamplingFields) -> tuple[int, int]:
         return n, n
     if not n <= best_of <= MAX_SEQUENCES:
         raise ApiError(
-            400, f"best_of must be in [n = {n}, {MAX_SEQUENCES}], got {best_of}",
-            param="best_of", code="invalid_value",
-        )  # fmt: skip
+            400,
+            f"best_of must be in [n = {n}, {MAX_SEQUENCES}], got {best_of}",
+            param="best_of",
+            code="invalid_value",
+        )
     if best_of > n and body.stream:
         raise ApiError(
-            400, "best_of > n cannot be streamed (the best are known only at the end)",
-            param="best_of", code="invalid_value",
-        )  # fmt: skip
+            400,
+            "best_of > n cannot be streamed (the best are known only at the end)",
+            param="best_of",
+            code="invalid_value",
+        )
     return n, best_of
 
 
@@ -369,9 +373,11 @@ def check_common(body: _SamplingFields) -> None:
         _check_num_logprobs("top_logprobs", body.top_logprobs)
         if body.top_logprobs and not body.logprobs:
             raise ApiError(
-                400, "top_logprobs: requires logprobs to be true",
-                param="top_logprobs", code="invalid_value",
-            )  # fmt: skip
+                400,
+                "top_logprobs: requires logprobs to be true",
+                param="top_logprobs",
+                code="invalid_value",
+            )
         if body.tools or body.tool_choice not in (None, "none"):
             raise _unsupported("tools", "tool calls are not supported")
 
@@ -379,9 +385,11 @@ def check_common(body: _SamplingFields) -> None:
 def _check_num_logprobs(param: str, value: int | None) -> None:
     if value is not None and not 0 <= value <= MAX_LOGPROBS:
         raise ApiError(
-            400, f"{param} must be in [0, {MAX_LOGPROBS}], got {value}",
-            param=param, code="invalid_value",
-        )  # fmt: skip
+            400,
+            f"{param} must be in [0, {MAX_LOGPROBS}], got {value}",
+            param=param,
+            code="invalid_value",
+        )
 
 
 def logprob_fields(body: _SamplingFields) -> dict[str, int | None]:
@@ -425,9 +433,11 @@ def sampling_params(
         max_tokens = min(room, max_tokens_limit)
     elif not 1 <= max_tokens <= max_tokens_limit:
         raise ApiError(
-            400, f"max_tokens must be in [1, {max_tokens_limit}], got {max_tokens}",
-            param="max_tokens", code="invalid_value",
-        )  # fmt: skip
+            400,
+            f"max_tokens must be in [1, {max_tokens_limit}], got {max_tokens}",
+            param="max_tokens",
+            code="invalid_value",
+        )
     if body.top_k is not None and body.top_k > MAX_TOKEN_ID:
         raise ApiError(
             400, f"top_k must be at most {MAX_TOKEN_ID}", param="top_k", code="invalid_value"
@@ -441,9 +451,11 @@ def sampling_params(
         )
     if body.min_tokens > max_tokens:
         raise ApiError(
-            400, f"min_tokens must be at most max_tokens ({max_tokens}), got {body.min_tokens}",
-            param="min_tokens", code="invalid_value",
-        )  # fmt: skip
+            400,
+            f"min_tokens must be at most max_tokens ({max_tokens}), got {body.min_tokens}",
+            param="min_tokens",
+            code="invalid_value",
+        )
     max_new_tokens = max(1, min(max_tokens, room))
     n, best_of = sequences(body)
     logprobs = logprob_fields(body)
@@ -483,9 +495,11 @@ def _logit_bias(raw: dict[str, float], vocab_size: int) -> tuple[tuple[int, floa
     for key, bias in raw.items():
         if not (key.isascii() and key.isdigit()):
             raise ApiError(
-                400, f"logit_bias: the key {key!r} is not a token id (a decimal integer)",
-                param="logit_bias", code="invalid_value",
-            )  # fmt: skip
+                400,
+                f"logit_bias: the key {key!r} is not a token id (a decimal integer)",
+                param="logit_bias",
+                code="invalid_value",
+            )
         # A key longer than any id is outside the vocabulary (and int() of it could be slow).
         pairs.append((int(key) if len(key) <= 12 else vocab_size, bias))
     return tuple(pairs)

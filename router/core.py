@@ -17,6 +17,14 @@ is bounded: the watchdog (`router.watchdog`) fails requests past their stage dea
 lost nodes, whose requests move to surviving pairs (`router.recovery`); failures and aborts
 send Abort to both nodes (`_fail`, `abort`, here), so pages are freed on both sides whatever
 happened.
+
+`Router` is the coordinator: it owns the unfinished requests, the nodes' registry, the
+transport and the request endings (`_fail`, `_reject`, `_close`, ...), and builds the five
+parts that do the steps above, handing each what it uses through its constructor:
+`RequestDispatch` (`dispatch`), `OutputOrdering` (`ordering`), `NodeHealth` (`health`),
+`NodeLossRecovery` (`recovery`) and `Watchdog` (`watchdog`). The parts never reach into each
+other: where one needs another (recovery starts attempts through dispatch, health reports lost
+nodes to recovery), it is given that part or one of its methods.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from control.cluster_config import ClusterConfig
@@ -45,7 +53,7 @@ from router.admission import AdmissionControl, CostModelCollector
 from router.dispatch import RequestDispatch
 from router.health import NodeHealth
 from router.metrics import RouterMetrics
-from router.nodes import NodeRegistry
+from router.nodes import NodeRegistry, NodeState
 from router.ordering import OutputOrdering
 from router.policy import PairingPolicy, default_policy
 from router.recovery import NodeLossRecovery
@@ -65,7 +73,7 @@ from router.watchdog import Watchdog
 log = logging.getLogger("router")
 
 
-class Router(RequestDispatch, OutputOrdering, NodeHealth, NodeLossRecovery, Watchdog):
+class Router:
     """Owns the nodes' state, the unfinished requests and the sockets. Event-loop only.
 
     Args:
@@ -87,27 +95,111 @@ class Router(RequestDispatch, OutputOrdering, NodeHealth, NodeLossRecovery, Watc
         policy: PairingPolicy | None = None,
         security: CurveSecurity | None = None,
     ):
-        self.cfg = cfg
+        self._cfg = cfg
         self.security = security
         self.t = cfg.timeouts
         self.eos_ids = frozenset(eos_token_ids)
-        self.max_positions = max_positions
+        self._max_positions = max_positions
         self.fingerprint = fingerprint
         self.nodes = NodeRegistry(cfg)
         self.policy = policy or default_policy(cfg)
         self.transport: RouterTransport | None = None
         self.metrics = RouterMetrics(self.nodes, cfg.sla, self._num_bad_frames)
-        self.admission = AdmissionControl(cfg, self.metrics)  # SLA admission (issue 10 part 2)
+        self.admission = AdmissionControl(cfg, self.metrics)  # SLA admission
         self.admission.cached_len = self.policy.cached_len  # TTFT leaves out expected cache hits
         self.metrics.registry.register(CostModelCollector(self.admission))
         self.requests: dict[str, RouterRequest] = {}
-        self._reserve_waiters: dict[str, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
-        self._moves: set[asyncio.Task] = set()  # attempts of moved requests being started
-        self._nodes_changed = asyncio.Event()  # set when a node becomes ready
         self._room_changed = asyncio.Event()  # set when a decode hold ends (preempted waits)
         self._closing = False
         self.router_id = secrets.token_hex(8)  # new at every start: nodes drop the old one's work
+        self._build_parts()
+
+    def _build_parts(self) -> None:
+        """The five parts, each given what it uses, built in the order they need each other;
+        health, built first, reaches recovery (built later) through `_node_lost`."""
+        self.health = NodeHealth(
+            self.nodes,
+            self.policy,
+            self.admission,
+            self.fingerprint,
+            node_lost=self._node_lost,
+            is_closing=self._is_closing,
+        )
+        self.dispatch = RequestDispatch(
+            self.nodes,
+            self.policy,
+            self.admission,
+            self.metrics,
+            self.t,
+            self.max_positions,
+            self.requests,
+            send=self._send,
+            reject=self._reject,
+            abort_on_nodes=self._abort_on_nodes,
+            forget=self._forget,
+            wait_for_nodes=self.health.wait_for_nodes,
+            room_changed=self._room_changed,
+        )
+        self.recovery = NodeLossRecovery(
+            self.requests,
+            self.nodes,
+            self.metrics,
+            self.t,
+            max_migrations=self.cfg.router.max_migrations,
+            max_preemptions=self.cfg.router.max_preemptions,
+            dispatch=self.dispatch,
+            readiness=self.health,
+            fail=self._fail,
+            abort_on_nodes=self._abort_on_nodes,
+            is_closing=self._is_closing,
+            room_changed=self._room_changed,
+        )
+        self.ordering = OutputOrdering(
+            self.requests,
+            self.nodes,
+            self.admission,
+            self.metrics,
+            self.max_positions,
+            fail=self._fail,
+            abort_on_nodes=self._abort_on_nodes,
+            close=self._close,
+            preempt=self.recovery.preempt,
+        )
+        self.watchdog = Watchdog(
+            self.nodes,
+            self.requests,
+            self.t,
+            self.router_id,
+            send=self._send,
+            lost_connections=self._lost_connections,
+            node_lost=self.recovery.node_lost,
+            fail=self._fail,
+        )
+
+    # `cfg` and `max_positions` stay settable after construction, as they were when the parts
+    # read them from the router: a new value reaches the parts that use it. (The timeouts `t`
+    # are taken from the config once, at construction; so are the nodes, policy, admission,
+    # metrics, fingerprint and router id the parts are given.)
+    @property
+    def cfg(self) -> ClusterConfig:
+        return self._cfg
+
+    @cfg.setter
+    def cfg(self, cfg: ClusterConfig) -> None:
+        self._cfg = cfg
+        self.recovery.max_migrations = cfg.router.max_migrations
+        self.recovery.max_preemptions = cfg.router.max_preemptions
+
+    @property
+    def max_positions(self) -> int:
+        return self._max_positions
+
+    @max_positions.setter
+    def max_positions(self, max_positions: int) -> None:
+        self._max_positions = max_positions
+        self.dispatch.max_positions = max_positions
+        self.ordering.max_positions = max_positions
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -116,7 +208,7 @@ class Router(RequestDispatch, OutputOrdering, NodeHealth, NodeLossRecovery, Watc
         self.transport = RouterTransport(bind, endpoints, self.security)
         self._tasks = [
             asyncio.create_task(self._recv_loop(), name="router-recv"),
-            asyncio.create_task(self._watchdog_loop(), name="router-watchdog"),
+            asyncio.create_task(self.watchdog.run(), name="router-watchdog"),
         ]
 
     def fail_all(self, message: str = "the router is shutting down") -> None:
@@ -130,14 +222,40 @@ class Router(RequestDispatch, OutputOrdering, NodeHealth, NodeLossRecovery, Watc
     async def stop(self) -> None:
         """Fails every unfinished request (aborting it on its nodes) and closes the sockets."""
         self.fail_all()
-        for task in (*self._tasks, *self._moves):
+        moves = tuple(self.recovery.moves)
+        for task in (*self._tasks, *moves):
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._moves, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *moves, return_exceptions=True)
         if self.transport is not None:
             self.transport.close()
 
     def _num_bad_frames(self) -> int:
         return self.transport.num_bad_frames if self.transport is not None else 0
+
+    # ---- what the parts are given ------------------------------------------------------------
+    # The transport is read at each call, not handed over: it is made at `start` (and tests set
+    # their own after construction).
+    def _send(self, node: str, msg: Any) -> bool:
+        return self.transport.send(node, msg)
+
+    def _lost_connections(self) -> Iterable[str]:
+        return self.transport.lost_connections() if self.transport is not None else ()
+
+    def _is_closing(self) -> bool:
+        return self._closing
+
+    def _node_lost(self, node: NodeState, what: str) -> None:
+        self.recovery.node_lost(node, what)
+
+    # ---- the parts' public faces -------------------------------------------------------------
+    @property
+    def is_serving(self) -> bool:
+        """A prefill node and a decode node are ready."""
+        return self.health.is_serving
+
+    def check_deadlines(self, now: float) -> None:
+        """Declares silent nodes dead and fails requests past their stage deadline."""
+        self.watchdog.check_deadlines(now)
 
     # ---- the request API used by the HTTP layer -------------------------------------------
     async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams):
@@ -152,10 +270,12 @@ class Router(RequestDispatch, OutputOrdering, NodeHealth, NodeLossRecovery, Watc
         if len(self.requests) + self.admission.num_waiting >= limit:  # queued for the SLA too
             self.metrics.rejections.labels("overloaded").inc()
             raise RouterError(
-                503, f"too many unfinished requests ({limit}); retry later", "overloaded",
+                503,
+                f"too many unfinished requests ({limit}); retry later",
+                "overloaded",
                 RETRY_AFTER_S,
-            )  # fmt: skip
-        if not self.is_serving and not await self._wait_for_nodes(self.t.reserve_s):
+            )
+        if not self.is_serving and not await self.health.wait_for_nodes(self.t.reserve_s):
             self.metrics.rejections.labels("no_node").inc()
             raise RouterError(
                 503, "no prefill or no decode node is ready", "no_node_ready", RETRY_AFTER_S
@@ -172,7 +292,7 @@ class Router(RequestDispatch, OutputOrdering, NodeHealth, NodeLossRecovery, Watc
                 sampling.for_sequence(i),
                 stop_ids,
                 parent=req,
-            )  # fmt: skip
+            )
             for i in range(1, sampling.n)
         ]
         await self.admission.admit(req, lambda: self.nodes.ready("prefill"))  # may 503 or wait
@@ -184,11 +304,11 @@ class Router(RequestDispatch, OutputOrdering, NodeHealth, NodeLossRecovery, Watc
             self.requests[fork.wire_id] = fork
         req.advance(RequestState.RESERVING)
         try:
-            await self._reserve_somewhere(req)
+            await self.dispatch.reserve_somewhere(req)
         except asyncio.CancelledError:  # the HTTP task went away mid-reservation
             self.abort(req, "cancelled during reservation")
             raise
-        self._dispatch_prefill(req)
+        self.dispatch.dispatch_prefill(req)
         return req
 
     async def events(self, req: RouterRequest) -> AsyncIterator[TokenEvent | ErrorEvent]:
@@ -232,14 +352,14 @@ class Router(RequestDispatch, OutputOrdering, NodeHealth, NodeLossRecovery, Watc
     def handle(self, msg: Any) -> None:
         """Applies one node message (public so tests can drive the router without sockets)."""
         handler = {
-            Heartbeat: self._on_heartbeat,  # router.health
-            NodeReady: self._on_node_ready,
-            NodeFailed: self._on_node_failed,
-            ReserveReply: self._on_reserve_reply,  # router.dispatch
-            FirstToken: self._on_first_token,  # router.ordering
-            StepTokens: self._on_step_tokens,
-            RequestError: self._on_request_error,  # router.recovery
-            Preempted: self._on_preempted,  # router.recovery
+            Heartbeat: self.health.on_heartbeat,
+            NodeReady: self.health.on_node_ready,
+            NodeFailed: self.health.on_node_failed,
+            ReserveReply: self.dispatch.on_reserve_reply,
+            FirstToken: self.ordering.on_first_token,
+            StepTokens: self.ordering.on_step_tokens,
+            RequestError: self.recovery.on_request_error,
+            Preempted: self.recovery.on_preempted,
         }.get(type(msg))
         if handler is None:
             log.warning("ignored a %s sent to the router", type(msg).__name__)
@@ -252,9 +372,7 @@ class Router(RequestDispatch, OutputOrdering, NodeHealth, NodeLossRecovery, Watc
             return
         req.error = ErrorEvent(stage, message)
         self._abort_on_nodes(req, f"failed at {stage}")
-        waiter = self._reserve_waiters.get(req.wire_id)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self.dispatch.stop_waiting(req)
         self.metrics.failures.labels(stage).inc()
         req.events.put_nowait(req.error)
         self._close(req, "failed")

@@ -8,25 +8,76 @@ is answered with an Abort, so the node frees those pages at once. Then the prefi
 picked among SLA admission's candidates (`router.admission`) and sent the prompt with the
 decode node's KV endpoint.
 
-A mixin of `router.core.Router`, whose state it uses (nodes, policy, admission, transport,
-metrics, timeouts, `_reserve_waiters`) and whose request endings it calls (`_reject`,
-`_abort_on_nodes`, `_forget`, `_wait_for_nodes`, `_wait_for_room`).
+`RequestDispatch` owns the reservations in flight (one reply waiter per request); what it does
+not own comes in through its constructor: the nodes, the policy, SLA admission, the metrics,
+a `send` to the nodes, the unfinished requests (read only), and the coordinator's callables
+that end a request (`reject`, `abort_on_nodes`, `forget`) or wait for a ready node
+(`wait_for_nodes`). `room_changed` is set by whoever frees decode room (a request ending or
+moving); a preempted request's reservation waits on it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, NoReturn
 
+from control.cluster_config import TimeoutConfig
 from control.protocol import Abort, Prefill, Reserve, ReserveReply, sampling_to_dict
-from router.nodes import NodeState
+from router.admission import AdmissionControl
+from router.metrics import RouterMetrics
+from router.nodes import NodeRegistry, NodeState
+from router.policy import PairingPolicy
 from router.state import RETRY_AFTER_S, ErrorEvent, RequestState, RouterError, RouterRequest
+
+Send = Callable[[str, Any], bool]  # (node name, message) -> whether it was queued
 
 
 class RequestDispatch:
     """Reserves decode KV and dispatches the prefill (see the module docstring)."""
 
-    async def _reserve_somewhere(self, req: RouterRequest, wait_for_room_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        nodes: NodeRegistry,
+        policy: PairingPolicy,
+        admission: AdmissionControl,
+        metrics: RouterMetrics,
+        timeouts: TimeoutConfig,
+        max_positions: int,
+        requests: Mapping[str, RouterRequest],
+        *,
+        send: Send,
+        reject: Callable[[RouterRequest, str, str], NoReturn],
+        abort_on_nodes: Callable[[RouterRequest, str], None],
+        forget: Callable[[RouterRequest], None],
+        wait_for_nodes: Callable[[float], Awaitable[bool]],
+        room_changed: asyncio.Event,
+    ):
+        self.nodes = nodes
+        self.policy = policy
+        self.admission = admission
+        self.metrics = metrics
+        self.timeouts = timeouts
+        self.max_positions = max_positions
+        self.requests = requests
+        self.send = send
+        self.reject = reject  # ends a request that never streamed; raises its RouterError
+        self.abort_on_nodes = abort_on_nodes
+        self.forget = forget
+        self.wait_for_nodes = wait_for_nodes
+        self.room_changed = room_changed
+        self._reply_waiters: dict[str, asyncio.Future] = {}  # by wire id: reservations asked
+
+    def stop_waiting(self, req: RouterRequest) -> None:
+        """A reservation of `req` in flight gets "no answer" now (the request failed, or its
+        decode node was lost), so the reservation ends or goes on to the next node."""
+        waiter = self._reply_waiters.get(req.wire_id)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def reserve_somewhere(self, req: RouterRequest, wait_for_room_s: float = 0.0) -> None:
         """Asks the ready decode nodes in the policy's order. A node that refuses because it is
         draining is marked so at once; when no decode node is ready at all (draining or
         restarting), waits for one up to the reserve timeout and asks again. With
@@ -35,7 +86,7 @@ class RequestDispatch:
         num_prompt = len(req.attempt_prompt_ids)
         max_new, n = req.attempt_sampling.max_new_tokens, req.attempt_sampling.n
         shape = (num_prompt, max_new, self.max_positions, n)
-        deadline = time.monotonic() + max(self.t.reserve_s, wait_for_room_s)
+        deadline = time.monotonic() + max(self.timeouts.reserve_s, wait_for_room_s)
         refusals = []
         while True:
             # A node never admits what could not finish in its whole pool; each reserves by its
@@ -74,16 +125,16 @@ class RequestDispatch:
             if self.nodes.ready("decode"):
                 if not wait_for_room_s:
                     break
-                await self._wait_for_room(left)  # a preempted request: room comes back
+                await self.wait_for_room(left)  # a preempted request: room comes back
             else:
-                await self._wait_for_nodes(left)  # none ready: one is draining or restarting
+                await self.wait_for_nodes(left)  # none ready: one is draining or restarting
         if req.is_done:
             error = req.error or ErrorEvent("reserve", "the request ended during reservation")
-            self._forget(req)
+            self.forget(req)
             raise RouterError(503, error.message, "reserve_failed", RETRY_AFTER_S)
         self.metrics.rejections.labels("no_decode_room").inc()
         why = "; ".join(refusals) or "no decode node has enough free KV pages"
-        self._reject(req, f"no decode node admitted the request ({why})", "no_decode_room")
+        self.reject(req, f"no decode node admitted the request ({why})", "no_decode_room")
 
     async def _reserve_on(self, req: RouterRequest, node: NodeState, num_tokens: int):
         """Reserve on one decode node: the reply, None for a refusal to send; a silent node
@@ -92,53 +143,61 @@ class RequestDispatch:
         self.nodes.hold_decode(req, node, node.pages_for(num_tokens))
         sampling = req.attempt_sampling
         msg = Reserve(
-            req.wire_id, req.room, len(req.attempt_prompt_ids), sampling_to_dict(sampling),
-            timeout_s=self.t.transfer_s,
+            req.wire_id,
+            req.room,
+            len(req.attempt_prompt_ids),
+            sampling_to_dict(sampling),
+            timeout_s=self.timeouts.transfer_s,
             prompt_ids=list(req.attempt_prompt_ids) if sampling.uses_prompt else [],
             priority=req.timings.arrival,  # the first arrival: a restart keeps its place
             fork_ids=[fork.wire_id for fork in req.pending_forks],
-        )  # fmt: skip
+        )
         waiter = asyncio.get_running_loop().create_future()
-        self._reserve_waiters[req.wire_id] = waiter
+        self._reply_waiters[req.wire_id] = waiter
         try:
-            if not self.transport.send(node.name, msg):
+            if not self.send(node.name, msg):
                 self.nodes.release_decode(req)
                 return None
-            reply = await asyncio.wait_for(waiter, self.t.reserve_s)
+            reply = await asyncio.wait_for(waiter, self.timeouts.reserve_s)
         except asyncio.TimeoutError:  # not the builtin before Python 3.11
             self.metrics.failures.labels("reserve").inc()
-            self._abort_on_nodes(req, "reserve timed out")
+            self.abort_on_nodes(req, "reserve timed out")
             message = (
                 f"decode node {node.name} did not answer the reservation within "
-                f"{self.t.reserve_s:g} s (stage reserve)"
+                f"{self.timeouts.reserve_s:g} s (stage reserve)"
             )
-            self._reject(req, message, "reserve_timeout")
+            self.reject(req, message, "reserve_timeout")
         finally:
-            self._reserve_waiters.pop(req.wire_id, None)
+            self._reply_waiters.pop(req.wire_id, None)
         if reply is None or not reply.ok:
             self.nodes.release_decode(req)
         return reply
 
-    def _dispatch_prefill(self, req: RouterRequest) -> None:
+    def dispatch_prefill(self, req: RouterRequest) -> None:
         candidates = self.admission.candidates(req, self.nodes.ready("prefill"))
         # What each node is expected to serve from its prefix cache, before the pick records
         # this prompt as cached on the chosen one.
         cached = {n.name: self.admission.cached_len(n, req.attempt_prompt_ids) for n in candidates}
         node = self.policy.pick_prefill(candidates, req.attempt_prompt_ids)
         if node is None:
-            self._abort_on_nodes(req, "no prefill node")
+            self.abort_on_nodes(req, "no prefill node")
             self.metrics.rejections.labels("no_node").inc()
-            self._reject(req, "no prefill node is ready", "no_node_ready")
+            self.reject(req, "no prefill node is ready", "no_node_ready")
         self.nodes.hold_prefill(req, node)
         seq = self.admission.next_seq(node.name)
         msg = Prefill(
-            req.wire_id, req.room, req.attempt_prompt_ids, sampling_to_dict(req.attempt_sampling),
-            kv_endpoint=req.kv_endpoint, timeout_s=self.t.prefill_queue_s, seq=seq,
-        )  # fmt: skip
-        if not self.transport.send(node.name, msg):
-            self._abort_on_nodes(req, "prefill node unreachable")
+            req.wire_id,
+            req.room,
+            req.attempt_prompt_ids,
+            sampling_to_dict(req.attempt_sampling),
+            kv_endpoint=req.kv_endpoint,
+            timeout_s=self.timeouts.prefill_queue_s,
+            seq=seq,
+        )
+        if not self.send(node.name, msg):
+            self.abort_on_nodes(req, "prefill node unreachable")
             self.metrics.rejections.labels("unreachable").inc()
-            self._reject(req, f"prefill node {node.name} is not accepting requests", "unreachable")
+            self.reject(req, f"prefill node {node.name} is not accepting requests", "unreachable")
         req.timings.dispatched = time.monotonic()
         self.admission.dispatched(req, node, cached[node.name], seq)
         req.advance(RequestState.PREFILLING)
@@ -147,8 +206,8 @@ class RequestDispatch:
         if req.attempt == 0:
             self.metrics.prompt_tokens.inc(req.prompt_len)
 
-    def _on_reserve_reply(self, msg: ReserveReply) -> None:
-        waiter = self._reserve_waiters.get(msg.request_id)
+    def on_reserve_reply(self, msg: ReserveReply) -> None:
+        waiter = self._reply_waiters.get(msg.request_id)
         if waiter is not None and not waiter.done():
             waiter.set_result(msg)
             if msg.ok:
@@ -156,4 +215,13 @@ class RequestDispatch:
             return
         if msg.ok:  # a late yes to a request we gave up on: make the node free its pages
             for node in self.nodes.of_role("decode"):
-                self.transport.send(node.name, Abort(msg.request_id, "reservation came too late"))
+                self.send(node.name, Abort(msg.request_id, "reservation came too late"))
+
+    async def wait_for_room(self, timeout_s: float) -> None:
+        """Until a decode hold ends (a request finished, failed or was preempted) or a
+        heartbeat interval passed (room a node freed on its own), at most `timeout_s`."""
+        self.room_changed.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(
+                self.room_changed.wait(), min(timeout_s, self.timeouts.heartbeat_s)
+            )

@@ -8,8 +8,10 @@ Heartbeats feed the node's load (`router.nodes`), the pairing policy and SLA adm
 models. Finding nodes that went silent or lost their connection is the watchdog's
 (`router.watchdog`).
 
-A mixin of `router.core.Router`, whose state it uses (nodes, policy, admission, fingerprint,
-`_nodes_changed`, `_closing`) and whose recovery it calls (`_fail_node_requests`).
+`NodeHealth` owns the "a node became ready" signal that `wait_for_nodes` waits on; the nodes,
+the policy and SLA admission (which learn from heartbeats), the model's fingerprint, recovery's
+`node_lost` (move the requests a lost node held) and the coordinator's `is_closing` come in
+through its constructor.
 """
 
 from __future__ import annotations
@@ -17,9 +19,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from control.protocol import Heartbeat, NodeFailed, NodeReady
+from router.admission import AdmissionControl
+from router.nodes import NodeRegistry, NodeState
+from router.policy import PairingPolicy
 
 log = logging.getLogger("router")
 
@@ -27,11 +33,29 @@ log = logging.getLogger("router")
 class NodeHealth:
     """Applies the nodes' lifecycle messages (see the module docstring)."""
 
+    def __init__(
+        self,
+        nodes: NodeRegistry,
+        policy: PairingPolicy,
+        admission: AdmissionControl,
+        fingerprint: dict[str, Any] | None,
+        *,
+        node_lost: Callable[[NodeState, str], None],
+        is_closing: Callable[[], bool],
+    ):
+        self.nodes = nodes
+        self.policy = policy
+        self.admission = admission
+        self.fingerprint = fingerprint
+        self.node_lost = node_lost  # (node, what happened to it): its requests move
+        self.is_closing = is_closing
+        self._nodes_changed = asyncio.Event()  # set when a node becomes ready
+
     @property
     def is_serving(self) -> bool:
         return bool(self.nodes.ready("prefill")) and bool(self.nodes.ready("decode"))
 
-    def _on_heartbeat(self, msg: Heartbeat) -> None:
+    def on_heartbeat(self, msg: Heartbeat) -> None:
         node = self.nodes.get(msg.node, msg.role)
         if node is None:
             return
@@ -43,7 +67,7 @@ class NodeHealth:
         self.policy.observe_heartbeat(node)
         self.admission.on_heartbeat(node, msg)
 
-    def _on_node_ready(self, msg: NodeReady) -> None:
+    def on_node_ready(self, msg: NodeReady) -> None:
         node = self.nodes.get(msg.node, msg.role)
         if node is None:
             log.warning(
@@ -51,7 +75,7 @@ class NodeHealth:
             )
             return
         if node.num_active:  # it restarted: whatever it held is gone
-            self._fail_node_requests(node, "restarted")
+            self.node_lost(node, "restarted")
         mismatch = _fingerprint_mismatch(self.fingerprint, msg.info.get("fingerprint"))
         if mismatch:
             self.nodes.mark_dead(node, f"incompatible model: {mismatch}")
@@ -63,27 +87,27 @@ class NodeHealth:
         self._nodes_changed.set()
         log.info("node %s (%s) is ready", node.name, node.role)
 
-    def _on_node_failed(self, msg: NodeFailed) -> None:
+    def on_node_failed(self, msg: NodeFailed) -> None:
         node = self.nodes.get(msg.node, msg.role)
         if node is None:
             return
         log.error("node %s (%s) failed: %s", node.name, node.role, msg.error)
         self.nodes.mark_dead(node, msg.error)
-        self._fail_node_requests(node, f"failed: {msg.error}")
+        self.node_lost(node, f"failed: {msg.error}")
 
-    async def _wait_for_nodes(self, timeout_s: float) -> bool:
+    async def wait_for_nodes(self, timeout_s: float) -> bool:
         """Waits up to `timeout_s` for a ready prefill and a ready decode node (one may be
         restarting or draining); True if the cluster serves."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while not self.is_serving and not self._closing:
+        while not self.is_serving and not self.is_closing():
             left = deadline - loop.time()
             if left <= 0:
                 return False
             self._nodes_changed.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._nodes_changed.wait(), left)
-        return self.is_serving and not self._closing
+        return self.is_serving and not self.is_closing()
 
 
 def _fingerprint_mismatch(mine: dict[str, Any] | None, theirs: Any) -> str | None:

@@ -38,7 +38,12 @@ class LogprobFormatter:
         return self._chat(ids, logprobs) if self.chat else self._completion(ids, logprobs)
 
     def _completion(self, ids: list[int], logprobs: list[TokenLogprobs | None]) -> dict[str, Any]:
-        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}  # fmt: skip
+        out: dict[str, list] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
         for token, lp in zip(ids, logprobs, strict=True):
             text = self.token_text(token)
             out["tokens"].append(text)

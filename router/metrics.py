@@ -67,9 +67,11 @@ class RouterMetrics:
             registry=r,
         )
         self.e2e = Histogram(
-            "duet_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS,
+            "duet_request_latency_seconds",
+            "Arrival to last token",
+            buckets=_LATENCY_BUCKETS,
             registry=r,
-        )  # fmt: skip
+        )
         self.stage = Histogram(
             "duet_stage_seconds",
             "Per-stage time (reserve: router<->decode; queue/prefill/transfer: prefill node)",
@@ -81,17 +83,23 @@ class RouterMetrics:
             "duet_requests", "Requests ended, by outcome", ["outcome"], registry=r
         )
         self.rejections = Counter(
-            "duet_rejections", "Requests refused before starting, by reason", ["reason"],
+            "duet_rejections",
+            "Requests refused before starting, by reason",
+            ["reason"],
             registry=r,
-        )  # fmt: skip
+        )
         self.migrations = Counter(
-            "duet_request_migrations", "Requests moved to another node pair after a node was "
-            "lost, by the stage they were in", ["stage"], registry=r,
-        )  # fmt: skip
-        self.failures = Counter(
-            "duet_request_failures", "Accepted requests that failed, by stage", ["stage"],
+            "duet_request_migrations",
+            "Requests moved to another node pair after a node was lost, by the stage they were in",
+            ["stage"],
             registry=r,
-        )  # fmt: skip
+        )
+        self.failures = Counter(
+            "duet_request_failures",
+            "Accepted requests that failed, by stage",
+            ["stage"],
+            registry=r,
+        )
         self.dispatched = Counter(
             "duet_node_requests", "Requests sent to each node", ["node", "role"], registry=r
         )
@@ -100,15 +108,16 @@ class RouterMetrics:
         self.sla_met = Counter(
             "duet_sla_met_requests", "Finished requests within the TTFT and TPOT SLA", registry=r
         )
-        # On-demand decode KV (issue 10, part 3): Preempted messages acted on (each restarts
+        # On-demand decode KV: Preempted messages acted on (each restarts
         # the request; one past [router] max_preemptions fails it, stage "preemption").
         self.preemptions = Counter(
-            "duet_router_preemptions", "Requests a decode node preempted (its KV pool ran out)",
+            "duet_router_preemptions",
+            "Requests a decode node preempted (its KV pool ran out)",
             registry=r,
-        )  # fmt: skip
+        )
         self.num_finished = 0  # plain counts for the SLA share (read at scrape time)
         self.num_sla_met = 0
-        # ---- SLA admission (issue 10 part 2): goodput and the TTFT prediction's error ------
+        # ---- SLA admission: goodput and the TTFT prediction's error ------
         # Goodput as a counter is duet_sla_met_requests (rate() gives requests/s); this gauge is
         # the same over the last GOODPUT_WINDOW_S, for a dashboard without PromQL.
         self._sla_met_times: deque[float] = deque()
@@ -196,20 +205,22 @@ class NodeCollector:
         )
         draining = GaugeMetricFamily("duet_node_draining", "1 while the node drains", labels=labels)
         stage_ms = GaugeMetricFamily(
-            "duet_node_stage_ms", "Recent per-stage latency reported by a node",
+            "duet_node_stage_ms",
+            "Recent per-stage latency reported by a node",
             labels=["node", "role", "stage"],
-        )  # fmt: skip
-        # On-demand decode KV (issue 10, part 3): each decode node's own count.
+        )
+        # On-demand decode KV: each decode node's own count.
         preempted = CounterMetricFamily(
             "duet_node_preemptions", "Requests a decode node preempted (heartbeat)", labels=labels
         )
-        prefix = PrefixCacheFamilies(labels)  # prefix cache (issue 10)
-        mtp = MtpFamilies(labels)  # MTP speculative decoding (issue 12)
-        # Weight quantization (issue 9): 1 with the scheme a ready node reported in NodeReady.
+        prefix = PrefixCacheFamilies(labels)  # prefix cache
+        mtp = MtpFamilies(labels)  # MTP speculative decoding
+        # Weight quantization: 1 with the scheme a ready node reported in NodeReady.
         quant = GaugeMetricFamily(
-            "duet_node_quant_info", "The node's weight quantization (1; label quant)",
+            "duet_node_quant_info",
+            "The node's weight quantization (1; label quant)",
             labels=[*labels, "quant"],
-        )  # fmt: skip
+        )
         backing = GaugeMetricFamily(
             "duet_node_weights_backing_info",
             "Where the node's weights live (1; label backing: heap, file, file_hugepages, "
@@ -269,7 +280,7 @@ class NodeCollector:
 
 
 class MtpFamilies:
-    """A decode node's MTP speculative-decoding figures, from its heartbeat (issue 12)."""
+    """A decode node's MTP speculative-decoding figures, from its heartbeat."""
 
     def __init__(self, labels: list[str]):
         self.drafted = CounterMetricFamily(
@@ -298,7 +309,7 @@ class MtpFamilies:
 
 
 class PrefixCacheFamilies:
-    """A prefill node's prefix-cache figures, from its heartbeat (issue 10)."""
+    """A prefill node's prefix-cache figures, from its heartbeat."""
 
     def __init__(self, labels: list[str]):
         self.lookups = CounterMetricFamily(

@@ -49,7 +49,7 @@ class NodeState:
     reserved_pages: int = 0  # decode: pages held for the router's unfinished requests
     num_active: int = 0  # the router's unfinished requests on this node
     num_served: int = 0  # requests ever sent to this node (cumulative)
-    # On-demand decode KV (issue 10, part 3): the decode node's reservation rule, from the
+    # On-demand decode KV: the decode node's reservation rule, from the
     # config, then from its NodeReady; the router's estimate of a reservation follows it.
     kv_reservation: str = WORST_CASE
     kv_headroom_tokens: int = 0
@@ -77,9 +77,12 @@ class NodeState:
         """Tokens this decode node reserves up front for such a request (its own rule), for
         all `n` sequences (the forks share the prompt's whole pages)."""
         one = reservation_tokens(
-            self.kv_reservation, self.kv_headroom_tokens, prompt_len, max_new_tokens,
+            self.kv_reservation,
+            self.kv_headroom_tokens,
+            prompt_len,
+            max_new_tokens,
             max_positions,
-        )  # fmt: skip
+        )
         return sequences_tokens(one, prompt_len, self.page_size, n)
 
     def worst_case_tokens(
@@ -99,9 +102,14 @@ class NodeRegistry:
             self.nodes[p.name] = NodeState(p.name, "prefill", p.control_endpoint, p.page_size, 0)
         for d in cfg.decode:
             self.nodes[d.name] = NodeState(
-                d.name, "decode", d.control_endpoint, d.page_size, d.num_pages,
-                kv_reservation=d.kv_reservation, kv_headroom_tokens=d.kv_headroom_tokens,
-            )  # fmt: skip
+                d.name,
+                "decode",
+                d.control_endpoint,
+                d.page_size,
+                d.num_pages,
+                kv_reservation=d.kv_reservation,
+                kv_headroom_tokens=d.kv_headroom_tokens,
+            )
 
     def get(self, name: str, role: str) -> NodeState | None:
         """The node, if `name` is configured with this role (anything else is ignored)."""

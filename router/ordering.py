@@ -9,9 +9,10 @@ router no longer runs (aborted, finished, an old attempt's wire id) is ignored. 
 the router's own stop checks, counts tokens and inter-token latency, and ends the request at
 a finish (n > 1: each fork starts at P's first token and streams on its own from then on).
 
-A mixin of `router.core.Router`, whose state it uses (requests, nodes, admission, metrics,
-max_positions) and whose request endings it calls (`_fail`, `_abort_on_nodes`, `_close`,
-`_preempt`).
+`OutputOrdering` keeps no state of its own: the unfinished requests, the nodes, SLA
+admission and the metrics come in through its constructor, and so do the coordinator's
+callables that end a request (`fail`, `abort_on_nodes`, `close`) and recovery's `preempt`, which
+restarts a request whose Preempted had to wait for its first token.
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable, Mapping
 
 from control.logprobs import TokenLogprobs
 from control.protocol import FirstToken, RequestTokens, StepTokens
+from router.admission import AdmissionControl
+from router.metrics import RouterMetrics
+from router.nodes import NodeRegistry
 from router.state import RequestState, RouterRequest, TokenEvent
 
 log = logging.getLogger("router")
@@ -31,7 +36,30 @@ class OutputOrdering:
     """Turns first tokens and step tokens into each request's events (see the module
     docstring)."""
 
-    def _on_first_token(self, msg: FirstToken) -> None:
+    def __init__(
+        self,
+        requests: Mapping[str, RouterRequest],
+        nodes: NodeRegistry,
+        admission: AdmissionControl,
+        metrics: RouterMetrics,
+        max_positions: int,
+        *,
+        fail: Callable[[RouterRequest, str, str], None],
+        abort_on_nodes: Callable[[RouterRequest, str], None],
+        close: Callable[[RouterRequest, str], None],
+        preempt: Callable[[RouterRequest, str], None],
+    ):
+        self.requests = requests
+        self.nodes = nodes
+        self.admission = admission
+        self.metrics = metrics
+        self.max_positions = max_positions
+        self.fail = fail
+        self.abort_on_nodes = abort_on_nodes
+        self.close = close  # terminal bookkeeping of a request that finished
+        self.preempt = preempt
+
+    def on_first_token(self, msg: FirstToken) -> None:
         req = self.requests.get(msg.request_id)
         if req is None or not req.advance(RequestState.DECODING):
             return
@@ -58,7 +86,7 @@ class OutputOrdering:
         req.pending_tokens, req.pending_logprobs = [], []
         self._emit(req, tokens, finish, now, logprobs)
         if req.pending_preempt is not None and not req.is_done:  # D's Preempted came first
-            self._preempt(req, req.pending_preempt)
+            self.preempt(req, req.pending_preempt)
 
     def _start_forks(self, req: RouterRequest, msg: FirstToken, now: float) -> None:
         """n > 1: each fork starts DECODING on the request's decode node with its own first
@@ -70,11 +98,12 @@ class OutputOrdering:
         req.sampling = req.sampling.for_sequence(0)  # from now on: no pending forks
         if len(msg.fork_tokens) != len(forks):
             for fork in forks:
-                self._fail(
-                    fork, "prefill",
+                self.fail(
+                    fork,
+                    "prefill",
                     f"the prefill node sent {len(msg.fork_tokens)} first tokens for "
                     f"{len(forks)} forked sequences",
-                )  # fmt: skip
+                )
             return
         logprobs = _logprobs_list(msg.fork_logprobs, msg.fork_top_ids, msg.fork_top_logprobs)
         node = self.nodes.nodes.get(req.decode_node or "")
@@ -90,7 +119,7 @@ class OutputOrdering:
                 fork.decode_node = req.decode_node
             self._first_output(fork, token, logprobs[i : i + 1] if logprobs else [], now)
 
-    def _on_step_tokens(self, msg: StepTokens) -> None:
+    def on_step_tokens(self, msg: StepTokens) -> None:
         """One decode step's output: each request's share to its own stream."""
         now = time.monotonic()
         for out in msg.outputs():
@@ -138,8 +167,8 @@ class OutputOrdering:
         if final is not None and req.advance(RequestState.FINISHED):
             req.finish_reason = final
             if finish is None:  # ended here before the decode node said so: it must drop it
-                self._abort_on_nodes(req, "finished")
-            self._close(req, "finished")
+                self.abort_on_nodes(req, "finished")
+            self.close(req, "finished")
 
 
 def _logprobs_list(

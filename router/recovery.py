@@ -7,7 +7,7 @@ request whose node is lost is moved to a surviving pair as a new attempt
 prompt and the tokens already streamed, so the stream goes on where it stopped. At most
 `max_migrations` moves; then it fails with an error naming the stage.
 
-Preemption (on-demand decode KV, issue 10 part 3): a decode node whose KV pool ran out sends
+Preemption (on-demand decode KV): a decode node whose KV pool ran out sends
 `Preempted` after the StepTokens with the request's last tokens; the request restarts the same
 way (prompt + output re-prefilled, on any pair, the same decode node included), with its own
 bound, `max_preemptions` (not counted in `max_migrations`); one more fails it (stage
@@ -20,30 +20,92 @@ socket) waits in the request until that token is in, so no token is lost.
 A RequestError from a node that is draining (its drain timed out and it gave the request back)
 moves the request too, unseen by the client; any other RequestError fails it.
 
-A mixin of `router.core.Router`, whose state it uses (nodes, requests, transport, metrics,
-timeouts) and whose request steps it calls (`_reserve_somewhere`, `_dispatch_prefill`,
-`_wait_for_nodes`, `_fail`, `_abort_on_nodes`).
+`NodeLossRecovery` owns the background tasks that start moved attempts (`moves`; the router
+cancels them at stop). The unfinished requests (it re-keys a moved one under its new wire id),
+the nodes, the metrics, the timeouts and the bounds come in through its constructor, and so do
+the two parts it starts a new attempt with, as small interfaces: `AttemptDispatch` (reserve,
+dispatch; `router.dispatch`) and `ClusterReadiness` (`router.health`), and the coordinator's
+callables (`fail`, `abort_on_nodes`, `is_closing`). `room_changed` is set when a move frees
+decode room (a preempted request's reservation waits on it).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Callable
+from typing import Protocol
 
+from control.cluster_config import TimeoutConfig
 from control.protocol import Preempted, RequestError
-from router.nodes import NodeState, NodeStatus
+from router.metrics import RouterMetrics
+from router.nodes import NodeRegistry, NodeState, NodeStatus
 from router.state import STAGE_OF_STATE, ErrorEvent, RequestState, RouterError, RouterRequest
 
 log = logging.getLogger("router")
 
 
-class NodeLossRecovery:
-    """Finds lost nodes and moves their requests (see the module docstring)."""
+class AttemptDispatch(Protocol):
+    """How a new attempt is started (`router.dispatch.RequestDispatch`)."""
 
-    def _fail_node_requests(self, node: NodeState, what: str) -> None:
+    async def reserve_somewhere(self, req: RouterRequest, wait_for_room_s: float = 0.0) -> None:
+        """Reserves decode KV for the attempt; raises RouterError if no node takes it."""
+
+    def dispatch_prefill(self, req: RouterRequest) -> None:
+        """Sends the attempt's prompt to a prefill node; raises RouterError if none takes it."""
+
+    def stop_waiting(self, req: RouterRequest) -> None:
+        """Answers a reservation in flight "no answer" (its decode node is gone)."""
+
+
+class ClusterReadiness(Protocol):
+    """Whether a moved request has a pair to go to (`router.health.NodeHealth`)."""
+
+    @property
+    def is_serving(self) -> bool:
+        """A prefill node and a decode node are ready."""
+
+    async def wait_for_nodes(self, timeout_s: float) -> bool:
+        """Waits up to `timeout_s` for the cluster to serve; True if it does."""
+
+
+class NodeLossRecovery:
+    """Moves the requests of lost nodes, and preempted requests, to new attempts (see the
+    module docstring)."""
+
+    def __init__(
+        self,
+        requests: dict[str, RouterRequest],
+        nodes: NodeRegistry,
+        metrics: RouterMetrics,
+        timeouts: TimeoutConfig,
+        *,
+        max_migrations: int,
+        max_preemptions: int,
+        dispatch: AttemptDispatch,
+        readiness: ClusterReadiness,
+        fail: Callable[[RouterRequest, str, str], None],
+        abort_on_nodes: Callable[[RouterRequest, str], None],
+        is_closing: Callable[[], bool],
+        room_changed: asyncio.Event,
+    ):
+        self.requests = requests
+        self.nodes = nodes
+        self.metrics = metrics
+        self.timeouts = timeouts
+        self.max_migrations = max_migrations
+        self.max_preemptions = max_preemptions
+        self.dispatch = dispatch
+        self.readiness = readiness
+        self.fail = fail
+        self.abort_on_nodes = abort_on_nodes
+        self.is_closing = is_closing
+        self.room_changed = room_changed
+        self.moves: set[asyncio.Task] = set()  # attempts of moved requests being started
+
+    def node_lost(self, node: NodeState, what: str) -> None:
         """The node is gone (dead, silent, restarted): each unfinished request it held moves to
         another pair (`_move`), unseen by the client but for a pause; a request already moved
         `max_migrations` times fails, naming the stage. A reservation waiting on the node is
@@ -56,14 +118,12 @@ class NodeLossRecovery:
             stage = STAGE_OF_STATE.get(req.state, "decode")
             message = f"{node.role} node {node.name} {what} (stage {stage})"
             if req.state == RequestState.RESERVING:
-                waiter = self._reserve_waiters.get(req.wire_id)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(None)
-            elif req.num_migrations < self.cfg.router.max_migrations and not self._closing:
+                self.dispatch.stop_waiting(req)
+            elif req.num_migrations < self.max_migrations and not self.is_closing():
                 self._move(req, stage, message)
             else:
                 moved = f" after {req.num_migrations} migrations" if req.num_migrations else ""
-                self._fail(req, stage, message + moved)
+                self.fail(req, stage, message + moved)
 
     def _move(self, req: RouterRequest, stage: str, why: str) -> None:
         """Restarts `req` as a new attempt on a surviving pair: the old attempt is aborted on
@@ -73,7 +133,7 @@ class NodeLossRecovery:
         self.metrics.migrations.labels(stage).inc()
         self._restart(req, why)
 
-    def _on_request_error(self, msg: RequestError) -> None:
+    def on_request_error(self, msg: RequestError) -> None:
         req = self.requests.get(msg.request_id)
         if req is None:
             return
@@ -82,42 +142,42 @@ class NodeLossRecovery:
             for name in (req.prefill_node, req.decode_node)
             if name in self.nodes.nodes and self.nodes.nodes[name].status == NodeStatus.DRAINING
         ]
-        if draining and req.num_migrations < self.cfg.router.max_migrations and not self._closing:
+        if draining and req.num_migrations < self.max_migrations and not self.is_closing():
             # a node whose drain timed out gave the request back: move it, unseen
             self._move(req, msg.stage, f"{draining[0].name} stopped draining: {msg.message}")
         else:
-            self._fail(req, msg.stage, msg.message)
+            self.fail(req, msg.stage, msg.message)
 
-    def _on_preempted(self, msg: Preempted) -> None:
+    def on_preempted(self, msg: Preempted) -> None:
         req = self.requests.get(msg.request_id)
         if req is None or req.is_done:  # an old attempt's, or it ended meanwhile
             return
         if req.state < RequestState.DECODING:  # P's FirstToken is still on its way
             req.pending_preempt = msg.reason
             return
-        self._preempt(req, msg.reason)
+        self.preempt(req, msg.reason)
 
-    def _preempt(self, req: RouterRequest, reason: str) -> None:
+    def preempt(self, req: RouterRequest, reason: str) -> None:
         """The decode node dropped the request (its tokens all arrived): restart it, or fail it
         once it has been preempted more than `max_preemptions` times."""
         req.num_preemptions += 1
         self.metrics.preemptions.inc()
-        cap = self.cfg.router.max_preemptions
+        cap = self.max_preemptions
         why = f"preempted by decode node {req.decode_node}: {reason}"
-        if req.num_preemptions > cap or self._closing:
+        if req.num_preemptions > cap or self.is_closing():
             message = f"{why} (preempted {req.num_preemptions} times; max_preemptions is {cap})"
-            self._fail(req, "preemption", message)
+            self.fail(req, "preemption", message)
             return
         log.info("request %s: %s; re-prefilling it", req.request_id, why)
-        budget = req.timings.first_token + self.t.decode_s - time.monotonic()
-        self._restart(req, why, wait_for_room_s=max(self.t.reserve_s, budget))
+        budget = req.timings.first_token + self.timeouts.decode_s - time.monotonic()
+        self._restart(req, why, wait_for_room_s=max(self.timeouts.reserve_s, budget))
 
     def _restart(self, req: RouterRequest, why: str, wait_for_room_s: float = 0.0) -> None:
-        self._abort_on_nodes(req, f"moved: {why}")
+        self.abort_on_nodes(req, f"moved: {why}")
         self.nodes.release_prefill(req)
         self.nodes.release_decode(req)
         self.requests.pop(req.wire_id, None)
-        self._room_changed.set()
+        self.room_changed.set()
         req.restart(secrets.randbits(63))
         self.requests[req.wire_id] = req
         for fork in req.pending_forks:  # n > 1 before the first token: they follow its attempt
@@ -126,20 +186,20 @@ class NodeLossRecovery:
             self.requests[fork.wire_id] = fork
         attempt = self._run_attempt(req, why, wait_for_room_s)
         task = asyncio.create_task(attempt, name=f"move-{req.wire_id}")
-        self._moves.add(task)
-        task.add_done_callback(self._moves.discard)
+        self.moves.add(task)
+        task.add_done_callback(self.moves.discard)
 
     async def _run_attempt(self, req: RouterRequest, why: str, wait_for_room_s: float = 0.0):
         """Reserve and dispatch a restarted request; if no pair takes it within the reserve
         timeout (a preempted one: `wait_for_room_s`), it fails (stage "migration", or
         "preemption") and its client gets the error event."""
         try:
-            if not self.is_serving:
-                await self._wait_for_nodes(self.t.reserve_s)
+            if not self.readiness.is_serving:
+                await self.readiness.wait_for_nodes(self.timeouts.reserve_s)
             if req.is_done:  # the client left, or the router is stopping
                 return
-            await self._reserve_somewhere(req, wait_for_room_s)
-            self._dispatch_prefill(req)
+            await self.dispatch.reserve_somewhere(req, wait_for_room_s)
+            self.dispatch.dispatch_prefill(req)
         except RouterError as exc:
             if req.error is not None and req.error.stage == "admission":  # refused: no pair
                 stage, whom = (
@@ -151,10 +211,3 @@ class NodeLossRecovery:
                 self.metrics.failures.labels(stage).inc()
                 req.events.put_nowait(req.error)
                 self.metrics.requests.labels("failed").inc()
-
-    async def _wait_for_room(self, timeout_s: float) -> None:
-        """Until a decode hold ends (a request finished, failed or was preempted) or a
-        heartbeat interval passed (room a node freed on its own), at most `timeout_s`."""
-        self._room_changed.clear()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._room_changed.wait(), min(timeout_s, self.t.heartbeat_s))

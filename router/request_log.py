@@ -50,7 +50,7 @@ def request_end_record(req: RouterRequest, outcome: str) -> dict[str, Any]:
         "prefill_node": req.prefill_node,
         "decode_node": req.decode_node,
         "migrations": req.num_migrations,
-        "preemptions": req.num_preemptions,  # on-demand decode KV (issue 10, part 3)
+        "preemptions": req.num_preemptions,  # on-demand decode KV
     }
 
 

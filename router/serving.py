@@ -217,9 +217,14 @@ class Serving:
             self._check_prompt(ids, prompts.where(i))
             limit = self.router.cfg.router.max_tokens_limit
             sampling = sampling_params(
-                body, max_tokens, len(ids), self.model.max_positions, limit, self.model.vocab_size,
+                body,
+                max_tokens,
+                len(ids),
+                self.model.max_positions,
+                limit,
+                self.model.vocab_size,
                 structured=structured,
-            )  # fmt: skip
+            )
             sub_id = f"{request_id}-{i}" if prompts.is_batch else request_id
             jobs.append((sub_id, ids, sampling))
         reqs = await self._submit_all(jobs, prompts)

@@ -29,6 +29,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from control.finish import finish_reason
 from control.logprobs import TokenLogprobs
 from control.sampling_params import SamplingParams
 
@@ -123,7 +124,7 @@ class RouterRequest:
     prompt_logprobs: list[TokenLogprobs] | None = None
     timings: RequestTimings = field(default_factory=RequestTimings)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    # On-demand decode KV (issue 10, part 3): restarts because a decode node preempted the
+    # On-demand decode KV: restarts because a decode node preempted the
     # request (part of `attempt`, not of the migrations), and a Preempted that beat P's
     # FirstToken (its reason), applied once that token is in.
     num_preemptions: int = 0
@@ -204,11 +205,16 @@ class RouterRequest:
         out, finish = list(tokens), None
         for i, token in enumerate(tokens):
             total = self.num_output_tokens + i + 1
-            if token in self.stop_ids:
-                out, finish = tokens[: i + 1], "stop"
-                break
-            if total >= self.sampling.max_new_tokens or self.prompt_len + total >= max_positions:
-                out, finish = tokens[: i + 1], "length"
+            finish = finish_reason(
+                token,
+                self.stop_ids,
+                total,
+                self.prompt_len + total,
+                self.sampling.max_new_tokens,
+                max_positions,
+            )
+            if finish is not None:
+                out = tokens[: i + 1]
                 break
         self.output_ids.extend(out)
         return out, finish

@@ -7,7 +7,7 @@ through a TCP store rank 0 serves on a free port. The store and the group's own 
 on one address, the node's `group_host` (its bound address, or its `host` when it binds every
 interface; see `rendezvous_listener`), which rank 0 passes to the others: torch alone would bind
 the store to every interface and gloo to whatever the machine's hostname resolves to (often
-127.0.0.1). Roles never import each other, so this lives in engine/.
+127.0.0.1). Roles never import each other, so this lives in runtime/.
 """
 
 from __future__ import annotations

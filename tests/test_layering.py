@@ -61,10 +61,12 @@ def test_imports_are_read_everywhere_in_a_file(tmp_path):
     [
         "import router.app",  # the gateway's app and everything it serves with
         "import router.__main__",
+        "import deploy.cli",  # `duet`: its torch commands import their code when run
         "import deploy.local_cluster",  # the one-machine launcher
         "import deploy.k8s_render",
         "import bench.serve",  # the load generator
         "import bench.sweep",
+        "import bench.router_start",
     ],
 )
 def test_torch_free_entry_points_load_without_torch(statement):

@@ -2,7 +2,7 @@
 
 `make_trained_tiny_model` trains the tiny deepseek_v3 config plus one MTP layer on the Python
 standard library (`tinymodel.train_data`, `tinymodel.train`) and writes a directory like
-`tinymodel.builder.make_tiny_model`'s, with the code tokenizer. The key names everything the
+`tinymodel.builder.make_random_tiny_model`'s, with the code tokenizer. The key names everything the
 weights are a function of (training code version, seed, settings, config, corpus bytes), so a
 cached copy is reused exactly when retraining would give the same files.
 """

@@ -194,10 +194,10 @@ void register_gemm_int8(py::module_& m) {
             x_dtype != static_cast<int>(DType::kFloat32)) {
           throw std::invalid_argument("linear_int8: x must be bfloat16 or float32");
         }
-        check_dtype("linear_int8", y_dtype, static_cast<DType>(x_dtype), "y (must match x)");
-        check_dtype("linear_int8", w_dtype, DType::kInt8, "the packed weight (int8)");
-        check_dtype("linear_int8", w_scale_dtype, DType::kFloat32, "w_scale (float32)");
-        check_dtype("linear_int8", comp_dtype, DType::kInt32, "comp (int32)");
+        check_dtype("linear_int8", y_dtype, static_cast<DType>(x_dtype), "y (x's dtype)");
+        check_dtype("linear_int8", w_dtype, DType::kInt8, "packed weight");
+        check_dtype("linear_int8", w_scale_dtype, DType::kFloat32, "w_scale");
+        check_dtype("linear_int8", comp_dtype, DType::kInt32, "comp");
         if (m < 0 || n < 0 || k < 0 || k_groups != int8_k_groups(k) || 4 * k_groups > kInt8MaxK ||
             (m > 0 && ldx < k) || ldy < n) {
           throw std::invalid_argument("linear_int8: bad sizes or strides");

@@ -187,10 +187,16 @@ def test_binding_checks_dtypes_and_sizes():
 
     args = [_fp8_ops._arg(t, tag) for t, tag in ((x, 1), (packed.packed, 6), (s, 0), (y, 1))]
     call(*args)  # well-formed: runs
-    for i, bad_tag in ((0, 0), (1, 1), (2, 1), (3, 0)):
+    # the bindings' one dtype rule (common.h): the argument, what it is, what it must be
+    for i, bad_tag, message in (
+        (0, 0, "x is float32, expected bfloat16"),
+        (1, 1, "packed weight is bfloat16, expected float8_e4m3fn"),
+        (2, 1, "scale is bfloat16, expected float32"),
+        (3, 0, "y is float32, expected bfloat16"),
+    ):
         wrong = list(args)
         wrong[i] = (args[i][0], bad_tag, args[i][2])
-        with pytest.raises(ValueError, match="dtype"):
+        with pytest.raises(ValueError, match=f"^linear_fp8: {message}$"):
             call(*wrong)
     short = list(args)
     short[1] = (args[1][0], 6, args[1][2] - 1)

@@ -201,8 +201,15 @@ def test_binding_checks_dtypes_and_sizes():
         )
 
     call()
-    for change in ({"x_tag": 3}, {"y_tag": 0}, {"w_tag": 1}, {"scale_tag": 1}, {"comp_tag": 0}):
-        with pytest.raises(ValueError, match="dtype|bfloat16"):
+    for change, message in (
+        ({"x_tag": 3}, "x must be bfloat16 or float32"),
+        # the bindings' one dtype rule (common.h): the argument, what it is, what it must be
+        ({"y_tag": 0}, r"y \(x's dtype\) is float32, expected bfloat16"),
+        ({"w_tag": 1}, "packed weight is bfloat16, expected int8"),
+        ({"scale_tag": 1}, "w_scale is bfloat16, expected float32"),
+        ({"comp_tag": 0}, "comp is float32, expected int32"),
+    ):
+        with pytest.raises(ValueError, match=f"^linear_int8: {message}$"):
             call(**change)
     for change in ({"k_groups": 9}, {"ldx": 31}):
         with pytest.raises(ValueError, match="sizes"):

@@ -249,11 +249,14 @@ class FakeCluster(threading.Thread):
             self._send(
                 node.name,
                 Heartbeat(
-                    node.name, "decode", num_running=len(self.running),
-                    free_pages=node.num_pages - used, total_pages=node.num_pages,
+                    node.name,
+                    "decode",
+                    num_running=len(self.running),
+                    free_pages=node.num_pages - used,
+                    total_pages=node.num_pages,
                     page_size=node.page_size,
                 ),
-            )  # fmt: skip
+            )
 
     def used_pages(self, node: str) -> int:
         return sum(self.reserved[node].values())
@@ -341,8 +344,9 @@ def _tokens_logprobs(run: _Running, token: int) -> dict:
     return {"logprobs": [lp], "top_ids": [ids], "top_logprobs": [lps]}
 
 
-def start_cluster(cfg: ClusterConfig, script_ids: list[int], eos_id: int, model_dir, started,
-                  cluster_cls=None) -> tuple[FakeCluster, RouterServer]:  # fmt: skip
+def start_cluster(
+    cfg: ClusterConfig, script_ids: list[int], eos_id: int, model_dir, started, cluster_cls=None
+) -> tuple[FakeCluster, RouterServer]:
     """Starts fake nodes (`cluster_cls`, FakeCluster by default) and a real router over them;
     both are appended to `started` for `stop_all` at the test's end."""
     fakes = (cluster_cls or FakeCluster)(cfg, script_ids, eos_id=eos_id)

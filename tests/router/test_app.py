@@ -53,9 +53,16 @@ def test_models_health_metrics(make_cluster):
     health = httpx.get(server.url + "/health").json()
     assert health["status"] == "ok" and set(health["nodes"]) == {"p0", "d0"}
     text = httpx.get(server.url + "/metrics").text
-    for name in ("duet_ttft_seconds", "duet_tpot_seconds", "duet_inter_token_latency_seconds",
-                 "duet_node_queued_requests", "duet_node_running_requests", "duet_kv_pages_used",
-                 "duet_sla_attainment_ratio", "duet_stage_seconds"):  # fmt: skip
+    for name in (
+        "duet_ttft_seconds",
+        "duet_tpot_seconds",
+        "duet_inter_token_latency_seconds",
+        "duet_node_queued_requests",
+        "duet_node_running_requests",
+        "duet_kv_pages_used",
+        "duet_sla_attainment_ratio",
+        "duet_stage_seconds",
+    ):
         assert f"# TYPE {name}" in text
 
 
@@ -64,10 +71,15 @@ def test_completions(make_cluster, tok, stream):
     _, server = make_cluster()
     c = client(server)
     if stream:
-        chunks = list(c.completions.create(
-            model="tiny-model", prompt="Hello", max_tokens=9, stream=True,
-            stream_options={"include_usage": True},
-        ))  # fmt: skip
+        chunks = list(
+            c.completions.create(
+                model="tiny-model",
+                prompt="Hello",
+                max_tokens=9,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
         finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
         usage = chunks[-1].usage
@@ -84,8 +96,9 @@ def test_chat(make_cluster, tok, stream):
     _, server = make_cluster()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     c = client(server)
-    out = c.chat.completions.create(model="tiny-model", messages=messages, max_tokens=12,
-                                    stream=stream)  # fmt: skip
+    out = c.chat.completions.create(
+        model="tiny-model", messages=messages, max_tokens=12, stream=stream
+    )
     if stream:
         chunks = list(out)
         assert chunks[0].choices[0].delta.role == "assistant"
@@ -98,8 +111,9 @@ def test_chat(make_cluster, tok, stream):
 
 def test_stop_string_ends_request_and_aborts_decode(make_cluster, tok):
     fakes, server = make_cluster()
-    out = client(server).completions.create(model="tiny-model", prompt="x", max_tokens=30,
-                                            stop=["fox", "never"])  # fmt: skip
+    out = client(server).completions.create(
+        model="tiny-model", prompt="x", max_tokens=30, stop=["fox", "never"]
+    )
     assert out.choices[0].text == "The quick brown " and out.choices[0].finish_reason == "stop"
     assert wait_for(lambda: any(n == "d0" for n, _ in fakes.aborts))
     assert wait_for(lambda: fakes.used_pages("d0") == 0)
@@ -188,8 +202,9 @@ def test_too_many_queued_requests_is_503(make_cluster):
 def test_node_death_ends_stream_with_error_event(make_cluster, tok):
     fakes, server = make_cluster()
     fakes.token_interval_s = 0.05
-    stream = client(server).completions.create(model="tiny-model", prompt="x", max_tokens=200,
-                                               stream=True)  # fmt: skip
+    stream = client(server).completions.create(
+        model="tiny-model", prompt="x", max_tokens=200, stream=True
+    )
     t0 = time.monotonic()
     with pytest.raises(openai.APIError) as err:
         for i, _ in enumerate(stream):
@@ -206,8 +221,9 @@ def test_node_death_ends_stream_with_error_event(make_cluster, tok):
 def test_node_request_error_ends_stream(make_cluster):
     fakes, server = make_cluster()
     fakes.fail_stages.add("decode")
-    stream = client(server).completions.create(model="tiny-model", prompt="x", max_tokens=5,
-                                               stream=True)  # fmt: skip
+    stream = client(server).completions.create(
+        model="tiny-model", prompt="x", max_tokens=5, stream=True
+    )
     with pytest.raises(openai.APIError, match="fake decode failure"):
         list(stream)
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, timeout=5)
@@ -249,8 +265,9 @@ def test_concurrent_requests_spread_over_prefill_nodes(make_cluster, tok):
     texts = [None] * 16
 
     def run(i):
-        stream = c.completions.create(model="tiny-model", prompt="x" * (i + 1), max_tokens=5,
-                                      stream=True)  # fmt: skip
+        stream = c.completions.create(
+            model="tiny-model", prompt="x" * (i + 1), max_tokens=5, stream=True
+        )
         texts[i] = "".join(ch.choices[0].text for ch in stream)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]

@@ -58,9 +58,14 @@ def test_completion_logprobs(server, tok, stream, echo):
     prompt_ids = tok.encode_prompt("Hello there")
     script = tok.encode(SCRIPT_TEXT)
     out = client(server).completions.create(
-        model="tiny-model", prompt="Hello there", max_tokens=5, temperature=0.0,
-        logprobs=3, echo=echo, stream=stream,
-    )  # fmt: skip
+        model="tiny-model",
+        prompt="Hello there",
+        max_tokens=5,
+        temperature=0.0,
+        logprobs=3,
+        echo=echo,
+        stream=stream,
+    )
     if stream:
         chunks = list(out)
         text = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -97,12 +102,21 @@ def test_completion_without_logprobs_has_none(server):
 def test_chat_logprobs(server, tok, stream, top):
     script = tok.encode(SCRIPT_TEXT)
     out = client(server).chat.completions.create(
-        model="tiny-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-        temperature=0.0, logprobs=True, top_logprobs=top, stream=stream,
-    )  # fmt: skip
+        model="tiny-model",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=top,
+        stream=stream,
+    )
     if stream:
-        content = [e for c in out if c.choices and c.choices[0].logprobs
-                   for e in c.choices[0].logprobs.content]  # fmt: skip
+        content = [
+            e
+            for c in out
+            if c.choices and c.choices[0].logprobs
+            for e in c.choices[0].logprobs.content
+        ]
     else:
         content = out.choices[0].logprobs.content
     assert len(content) == 4

@@ -1,4 +1,4 @@
-"""Router core without sockets, on-demand decode KV (issue 10, part 3): a request its decode node
+"""Router core without sockets, on-demand decode KV: a request its decode node
 preempted is re-prefilled (prompt + streamed tokens) and its stream goes on with no token
 repeated or missing; a Preempted that beats P's first token waits for it; a preempted request
 waits for room instead of failing; preemptions have their own bound (not max_migrations) and

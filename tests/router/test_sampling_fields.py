@@ -62,10 +62,20 @@ def client(server) -> openai.OpenAI:
 
 
 WANT = SamplingParams(
-    temperature=0.7, top_p=0.9, top_k=20, seed=42, max_new_tokens=6, stop_token_ids=(9, 10),
-    ignore_eos=True, presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.3,
-    min_p=0.05, min_tokens=2, logit_bias=((5, 2.5), (17, -100.0)),
-)  # fmt: skip
+    temperature=0.7,
+    top_p=0.9,
+    top_k=20,
+    seed=42,
+    max_new_tokens=6,
+    stop_token_ids=(9, 10),
+    ignore_eos=True,
+    presence_penalty=0.5,
+    frequency_penalty=-0.25,
+    repetition_penalty=1.3,
+    min_p=0.05,
+    min_tokens=2,
+    logit_bias=((5, 2.5), (17, -100.0)),
+)
 EXTRA = {
     "top_k": 20,
     "ignore_eos": True,
@@ -75,9 +85,14 @@ EXTRA = {
     "min_tokens": 2,
 }
 OPENAI = dict(
-    temperature=0.7, top_p=0.9, seed=42, max_tokens=6, presence_penalty=0.5,
-    frequency_penalty=-0.25, logit_bias={"5": 2.5, "17": -100},
-)  # fmt: skip
+    temperature=0.7,
+    top_p=0.9,
+    seed=42,
+    max_tokens=6,
+    presence_penalty=0.5,
+    frequency_penalty=-0.25,
+    logit_bias={"5": 2.5, "17": -100},
+)
 
 
 @pytest.mark.parametrize("stream", [False, True])

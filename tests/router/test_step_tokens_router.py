@@ -30,13 +30,23 @@ def run(deliver):
         r = make_router()
         reqs = {}
         for rid, max_new, extra in (
-            ("r1", 3, {}), ("r2", 10, {"logprobs": 1}), ("r3", 10, {}), ("r4", 10, {})
-        ):  # fmt: skip
+            ("r1", 3, {}),
+            ("r2", 10, {"logprobs": 1}),
+            ("r3", 10, {}),
+            ("r4", 10, {}),
+        ):
             reqs[rid] = await submit(r, rid, max_new=max_new, **extra)
         for rid in ("r1", "r2", "r3"):
-            r.handle(FirstToken(rid, 10, 10, logprob=[-0.1] if rid == "r2" else [],
-                                top_ids=[10] if rid == "r2" else [],
-                                top_logprobs=[-0.1] if rid == "r2" else []))  # fmt: skip
+            r.handle(
+                FirstToken(
+                    rid,
+                    10,
+                    10,
+                    logprob=[-0.1] if rid == "r2" else [],
+                    top_ids=[10] if rid == "r2" else [],
+                    top_logprobs=[-0.1] if rid == "r2" else [],
+                )
+            )
         r.abort(reqs["r3"], "client went away")
         deliver(r, STEP)
         before_first = drain(reqs["r4"])
@@ -76,7 +86,15 @@ def test_one_message_per_step_equals_one_message_per_request():
 
     def one_by_one(r, entries):
         for e in entries:
-            r.handle(tokens(e.request_id, e.token_ids, e.finish_reason, logprobs=e.logprobs,
-                            top_ids=e.top_ids, top_logprobs=e.top_logprobs))  # fmt: skip
+            r.handle(
+                tokens(
+                    e.request_id,
+                    e.token_ids,
+                    e.finish_reason,
+                    logprobs=e.logprobs,
+                    top_ids=e.top_ids,
+                    top_logprobs=e.top_logprobs,
+                )
+            )
 
     assert batched == run(one_by_one)

@@ -67,7 +67,7 @@ ASKED = [
             }
         },
         ("json_schema", SCHEMA_TEXT),
-    ),  # fmt: skip
+    ),
     ({"response_format": {"type": "json_object"}}, ("json_object", "")),
     ({"response_format": {"type": "text"}}, None),
     ({"guided_json": SCHEMA}, ("json_schema", SCHEMA_TEXT)),
@@ -121,12 +121,12 @@ BAD = [
         },
         "response_format",
         "invalid json_schema",
-    ),  # fmt: skip
+    ),
     (
         {"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
         "response_format",
         "json_schema.schema is required",
-    ),  # fmt: skip
+    ),
     ({"response_format": {"type": "json_schema"}}, "response_format", "with a name and a schema"),
     ({"response_format": {"type": "yaml"}}, "response_format", "type must be 'text'"),
     ({"guided_regex": "[a-"}, "guided_regex", "invalid regex"),
@@ -137,7 +137,7 @@ BAD = [
         {"response_format": {"type": "json_object"}, "guided_json": SCHEMA},
         "guided_json",
         "got response_format, guided_json",
-    ),  # fmt: skip
+    ),
     ({"structured_outputs": {"json": SCHEMA, "regex": "a"}}, "structured_outputs", "one of"),
     ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs", "unsupported"),
     ({"structured_outputs": {"regex": 5}}, "structured_outputs.regex", "must be a string"),
@@ -146,7 +146,7 @@ BAD = [
         {"guided_json": {"enum": ["x" * MAX_SPEC_CHARS["json_schema"]]}},
         "guided_json",
         "at most 65536 are accepted",
-    ),  # fmt: skip
+    ),
     ({"guided_regex": "a+", "min_tokens": 2}, "min_tokens", "min_tokens cannot be combined"),
 ]
 
