@@ -51,9 +51,9 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-
 WILDCARD_HOSTS = ("0.0.0.0",)  # binds every interface; never an address to connect to
 _HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.\-_]*")  # a host name or an IPv4 address
+REASONING_PARSERS = ("deepseek_r1",)  # the chat output formats `router.reasoning` splits
 
 
 class _Addresses:
@@ -132,6 +132,9 @@ class RouterConfig(_Addresses):
     # Cache-aware routing: a prompt goes to the prefill node with the longest cached
     # prefix among those whose queue is at most this many tokens longer than the shortest.
     cache_balance_tokens: int = 2048
+    # Reasoning models (`router.reasoning`): "deepseek_r1" splits the chat output's
+    # `<think>...</think>` into `reasoning_content`; "" leaves the output as it is.
+    reasoning_parser: str = ""
 
 
 @dataclass(frozen=True)
@@ -427,6 +430,11 @@ def _validate(cfg: ClusterConfig) -> None:
         raise ConfigError("[router] max_preemptions must be >= 0")
     if r.cache_balance_tokens < 0:
         raise ConfigError("[router] cache_balance_tokens must be >= 0")
+    if r.reasoning_parser not in ("", *REASONING_PARSERS):
+        raise ConfigError(
+            f"[router] reasoning_parser must be one of {', '.join(REASONING_PARSERS)} "
+            f"(or empty), got {r.reasoning_parser!r}"
+        )
     t = cfg.timeouts
     if min(t.reserve_s, t.prefill_queue_s, t.transfer_s, t.decode_s, t.heartbeat_s) <= 0:
         raise ConfigError("[timeouts] must all be positive")

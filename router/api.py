@@ -169,6 +169,9 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     add_special_tokens: bool = False  # vLLM's: the template writes its own bos
     max_completion_tokens: int | None = None
+    # Extra variables of the chat template (e.g. {"thinking": true} for DeepSeek-V3.1-style
+    # templates), as vLLM passes them.
+    chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
@@ -195,6 +198,7 @@ class TokenizeChatRequest(_Strict):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 

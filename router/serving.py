@@ -23,10 +23,9 @@ import contextlib
 import json
 import logging
 import re
-import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -51,6 +50,8 @@ from router.api import (
 )
 from router.core import Router, RouterError
 from router.logprobs import LogprobFormatter, merge
+from router.reasoning import ReasoningSplitter
+from router.response_shapes import RequestFailed, ResponseShapes
 from router.state import ErrorEvent, RouterRequest
 from router.text import TextStream
 
@@ -80,15 +81,6 @@ class Prompts:
         return f"prompt[{index}]: " if self.is_batch else ""
 
 
-class RequestFailed(Exception):
-    """Prompt `index`'s router request ended with `event`."""
-
-    def __init__(self, index: int, event: ErrorEvent):
-        super().__init__(event.message)
-        self.index = index
-        self.event = event
-
-
 @dataclass
 class _Sub:
     """One sequence of one prompt of the request: its router request and its output text; with
@@ -103,10 +95,27 @@ class _Sub:
     logprobs: LogprobFormatter | None = None
     cumulative_logprob: float = 0.0  # of every token generated (best_of ranks by it)
     echo_only: bool = False  # echo with max_tokens 0: the prompt is the whole output
+    reasoning: ReasoningSplitter | None = None  # chat with a reasoning parser
+    reasoning_tokens: int = 0  # the output tokens that came while it was still reasoning
+
+    def shown(self, delta: str, num_tokens: int, finish: str | None) -> str | dict[str, str]:
+        """A text delta as the client sees it: with a reasoning parser, split into the chat
+        delta's `reasoning_content` and `content` (either left out when empty)."""
+        if self.reasoning is None:
+            return delta
+        if self.reasoning.in_reasoning:
+            self.reasoning_tokens += num_tokens
+        reasoning, content = self.reasoning.push(delta, is_last=finish is not None)
+        parts = {"reasoning_content": reasoning, "content": content}
+        return {key: text for key, text in parts.items() if text}
 
     @property
     def num_output_tokens(self) -> int:
         return 0 if self.echo_only else self.req.num_output_tokens
+
+
+# What the server itself hands the chat template; a request's chat_template_kwargs may not.
+TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 class Serving:
@@ -165,13 +174,27 @@ class Serving:
         return Prompts(ids, is_batch=True)
 
     def chat_prompt(
-        self, messages: list[ChatMessage], add_generation_prompt: bool, add_special_tokens: bool
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        add_special_tokens: bool,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The ids of the rendered chat (bos first only if `add_special_tokens`: the template
-        writes its own)."""
+        writes its own); `template_kwargs`: the request's chat_template_kwargs."""
         dicts = [m.as_template_dict() for m in messages]
+        template_kwargs = template_kwargs or {}
+        taken = sorted(TEMPLATE_VARIABLES.intersection(template_kwargs))
+        if taken:
+            raise ApiError(
+                400,
+                f"chat_template_kwargs: {', '.join(taken)} is set by the server, not the request",
+                param="chat_template_kwargs",
+            )
         try:
-            text = self.tokenizer.apply_chat_template(dicts, add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(
+                dicts, add_generation_prompt, **template_kwargs
+            )
         except (ValueError, ConfigError) as exc:
             raise ApiError(400, f"messages: {exc}", param="messages") from None
         return self.encode_text(text, add_special_tokens)
@@ -235,7 +258,7 @@ class Serving:
             for j, seq in enumerate([req, *req.forks])
         ]
         prompt_lens = tuple(len(ids) for ids in prompts.token_ids)
-        fmt = _Format(request_id, self.model.name, chat, prompt_lens, prompts.is_batch, n)
+        fmt = ResponseShapes(request_id, self.model.name, chat, prompt_lens, prompts.is_batch, n)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             stream = self._sse(request, subs, fmt, usage)
@@ -275,7 +298,18 @@ class Serving:
         if logprob_fields(body)["logprobs"] is not None:  # (best_of may ask them for itself)
             formatter = LogprobFormatter(self.tokenizer, chat)
         text = TextStream(self.tokenizer, stop)
-        return _Sub(index, prompt_index, req, text, echo, formatter, echo_only=echo_only)
+        parser = self.router.cfg.router.reasoning_parser
+        reasoning = ReasoningSplitter(parser) if chat and parser else None
+        return _Sub(
+            index,
+            prompt_index,
+            req,
+            text,
+            echo,
+            formatter,
+            echo_only=echo_only,
+            reasoning=reasoning,
+        )
 
     def _check_prompt(self, ids: list[int], where: str) -> None:
         try:
@@ -353,12 +387,12 @@ class Serving:
                 delta, echo = echo[0] + delta, None
             if text.stopped:
                 self.router.finish_early(req, "stop")
-                yield delta, "stop", logprobs
+                yield sub.shown(delta, len(ids), "stop"), "stop", logprobs
                 return
             if sub.echo_only:
                 yield delta, "length", logprobs
                 return
-            yield delta, event.finish_reason, logprobs
+            yield sub.shown(delta, len(ids), event.finish_reason), event.finish_reason, logprobs
 
     async def _merged(self, subs: list[_Sub]) -> AsyncIterator[tuple[int, str, str | None, Any]]:
         """(prompt index, text delta, finish_reason or None, logprobs or None) of every prompt, in the order they
@@ -389,7 +423,7 @@ class Serving:
             for reader in readers:
                 reader.cancel()
 
-    async def _sse(self, request: Request, subs: list[_Sub], fmt: _Format, usage: bool):
+    async def _sse(self, request: Request, subs: list[_Sub], fmt: ResponseShapes, usage: bool):
         watcher = asyncio.create_task(self._abort_on_disconnect(request, subs))
         try:
             if fmt.chat:
@@ -402,7 +436,8 @@ class Serving:
                     if delta or finish or logprobs:
                         yield _sse_event(fmt.chunk(index, delta, finish, logprobs))
             if usage:
-                yield _sse_event(fmt.usage_chunk([s.num_output_tokens for s in subs]))
+                counts = [s.num_output_tokens for s in subs]
+                yield _sse_event(fmt.usage_chunk(counts, _reasoning_tokens(subs)))
         except RequestFailed as exc:
             # The others are aborted before the client hears of the error, not after it read it.
             self._abort_all([s.req for s in subs], "another prompt of the request failed")
@@ -417,16 +452,20 @@ class Serving:
         yield "data: [DONE]\n\n"
 
     async def _complete(
-        self, request: Request, subs: list[_Sub], fmt: _Format, best_of: int
+        self, request: Request, subs: list[_Sub], fmt: ResponseShapes, best_of: int
     ) -> dict[str, Any]:
         watcher = asyncio.create_task(self._abort_on_disconnect(request, subs))
         reason = "client disconnected"
         parts: list[list[str]] = [[] for _ in subs]
+        reasonings: list[list[str]] = [[] for _ in subs]
         finishes: list[str | None] = [None] * len(subs)
         logprobs: list[list[dict]] = [[] for _ in subs]
         try:
             async with contextlib.aclosing(self._merged(subs)) as events:
                 async for index, delta, finish, lps in events:
+                    if isinstance(delta, dict):  # a reasoning parser's split
+                        reasonings[index].append(delta.get("reasoning_content", ""))
+                        delta = delta.get("content", "")
                     parts[index].append(delta)
                     finishes[index] = finish or finishes[index]
                     if lps is not None:
@@ -443,13 +482,16 @@ class Serving:
             {"text": text, "finish_reason": finish, "logprobs": lps}
             for text, finish, lps in zip(texts, finishes, merged, strict=True)
         ]
+        for sub, choice, reasoning in zip(subs, choices, reasonings, strict=True):
+            if sub.reasoning is not None:
+                choice["reasoning_content"] = "".join(reasoning) or None
         if best_of > fmt.n:  # each prompt's n best, by cumulative logprob (ties: first made)
             shown = []
             for start in range(0, len(subs), best_of):
                 group = range(start, start + best_of)
                 shown += sorted(group, key=lambda i: -subs[i].cumulative_logprob)[: fmt.n]
             choices = [choices[i] for i in shown]
-        return fmt.full(choices, [s.num_output_tokens for s in subs])
+        return fmt.full(choices, [s.num_output_tokens for s in subs], _reasoning_tokens(subs))
 
     async def _abort_on_disconnect(self, request: Request, subs: list[_Sub]) -> None:
         """Waits for the client to go away (the body is already read, so the next ASGI message
@@ -484,78 +526,12 @@ def _started(tasks: list[asyncio.Future]) -> list[RouterRequest]:
     return [t.result() for t in done if t.exception() is None]
 
 
+def _reasoning_tokens(subs: list[_Sub]) -> int | None:
+    """The output tokens spent reasoning, summed; None without a reasoning parser."""
+    if all(sub.reasoning is None for sub in subs):
+        return None
+    return sum(sub.reasoning_tokens for sub in subs)
+
+
 def _sse_event(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-@dataclass(frozen=True)
-class _Format:
-    """The OpenAI response shapes of one request; choice `index` = prompt position."""
-
-    request_id: str
-    model: str
-    chat: bool
-    prompt_lens: tuple[int, ...]
-    is_batch: bool = False
-    n: int = 1  # choices per prompt
-    created: int = field(default_factory=lambda: int(time.time()))  # the same in every chunk
-
-    def _base(self, obj: str) -> dict[str, Any]:
-        return {
-            "id": self.request_id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-        }
-
-    def usage(self, num_outputs: list[int]) -> dict[str, int]:
-        num_prompt, num_output = sum(self.prompt_lens), sum(num_outputs)
-        return {
-            "prompt_tokens": num_prompt,
-            "completion_tokens": num_output,
-            "total_tokens": num_prompt + num_output,
-        }
-
-    def chunk(
-        self,
-        index: int,
-        delta: str | dict[str, str],
-        finish: str | None,
-        logprobs: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        if self.chat:
-            content = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
-            choice = {"index": index, "delta": content, "logprobs": logprobs}
-            choice["finish_reason"] = finish
-            return {**self._base("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
-        return {**self._base("text_completion"), "choices": [choice]}
-
-    def usage_chunk(self, num_outputs: list[int]) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._base(obj), "choices": [], "usage": self.usage(num_outputs)}
-
-    def full(self, choices: list[dict[str, Any]], num_outputs: list[int]) -> dict[str, Any]:
-        """The whole response: `choices` (text, finish_reason, logprobs each) in index order;
-        `num_outputs`: the tokens of every sequence generated (shown or not)."""
-        if self.chat:
-            out = [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": c["text"]},
-                    "logprobs": c["logprobs"],
-                    "finish_reason": c["finish_reason"],
-                }
-                for i, c in enumerate(choices)
-            ]
-            base = self._base("chat.completion")
-        else:
-            out = [{"index": i, **c} for i, c in enumerate(choices)]
-            out = [{k: c[k] for k in ("index", "text", "logprobs", "finish_reason")} for c in out]
-            base = self._base("text_completion")
-        return {**base, "choices": out, "usage": self.usage(num_outputs)}
-
-    def error(self, exc: RequestFailed) -> ApiError:
-        where = f"prompt[{exc.index}]: " if self.is_batch else ""
-        message = f"{where}{exc.event.message}"
-        return ApiError(500, message, code=f"failed_at_{exc.event.stage}")

@@ -56,7 +56,6 @@ NOT_IMPLEMENTED: dict[str, tuple[str, tuple[Any, ...], str]] = {
     "add_generation_prompt": (CHAT, (None, True), "the generation prompt is always added"),
     "continue_final_message": (CHAT, (None, False), "continue_final_message is not supported"),
     "chat_template": (CHAT, (None,), "only the model's own chat template is supported"),
-    "chat_template_kwargs": (CHAT, (None, {}), "chat_template_kwargs is not supported"),
     "documents": (CHAT, (None, []), "documents are not supported"),
     "tools": (CHAT, (None, []), "tool calls are not supported"),
     "tool_choice": (CHAT, (None, "none"), "tool calls are not supported"),

@@ -128,6 +128,15 @@ def test_bad_sla_admission_fields_are_config_errors_naming_the_field(sla, match)
         ClusterConfig.from_dict(raw)
 
 
+def test_the_reasoning_parser_is_off_by_default_and_checked():
+    assert _cfg().router.reasoning_parser == ""
+    assert _cfg(router={"reasoning_parser": "deepseek_r1"}).router.reasoning_parser == "deepseek_r1"
+    with pytest.raises(
+        ConfigError, match=r"\[router\] reasoning_parser must be one of deepseek_r1"
+    ):
+        _cfg(router={"reasoning_parser": "r1"})
+
+
 def test_sla_admission_defaults_keep_todays_behaviour():
     cfg = ClusterConfig.from_dict({"prefill": [{"name": "p"}], "decode": [{"name": "d"}]})
     assert cfg.sla.admission == "none" and cfg.sla.queue_s == 5.0 and cfg.sla.cap_decode_batch

@@ -68,6 +68,7 @@ def test_up_overrides_every_node_of_a_role():
         decode_quant="fp8",
         mtp_tokens=None,
         no_weights_cache=False,
+        reasoning_parser=None,
     )
     raw = resolve_config(args)
     assert [n.get("quant", "none") for n in raw["prefill"]] == ["none", "none"]
@@ -77,6 +78,9 @@ def test_up_overrides_every_node_of_a_role():
     args.mtp_tokens = 3  # `duet up --mtp-tokens 3`: every decode node speculates
     cfg = ClusterConfig.from_dict(resolve_config(args))
     assert cfg.uses_mtp and [(n.mtp, n.mtp_tokens) for n in cfg.decode] == [(True, 3)]
+    assert cfg.router.reasoning_parser == ""
+    args.reasoning_parser = "deepseek_r1"  # `duet up --reasoning-parser deepseek_r1`
+    assert ClusterConfig.from_dict(resolve_config(args)).router.reasoning_parser == "deepseek_r1"
 
 
 def test_a_node_loads_its_scheme():

@@ -435,9 +435,9 @@ def test_unknown_fields_are_ignored_and_named(make_cluster, tok):
     r = post(
         server,
         "/v1/chat/completions",
-        {"messages": messages, "max_tokens": 2, "chat_template_kwargs": {}, "x": None},
+        {"messages": messages, "max_tokens": 2, "documents": [], "x": None},
     )
-    assert r.status_code == 200 and r.headers[IGNORED] == "chat_template_kwargs,x"
+    assert r.status_code == 200 and r.headers[IGNORED] == "documents,x"
     assert IGNORED not in post(server, "/v1/completions", {"prompt": "x"}).headers
     # on errors too, and on the tokenizer endpoints
     r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 0, "foo": 1})

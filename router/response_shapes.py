@@ -1,0 +1,107 @@
+"""The OpenAI response bodies of completions and chat: whole, streamed chunks, the usage, and
+the error of a request whose router request failed."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.api import ApiError
+from router.state import ErrorEvent
+
+
+class RequestFailed(Exception):
+    """Prompt `index`'s router request ended with `event`."""
+
+    def __init__(self, index: int, event: ErrorEvent):
+        super().__init__(event.message)
+        self.index = index
+        self.event = event
+
+
+@dataclass(frozen=True)
+class ResponseShapes:
+    """The OpenAI response shapes of one request; choice `index` = prompt position."""
+
+    request_id: str
+    model: str
+    chat: bool
+    prompt_lens: tuple[int, ...]
+    is_batch: bool = False
+    n: int = 1  # choices per prompt
+    created: int = field(default_factory=lambda: int(time.time()))  # the same in every chunk
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+        }
+
+    def usage(self, num_outputs: list[int], reasoning_tokens: int | None = None) -> dict:
+        num_prompt, num_output = sum(self.prompt_lens), sum(num_outputs)
+        usage: dict[str, Any] = {
+            "prompt_tokens": num_prompt,
+            "completion_tokens": num_output,
+            "total_tokens": num_prompt + num_output,
+        }
+        if reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return usage
+
+    def chunk(
+        self,
+        index: int,
+        delta: str | dict[str, str],
+        finish: str | None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        if self.chat:
+            content = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
+            choice = {"index": index, "delta": content, "logprobs": logprobs}
+            choice["finish_reason"] = finish
+            return {**self._base("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {**self._base("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, num_outputs: list[int], reasoning_tokens: int | None = None) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        usage = self.usage(num_outputs, reasoning_tokens)
+        return {**self._base(obj), "choices": [], "usage": usage}
+
+    def full(
+        self, choices: list[dict[str, Any]], num_outputs: list[int], reasoning_tokens=None
+    ) -> dict[str, Any]:
+        """The whole response: `choices` (text, finish_reason, logprobs each; with a reasoning
+        parser, reasoning_content) in index order; `num_outputs`: the tokens of every sequence
+        generated (shown or not)."""
+        if self.chat:
+            out = [
+                {
+                    "index": i,
+                    "message": _message(c),
+                    "logprobs": c["logprobs"],
+                    "finish_reason": c["finish_reason"],
+                }
+                for i, c in enumerate(choices)
+            ]
+            base = self._base("chat.completion")
+        else:
+            out = [{"index": i, **c} for i, c in enumerate(choices)]
+            out = [{k: c[k] for k in ("index", "text", "logprobs", "finish_reason")} for c in out]
+            base = self._base("text_completion")
+        return {**base, "choices": out, "usage": self.usage(num_outputs, reasoning_tokens)}
+
+    def error(self, exc: RequestFailed) -> ApiError:
+        where = f"prompt[{exc.index}]: " if self.is_batch else ""
+        message = f"{where}{exc.event.message}"
+        return ApiError(500, message, code=f"failed_at_{exc.event.stage}")
+
+
+def _message(choice: dict[str, Any]) -> dict[str, Any]:
+    message = {"role": "assistant", "content": choice["text"]}
+    if "reasoning_content" in choice:
+        message["reasoning_content"] = choice["reasoning_content"]
+    return message
