@@ -54,6 +54,7 @@ except ModuleNotFoundError:  # Python 3.10
 WILDCARD_HOSTS = ("0.0.0.0",)  # binds every interface; never an address to connect to
 _HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.\-_]*")  # a host name or an IPv4 address
 REASONING_PARSERS = ("deepseek_r1",)  # the chat output formats `router.reasoning` splits
+TOOL_PARSERS = ("hermes", "deepseek_v3")  # the tool-call formats `router.tool_parsers` reads
 
 
 class _Addresses:
@@ -135,6 +136,9 @@ class RouterConfig(_Addresses):
     # Reasoning models (`router.reasoning`): "deepseek_r1" splits the chat output's
     # `<think>...</think>` into `reasoning_content`; "" leaves the output as it is.
     reasoning_parser: str = ""
+    # Tool calling (`router.tool_parsers`): how the model writes calls, "hermes" or
+    # "deepseek_v3"; "" refuses requests that ask for tool calls.
+    tool_parser: str = ""
 
 
 @dataclass(frozen=True)
@@ -434,6 +438,11 @@ def _validate(cfg: ClusterConfig) -> None:
         raise ConfigError(
             f"[router] reasoning_parser must be one of {', '.join(REASONING_PARSERS)} "
             f"(or empty), got {r.reasoning_parser!r}"
+        )
+    if r.tool_parser not in ("", *TOOL_PARSERS):
+        raise ConfigError(
+            f"[router] tool_parser must be one of {', '.join(TOOL_PARSERS)} (or empty), "
+            f"got {r.tool_parser!r}"
         )
     t = cfg.timeouts
     if min(t.reserve_s, t.prefill_queue_s, t.transfer_s, t.decode_s, t.heartbeat_s) <= 0:

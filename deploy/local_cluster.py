@@ -31,7 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from control.cluster_config import REASONING_PARSERS, ClusterConfig
+from control.cluster_config import REASONING_PARSERS, TOOL_PARSERS, ClusterConfig
 from control.errors import ConfigError
 from control.quant_schemes import QUANT_SCHEMES
 from control.security import KEY_FILE_NAME, with_ephemeral_keys
@@ -78,6 +78,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--reasoning-parser",
         choices=REASONING_PARSERS,
         help="the router splits chat output into reasoning_content and content",
+    )
+    p.add_argument(
+        "--tool-parser",
+        choices=TOOL_PARSERS,
+        help="the format the model writes tool calls in (chat tools are refused without one)",
     )
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait")
     return p.parse_args(argv)
@@ -160,8 +165,9 @@ def resolve_config(args: argparse.Namespace) -> dict:
     if args.mtp_tokens is not None:  # overrides the config's per-node `mtp` / `mtp_tokens`
         for node in raw.get("decode", []):
             node.update(mtp=args.mtp_tokens > 0, mtp_tokens=max(1, args.mtp_tokens))
-    if args.reasoning_parser:
-        raw.setdefault("router", {})["reasoning_parser"] = args.reasoning_parser
+    for key in ("reasoning_parser", "tool_parser"):
+        if getattr(args, key):
+            raw.setdefault("router", {})[key] = getattr(args, key)
     if args.dtype:
         raw["dtype"] = args.dtype
     if args.model:

@@ -147,10 +147,25 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCallPart(_Strict):
+    """A call an earlier assistant message made (the history of a tool loop)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallPart] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
 
     def as_template_dict(self) -> dict[str, Any]:
         if isinstance(self.content, list):
@@ -160,6 +175,10 @@ class ChatMessage(_Strict):
         out: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -174,8 +193,10 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Tool calling (router.tools): OpenAI's function tools, checked there.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeCompletionRequest(_Strict):
@@ -199,6 +220,7 @@ class TokenizeChatRequest(_Strict):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
 
@@ -382,8 +404,6 @@ def check_common(body: _SamplingFields) -> None:
                 param="top_logprobs",
                 code="invalid_value",
             )
-        if body.tools or body.tool_choice not in (None, "none"):
-            raise _unsupported("tools", "tool calls are not supported")
 
 
 def _check_num_logprobs(param: str, value: int | None) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from control.cluster_config import REASONING_PARSERS
+from router.text import partial_marker
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class ReasoningSplitter:
                 self._at_start = False
             end = text.find(self.tags.end)
             if end < 0:
-                keep = 0 if is_last else _partial_suffix(text, self.tags.end)
+                keep = 0 if is_last else partial_marker(text, self.tags.end)
                 reasoning, self._held = text[: len(text) - keep], text[len(text) - keep :]
                 return reasoning, ""
             reasoning, text = text[:end], text[end + len(self.tags.end) :]
@@ -64,11 +65,3 @@ class ReasoningSplitter:
 def split_reasoning(text: str, parser: str) -> tuple[str, str]:
     """(reasoning, content) of a whole output."""
     return ReasoningSplitter(parser).push(text, is_last=True)
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that is a proper start of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0

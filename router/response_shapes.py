@@ -75,7 +75,7 @@ class ResponseShapes:
         self, choices: list[dict[str, Any]], num_outputs: list[int], reasoning_tokens=None
     ) -> dict[str, Any]:
         """The whole response: `choices` (text, finish_reason, logprobs each; with a reasoning
-        parser, reasoning_content) in index order; `num_outputs`: the tokens of every sequence
+        or tool parser, reasoning_content and tool_calls) in index order; `num_outputs`: the tokens of every sequence
         generated (shown or not)."""
         if self.chat:
             out = [
@@ -104,4 +104,7 @@ def _message(choice: dict[str, Any]) -> dict[str, Any]:
     message = {"role": "assistant", "content": choice["text"]}
     if "reasoning_content" in choice:
         message["reasoning_content"] = choice["reasoning_content"]
+    if "tool_calls" in choice:  # OpenAI's: a message of calls alone has null content
+        message["content"] = choice["text"] or None
+        message["tool_calls"] = choice["tool_calls"]
     return message

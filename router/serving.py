@@ -48,12 +48,13 @@ from router.api import (
     sequences,
     stop_strings,
 )
+from router.chat_output import ChatOutput
 from router.core import Router, RouterError
 from router.logprobs import LogprobFormatter, merge
-from router.reasoning import ReasoningSplitter
 from router.response_shapes import RequestFailed, ResponseShapes
 from router.state import ErrorEvent, RouterRequest
 from router.text import TextStream
+from router.tools import call_grammar, check_tool_choice, check_tools
 
 log = logging.getLogger("router")
 
@@ -95,19 +96,17 @@ class _Sub:
     logprobs: LogprobFormatter | None = None
     cumulative_logprob: float = 0.0  # of every token generated (best_of ranks by it)
     echo_only: bool = False  # echo with max_tokens 0: the prompt is the whole output
-    reasoning: ReasoningSplitter | None = None  # chat with a reasoning parser
-    reasoning_tokens: int = 0  # the output tokens that came while it was still reasoning
+    output: ChatOutput | None = None  # chat with a reasoning or a tool parser
 
-    def shown(self, delta: str, num_tokens: int, finish: str | None) -> str | dict[str, str]:
-        """A text delta as the client sees it: with a reasoning parser, split into the chat
-        delta's `reasoning_content` and `content` (either left out when empty)."""
-        if self.reasoning is None:
+    def shown(self, delta: str, num_tokens: int, finish: str | None) -> str | dict[str, Any]:
+        """A text delta as the client sees it: with a reasoning or tool parser, the chat
+        delta's fields (`reasoning_content`, `content`, `tool_calls`)."""
+        if self.output is None:
             return delta
-        if self.reasoning.in_reasoning:
-            self.reasoning_tokens += num_tokens
-        reasoning, content = self.reasoning.push(delta, is_last=finish is not None)
-        parts = {"reasoning_content": reasoning, "content": content}
-        return {key: text for key, text in parts.items() if text}
+        return self.output.push(delta, num_tokens, is_last=finish is not None)
+
+    def finish_reason(self, finish: str | None) -> str | None:
+        return finish if self.output is None else self.output.finish_reason(finish)
 
     @property
     def num_output_tokens(self) -> int:
@@ -115,7 +114,9 @@ class _Sub:
 
 
 # What the server itself hands the chat template; a request's chat_template_kwargs may not.
-TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+TEMPLATE_VARIABLES = frozenset(
+    {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"}
+)
 
 
 class Serving:
@@ -179,9 +180,11 @@ class Serving:
         add_generation_prompt: bool,
         add_special_tokens: bool,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The ids of the rendered chat (bos first only if `add_special_tokens`: the template
-        writes its own); `template_kwargs`: the request's chat_template_kwargs."""
+        writes its own); `template_kwargs`: the request's chat_template_kwargs; `tools` go to
+        the template as `tools` (Hugging Face's name)."""
         dicts = [m.as_template_dict() for m in messages]
         template_kwargs = template_kwargs or {}
         taken = sorted(TEMPLATE_VARIABLES.intersection(template_kwargs))
@@ -191,6 +194,8 @@ class Serving:
                 f"chat_template_kwargs: {', '.join(taken)} is set by the server, not the request",
                 param="chat_template_kwargs",
             )
+        if tools:
+            template_kwargs = {**template_kwargs, "tools": [t.spec for t in check_tools(tools)]}
         try:
             text = self.tokenizer.apply_chat_template(
                 dicts, add_generation_prompt, **template_kwargs
@@ -226,6 +231,9 @@ class Serving:
         self.check_model(body.model)
         check_common(body)
         structured = await self._structured(body)
+        tool_choice = "none"
+        if chat:
+            structured, tool_choice = await self._tools(body, structured)
         stop = stop_strings(body)
         max_tokens = body.max_tokens
         if chat and body.max_completion_tokens is not None:
@@ -253,7 +261,7 @@ class Serving:
         reqs = await self._submit_all(jobs, prompts)
         n, best_of = sequences(body)
         subs = [
-            self._sub(i * best_of + j, i, seq, body, stop, echo_only)
+            self._sub(i * best_of + j, i, seq, body, stop, tool_choice, echo_only)
             for i, req in enumerate(reqs)
             for j, seq in enumerate([req, *req.forks])
         ]
@@ -264,6 +272,29 @@ class Serving:
             stream = self._sse(request, subs, fmt, usage)
             return StreamingResponse(stream, media_type="text/event-stream")
         return JSONResponse(await self._complete(request, subs, fmt, best_of))
+
+    async def _tools(
+        self, body: ChatCompletionRequest, structured: tuple[str, str] | None
+    ) -> tuple[tuple[str, str] | None, str]:
+        """(the structured output to sample under, the tool choice's mode). A required or named
+        call is a grammar (`router.tools.call_grammar`), compiled here first like any spec."""
+        tools = check_tools(body.tools)
+        choice = check_tool_choice(body.tool_choice, tools)
+        parser = self.router.cfg.router.tool_parser
+        if choice.mode != "none" and not parser:
+            message = "tools: this server reads no tool calls (its [router] tool_parser is unset)"
+            raise ApiError(400, message, param="tools", code="unsupported")
+        if not choice.forces_call:
+            return structured, choice.mode
+        if structured is not None:
+            message = "tool_choice: a required tool call cannot be combined with structured output"
+            raise ApiError(400, message, param="tool_choice", code="invalid_value")
+        grammar = ("grammar", call_grammar(parser, tools, choice, body.parallel_tool_calls))
+        try:
+            await asyncio.to_thread(self.grammars.check, grammar)
+        except InvalidRequestError as exc:
+            raise ApiError(400, f"tools: {exc}", param="tools", code="invalid_value") from None
+        return grammar, choice.mode
 
     async def _structured(self, body: Any) -> tuple[str, str] | None:
         """The (kind, spec) the body asks for, compiled: a 400 naming the field when it is
@@ -283,6 +314,7 @@ class Serving:
         req: RouterRequest,
         body: Any,
         stop: list[str],
+        tool_choice: str,
         echo_only: bool = False,
     ) -> _Sub:
         chat = isinstance(body, ChatCompletionRequest)
@@ -298,18 +330,13 @@ class Serving:
         if logprob_fields(body)["logprobs"] is not None:  # (best_of may ask them for itself)
             formatter = LogprobFormatter(self.tokenizer, chat)
         text = TextStream(self.tokenizer, stop)
-        parser = self.router.cfg.router.reasoning_parser
-        reasoning = ReasoningSplitter(parser) if chat and parser else None
-        return _Sub(
-            index,
-            prompt_index,
-            req,
-            text,
-            echo,
-            formatter,
-            echo_only=echo_only,
-            reasoning=reasoning,
-        )
+        output = None
+        if chat:
+            reasoning_parser = self.router.cfg.router.reasoning_parser
+            tool_parser = self.router.cfg.router.tool_parser if tool_choice != "none" else ""
+            if reasoning_parser or tool_parser:
+                output = ChatOutput(reasoning_parser, tool_parser)
+        return _Sub(index, prompt_index, req, text, echo, formatter, echo_only, output=output)
 
     def _check_prompt(self, ids: list[int], where: str) -> None:
         try:
@@ -387,12 +414,13 @@ class Serving:
                 delta, echo = echo[0] + delta, None
             if text.stopped:
                 self.router.finish_early(req, "stop")
-                yield sub.shown(delta, len(ids), "stop"), "stop", logprobs
+                yield sub.shown(delta, len(ids), "stop"), sub.finish_reason("stop"), logprobs
                 return
             if sub.echo_only:
                 yield delta, "length", logprobs
                 return
-            yield sub.shown(delta, len(ids), event.finish_reason), event.finish_reason, logprobs
+            finish = event.finish_reason
+            yield sub.shown(delta, len(ids), finish), sub.finish_reason(finish), logprobs
 
     async def _merged(self, subs: list[_Sub]) -> AsyncIterator[tuple[int, str, str | None, Any]]:
         """(prompt index, text delta, finish_reason or None, logprobs or None) of every prompt, in the order they
@@ -458,13 +486,15 @@ class Serving:
         reason = "client disconnected"
         parts: list[list[str]] = [[] for _ in subs]
         reasonings: list[list[str]] = [[] for _ in subs]
+        calls: list[list[dict]] = [[] for _ in subs]
         finishes: list[str | None] = [None] * len(subs)
         logprobs: list[list[dict]] = [[] for _ in subs]
         try:
             async with contextlib.aclosing(self._merged(subs)) as events:
                 async for index, delta, finish, lps in events:
-                    if isinstance(delta, dict):  # a reasoning parser's split
+                    if isinstance(delta, dict):  # a reasoning or tool parser's split
                         reasonings[index].append(delta.get("reasoning_content", ""))
+                        calls[index].extend(delta.get("tool_calls", []))
                         delta = delta.get("content", "")
                     parts[index].append(delta)
                     finishes[index] = finish or finishes[index]
@@ -482,9 +512,11 @@ class Serving:
             {"text": text, "finish_reason": finish, "logprobs": lps}
             for text, finish, lps in zip(texts, finishes, merged, strict=True)
         ]
-        for sub, choice, reasoning in zip(subs, choices, reasonings, strict=True):
-            if sub.reasoning is not None:
+        for sub, choice, reasoning, made in zip(subs, choices, reasonings, calls, strict=True):
+            if sub.output is not None and sub.output.reasoning is not None:
                 choice["reasoning_content"] = "".join(reasoning) or None
+            if made:
+                choice["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in made]
         if best_of > fmt.n:  # each prompt's n best, by cumulative logprob (ties: first made)
             shown = []
             for start in range(0, len(subs), best_of):
@@ -528,9 +560,8 @@ def _started(tasks: list[asyncio.Future]) -> list[RouterRequest]:
 
 def _reasoning_tokens(subs: list[_Sub]) -> int | None:
     """The output tokens spent reasoning, summed; None without a reasoning parser."""
-    if all(sub.reasoning is None for sub in subs):
-        return None
-    return sum(sub.reasoning_tokens for sub in subs)
+    outputs = [s.output for s in subs if s.output is not None and s.output.reasoning is not None]
+    return sum(o.reasoning_tokens for o in outputs) if outputs else None
 
 
 def _sse_event(obj: dict[str, Any]) -> str:

@@ -51,3 +51,12 @@ class TextStream:
                     best = n
                     break
         return best
+
+
+def partial_marker(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that is a proper start of `marker`: what a
+    stream holds back, since the next delta may complete the marker."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0

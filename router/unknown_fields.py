@@ -57,8 +57,6 @@ NOT_IMPLEMENTED: dict[str, tuple[str, tuple[Any, ...], str]] = {
     "continue_final_message": (CHAT, (None, False), "continue_final_message is not supported"),
     "chat_template": (CHAT, (None,), "only the model's own chat template is supported"),
     "documents": (CHAT, (None, []), "documents are not supported"),
-    "tools": (CHAT, (None, []), "tool calls are not supported"),
-    "tool_choice": (CHAT, (None, "none"), "tool calls are not supported"),
     "functions": (CHAT, (None, []), "function calls are not supported"),
     "function_call": (CHAT, (None, "none"), "function calls are not supported"),
 }

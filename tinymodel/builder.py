@@ -22,7 +22,7 @@ from model.weight_names import checkpoint_shapes, mtp_copy_names, mtp_shapes
 from model.weights import save_checkpoint
 
 # Bump when the generated files change, so a cached copy from an older version is rebuilt.
-TINY_MODEL_VERSION = 2
+TINY_MODEL_VERSION = 3  # 3: the chat template renders tools
 VERSION_FILE = "duet_tiny_model.json"
 FP8_BLOCK = (128, 128)
 
@@ -45,12 +45,25 @@ V2_LITE_OVERRIDES = {
     "rope_scaling": None,
 }
 
+# Tools as Hermes-style templates have them: the functions' schemas in a system turn, calls as
+# <tool_call>{"name": ..., "arguments": ...}</tool_call> (the `hermes` tool parser), results in
+# <tool_response> on the user's side.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}<|system|>You may call these tools:\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    'Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>\n'
+    "{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}<|system|>{{ message['content'] }}\n"
     "{% elif message['role'] == 'user' %}<|user|>{{ message['content'] }}\n"
-    "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] }}{{ eos_token }}"
+    "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    '<tool_call>{"name": "{{ call["function"]["name"] }}", '
+    '"arguments": {{ call["function"]["arguments"] }}}</tool_call>'
+    "{% endfor %}{{ eos_token }}"
+    "{% elif message['role'] == 'tool' %}"
+    "<|user|><tool_response>{{ message['content'] }}</tool_response>\n"
     "{% else %}{{ raise_exception('unknown chat role: ' + message['role']) }}"
     "{% endif %}"
     "{% endfor %}"

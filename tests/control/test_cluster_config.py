@@ -128,13 +128,16 @@ def test_bad_sla_admission_fields_are_config_errors_naming_the_field(sla, match)
         ClusterConfig.from_dict(raw)
 
 
-def test_the_reasoning_parser_is_off_by_default_and_checked():
+def test_the_reasoning_and_tool_parsers_are_off_by_default_and_checked():
     assert _cfg().router.reasoning_parser == ""
     assert _cfg(router={"reasoning_parser": "deepseek_r1"}).router.reasoning_parser == "deepseek_r1"
     with pytest.raises(
         ConfigError, match=r"\[router\] reasoning_parser must be one of deepseek_r1"
     ):
         _cfg(router={"reasoning_parser": "r1"})
+    assert _cfg(router={"tool_parser": "deepseek_v3"}).router.tool_parser == "deepseek_v3"
+    with pytest.raises(ConfigError, match=r"\[router\] tool_parser must be one of hermes"):
+        _cfg(router={"tool_parser": "json"})
 
 
 def test_sla_admission_defaults_keep_todays_behaviour():

@@ -69,6 +69,7 @@ def test_up_overrides_every_node_of_a_role():
         mtp_tokens=None,
         no_weights_cache=False,
         reasoning_parser=None,
+        tool_parser=None,
     )
     raw = resolve_config(args)
     assert [n.get("quant", "none") for n in raw["prefill"]] == ["none", "none"]
@@ -81,6 +82,8 @@ def test_up_overrides_every_node_of_a_role():
     assert cfg.router.reasoning_parser == ""
     args.reasoning_parser = "deepseek_r1"  # `duet up --reasoning-parser deepseek_r1`
     assert ClusterConfig.from_dict(resolve_config(args)).router.reasoning_parser == "deepseek_r1"
+    args.tool_parser = "hermes"  # `duet up --tool-parser hermes`
+    assert ClusterConfig.from_dict(resolve_config(args)).router.tool_parser == "hermes"
 
 
 def test_a_node_loads_its_scheme():
