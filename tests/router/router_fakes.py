@@ -262,6 +262,22 @@ class FakeCluster(threading.Thread):
         return sum(self.reserved[node].values())
 
 
+class RecordingCluster(FakeCluster):
+    """Keeps every Reserve and Prefill it was sent."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.messages: list = []
+
+    def _handle(self, node, msg):
+        if isinstance(msg, (Reserve, Prefill)):
+            self.messages.append(msg)
+        super()._handle(node, msg)
+
+    def sent(self, kind: type) -> list:
+        return [m for m in self.messages if isinstance(m, kind)]
+
+
 class RouterServer:
     """The real router app (router.__main__.build_app) under uvicorn in a background thread."""
 

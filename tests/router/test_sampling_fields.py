@@ -6,7 +6,7 @@ values out of range are a 400 naming the field, before anything reaches a node."
 import httpx
 import openai
 import pytest
-from router_fakes import FakeCluster, RouterServer, assert_invalid_value, fake_config
+from router_fakes import RecordingCluster, RouterServer, assert_invalid_value, fake_config
 
 from control.protocol import Prefill, Reserve, sampling_from_dict
 from control.sampling_params import SamplingParams
@@ -15,22 +15,6 @@ from tinymodel.make import make_tiny_model
 
 VOCAB = 512  # the random tiny model's (`model_dir`)
 SCRIPT = "one two three four five six seven eight"
-
-
-class Recording(FakeCluster):
-    """Keeps every Reserve and Prefill it was sent."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        self.messages: list = []
-
-    def _handle(self, node, msg):
-        if isinstance(msg, (Reserve, Prefill)):
-            self.messages.append(msg)
-        super()._handle(node, msg)
-
-    def sent(self, kind: type) -> list:
-        return [m for m in self.messages if isinstance(m, kind)]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +32,7 @@ def tok(model_dir):
 @pytest.fixture(scope="module")
 def cluster(tok, model_dir):
     cfg = fake_config()
-    fakes = Recording(cfg, tok.encode(SCRIPT), eos_id=tok.eos_token_ids[0])
+    fakes = RecordingCluster(cfg, tok.encode(SCRIPT), eos_id=tok.eos_token_ids[0])
     fakes.start()
     server = RouterServer(cfg, model_dir)
     server.start()

@@ -9,7 +9,13 @@ import json
 import httpx
 import openai
 import pytest
-from router_fakes import FakeCluster, RouterServer, assert_invalid_value, fake_config, tokens
+from router_fakes import (
+    RecordingCluster,
+    RouterServer,
+    assert_invalid_value,
+    fake_config,
+    tokens,
+)
 
 from control.protocol import Prefill, Reserve, sampling_from_dict
 from control.structured_output import MAX_SPEC_CHARS
@@ -20,16 +26,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 SCHEMA_TEXT = json.dumps(SCHEMA, separators=(",", ":"))
 
 
-class Recording(FakeCluster):
-    def __post_init__(self):
-        super().__post_init__()
-        self.messages: list = []
-
-    def _handle(self, node, msg):
-        if isinstance(msg, (Reserve, Prefill)):
-            self.messages.append(msg)
-        super()._handle(node, msg)
-
+class Recording(RecordingCluster):
     def structured_sent(self) -> tuple:
         """The structured field both nodes were sent for the one request."""
         (reserve,) = [m for m in self.messages if isinstance(m, Reserve)]

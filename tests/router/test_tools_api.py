@@ -9,9 +9,9 @@ import json
 import httpx
 import openai
 import pytest
-from router_fakes import FakeCluster, fake_config, start_cluster, stop_all
+from router_fakes import RecordingCluster, fake_config, start_cluster, stop_all
 
-from control.protocol import Prefill, Reserve, sampling_from_dict
+from control.protocol import Prefill, sampling_from_dict
 
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 TOOLS = [
@@ -31,17 +31,6 @@ TOOLS = [
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-class Recording(FakeCluster):
-    def __post_init__(self):
-        super().__post_init__()
-        self.messages: list = []
-
-    def _handle(self, node, msg):
-        if isinstance(msg, (Reserve, Prefill)):
-            self.messages.append(msg)
-        super()._handle(node, msg)
-
-
 @pytest.fixture(scope="module")
 def script(tok):
     """The fake nodes' output: some text, the call, then EOS (the model stops after a call)."""
@@ -54,7 +43,7 @@ def script(tok):
 def cluster(model_dir, tok, script):
     started = []
     cfg = fake_config(tool_parser="hermes")
-    yield start_cluster(cfg, script, tok.eos_token_ids[0], model_dir, started, Recording)
+    yield start_cluster(cfg, script, tok.eos_token_ids[0], model_dir, started, RecordingCluster)
     stop_all(started)
 
 
