@@ -387,8 +387,9 @@ class Serving:
                 self.router.abort(req, reason)
 
     # ---- output -----------------------------------------------------------------------------
-    async def _deltas(self, sub: _Sub) -> AsyncIterator[tuple[str, str | None, dict | None]]:
-        """(text delta, finish_reason or None, logprobs or None) until the request ends;
+    async def _deltas(self, sub: _Sub) -> AsyncIterator[tuple[str | dict, str | None, dict | None]]:
+        """(text delta, or with a chat parser the delta's fields; finish_reason or None;
+        logprobs or None) until the request ends;
         RequestFailed on error. An echoed prompt comes with the first delta."""
         req, text = sub.req, sub.text
         echo = sub.echo
