@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control.tokenizer import Tokenizer
@@ -36,6 +36,7 @@ from router.cluster_view import cluster_view
 from router.core import Router
 from router.guard import GatewayGuard
 from router.metrics import CONTENT_TYPE
+from router.responses_api import ResponsesRequest, respond
 from router.serving import ModelInfo, Prompts, Serving
 from router.unknown_fields import ignored_fields_headers
 
@@ -150,6 +151,18 @@ def create_app(router: Router, tokenizer: Tokenizer, model: ModelInfo) -> FastAP
             args = (body.messages, True, body.add_special_tokens, body.chat_template_kwargs)
             ids = serving.chat_prompt(*args, body.tools)
             return serving.run(request, body, Prompts([ids]))
+
+        return await _noting(ignored, run)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        body, ignored = parse_body(await request.body(), ResponsesRequest)
+
+        async def run():
+            out = await respond(serving, request, body)
+            if body.stream:
+                return StreamingResponse(out, media_type="text/event-stream")
+            return JSONResponse(out)
 
         return await _noting(ignored, run)
 

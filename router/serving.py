@@ -227,6 +227,18 @@ class Serving:
         prompts: Prompts,
         request_id: str,
     ) -> Response:
+        subs, fmt, best_of = await self.start(body, prompts, request_id)
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            stream = self._sse(request, subs, fmt, usage)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        return JSONResponse(await self._complete(request, subs, fmt, best_of))
+
+    async def start(
+        self, body: CompletionRequest | ChatCompletionRequest, prompts: Prompts, request_id: str
+    ) -> tuple[list[_Sub], ResponseShapes, int]:
+        """The request checked and submitted: (its sequences, the response shapes, best_of).
+        ApiError for anything the client must fix; the caller reads the outputs (`outputs`)."""
         chat = isinstance(body, ChatCompletionRequest)
         self.check_model(body.model)
         check_common(body)
@@ -267,11 +279,26 @@ class Serving:
         ]
         prompt_lens = tuple(len(ids) for ids in prompts.token_ids)
         fmt = ResponseShapes(request_id, self.model.name, chat, prompt_lens, prompts.is_batch, n)
-        if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            stream = self._sse(request, subs, fmt, usage)
-            return StreamingResponse(stream, media_type="text/event-stream")
-        return JSONResponse(await self._complete(request, subs, fmt, best_of))
+        return subs, fmt, best_of
+
+    async def outputs(
+        self, request: Request, subs: list[_Sub]
+    ) -> AsyncIterator[tuple[int, str | dict, str | None, Any]]:
+        """Every sequence's (index, delta, finish_reason, logprobs) as they come, until all
+        finished; RequestFailed at the first error. A client that goes away, an error or the
+        caller closing this generator aborts what still runs on both nodes."""
+        watcher = asyncio.create_task(self._abort_on_disconnect(request, subs))
+        reason = "client disconnected"
+        try:
+            async with contextlib.aclosing(self._merged(subs)) as events:
+                async for item in events:
+                    yield item
+        except RequestFailed:
+            reason = "another prompt of the request failed"
+            raise
+        finally:
+            watcher.cancel()
+            self._abort_all([s.req for s in subs], reason)
 
     async def _tools(
         self, body: ChatCompletionRequest, structured: tuple[str, str] | None
@@ -483,15 +510,13 @@ class Serving:
     async def _complete(
         self, request: Request, subs: list[_Sub], fmt: ResponseShapes, best_of: int
     ) -> dict[str, Any]:
-        watcher = asyncio.create_task(self._abort_on_disconnect(request, subs))
-        reason = "client disconnected"
         parts: list[list[str]] = [[] for _ in subs]
         reasonings: list[list[str]] = [[] for _ in subs]
         calls: list[list[dict]] = [[] for _ in subs]
         finishes: list[str | None] = [None] * len(subs)
         logprobs: list[list[dict]] = [[] for _ in subs]
         try:
-            async with contextlib.aclosing(self._merged(subs)) as events:
+            async with contextlib.aclosing(self.outputs(request, subs)) as events:
                 async for index, delta, finish, lps in events:
                     if isinstance(delta, dict):  # a reasoning or tool parser's split
                         reasonings[index].append(delta.get("reasoning_content", ""))
@@ -502,11 +527,7 @@ class Serving:
                     if lps is not None:
                         logprobs[index].append(lps)
         except RequestFailed as exc:
-            reason = "another prompt of the request failed"
             raise fmt.error(exc) from None
-        finally:
-            watcher.cancel()
-            self._abort_all([s.req for s in subs], reason)
         texts = ["".join(p) for p in parts]
         merged = [merge(lps) if s.logprobs else None for s, lps in zip(subs, logprobs, strict=True)]
         choices = [
