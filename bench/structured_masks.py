@@ -11,7 +11,10 @@ Timed per step, medians over `--steps`:
   forward  one decode forward of the model at batch B (`--model`, default the tiny model)
   serial   forward, then fill + bias            overlap  fill + bias on the helper thread
 Run: `duet bench-masks --model /work/bench-model --batch 1 8 32 --threads 4` (idle machine);
-`--masks-only` times the mask phases alone (the weights are not read).
+`--masks-only` times the mask phases alone (the weights are not read). `--tool-call hermes` (or
+deepseek_v3): the rows write a forced tool call instead (`tool_choice: "required"`, one function
+whose arguments follow the schema), in that parser's format: a constrained call's cost per step
+against `forward` alone, which is what a free-text step costs.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import statistics
 import time
 
 import torch
+
+from control.cluster_config import TOOL_PARSERS
+from router.tools import Tool, ToolChoice, call_grammar
 
 DEFAULT_SCHEMA = {
     "type": "object",
@@ -46,6 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="kernel threads of the forward")
     p.add_argument("--mask-threads", type=int, default=2, help="llguidance's workers")
     p.add_argument("--masks-only", action="store_true", help="no forward: the weights stay unread")
+    p.add_argument("--tool-call", choices=TOOL_PARSERS, help="rows write a forced tool call")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
@@ -155,12 +162,20 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.schema, encoding="utf-8") as f:
             schema = json.load(f)
     structured = ("json_schema", json.dumps(schema))
+    if args.tool_call:
+        tool = Tool("describe", schema, {})
+        lark = call_grammar(args.tool_call, [tool], ToolChoice("required"), parallel=False)
+        structured = ("grammar", lark)
     results = [bench_batch(model, grammars, structured, b, args.steps) for b in args.batch]
     grammars.close()
     if args.json:
         print(json.dumps({"model": model_dir, "vocab_size": cfg.vocab_size, "results": results}))
         return 0
-    print(f"model {model_dir} (vocab {cfg.vocab_size}); medians over {args.steps} steps, ms")
+    what = f"a forced {args.tool_call} tool call" if args.tool_call else "a JSON schema"
+    print(
+        f"model {model_dir} (vocab {cfg.vocab_size}), rows writing {what}; medians over "
+        f"{args.steps} steps, ms"
+    )
     keys = ["batch", "fill_ms", "bias_ms", "apply_ms", "mask_ms_per_row", "forward_ms"]
     keys += [] if args.masks_only else ["serial_ms", "overlap_ms"]
     print("  ".join(f"{k:>15}" for k in keys))
