@@ -363,7 +363,9 @@ class Serving:
             tool_parser = self.router.cfg.router.tool_parser if tool_choice != "none" else ""
             if reasoning_parser or tool_parser:
                 output = ChatOutput(reasoning_parser, tool_parser)
-        return _Sub(index, prompt_index, req, text, echo, formatter, echo_only, output=output)
+        return _Sub(
+            index, prompt_index, req, text, echo, formatter, echo_only=echo_only, output=output
+        )
 
     def _check_prompt(self, ids: list[int], where: str) -> None:
         try:
