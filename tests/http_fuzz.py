@@ -17,8 +17,8 @@ import httpx
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-KNOWN_PATHS = [COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics"]
+COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
+KNOWN_PATHS = [COMPLETIONS, CHAT, RESPONSES, "/v1/models", "/health", "/metrics"]
 ODD_PATHS = [
     "/",
     "/v1",
@@ -222,6 +222,22 @@ messages_good = st.lists(
     max_size=3,
 )
 SCHEMA_KEYS = ["type", "properties", "required", "items", "enum", "$ref", "pattern", "anyOf"]
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+    "required": ["city"],
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": WEATHER_PARAMETERS},
+}
+FLAT_WEATHER_TOOL = {"type": "function", "name": "get_weather", "parameters": WEATHER_PARAMETERS}
+NAMED_CHOICE = {"type": "function", "function": {"name": "get_weather"}}
+RESPONSES_LOOP = [
+    {"role": "user", "content": "Weather?"},
+    {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+    {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+]
 # Per field: (good values, absurd values of the right type).
 FIELDS = {
     "model": (st.sampled_from(["tiny-model"]), texts),
@@ -235,7 +251,7 @@ FIELDS = {
         st.one_of(st.text(min_size=1, max_size=5), st.lists(st.text(min_size=1), max_size=4)),
         st.one_of(st.just(BIG_STOP), st.just(""), st.lists(texts, max_size=10)),
     ),
-    "n": (st.just(1), st.sampled_from([0, -1, 2, 10**9, 2**64])),
+    "n": (st.sampled_from([1, 1, 2]), st.sampled_from([0, -1, 17, 10**9, 2**64])),
     "stream": (st.booleans(), st.booleans()),
     "stream_options": (
         st.fixed_dictionaries({"include_usage": st.booleans()}),
@@ -310,8 +326,47 @@ CHAT_FIELDS = {
     ),
     "logprobs": (st.just(False), st.booleans()),
     "top_logprobs": (st.none(), ints),
-    "tools": (st.none(), st.lists(st.dictionaries(texts, json_values, max_size=3), max_size=2)),
-    "tool_choice": (st.sampled_from([None, "none"]), json_values),
+    "tools": (
+        st.sampled_from([None, [WEATHER_TOOL]]),
+        st.one_of(
+            st.lists(st.dictionaries(texts, json_values, max_size=3), max_size=2),
+            st.just([WEATHER_TOOL] * 2),
+            st.just([{"type": "function", "function": {"name": "f", "parameters": "x"}}]),
+            st.just([{"type": "function", "function": {"name": "f", "parameters": {"$ref": 1}}}]),
+        ),
+    ),
+    "tool_choice": (
+        st.sampled_from([None, "none", "auto", "required", NAMED_CHOICE]),
+        st.one_of(json_values, st.just({"type": "function", "function": {"name": "nope"}})),
+    ),
+    "parallel_tool_calls": (st.booleans(), json_values),
+    "chat_template_kwargs": (
+        st.sampled_from([None, {}, {"thinking": True}]),
+        st.one_of(json_values, st.just({"messages": 1}), st.dictionaries(texts, json_values)),
+    ),
+}
+RESPONSES_FIELDS = {
+    "input": (
+        st.one_of(st.text(min_size=1, max_size=30), st.just(RESPONSES_LOOP)),
+        st.one_of(
+            json_values,
+            st.lists(st.dictionaries(texts, json_values, max_size=4), max_size=4),
+            st.just([{"type": "function_call", "call_id": 1}]),
+            st.just([{"role": "user", "content": [{"type": "input_image"}]}]),
+        ),
+    ),
+    "instructions": (st.text(max_size=20), texts),
+    "max_output_tokens": (st.integers(1, 8), ints),
+    "tools": (st.sampled_from([None, [FLAT_WEATHER_TOOL]]), json_values),
+    "tool_choice": (
+        st.sampled_from([None, "auto", "required", {"type": "function", "name": "get_weather"}]),
+        json_values,
+    ),
+    "text": (st.sampled_from([None, {"format": {"type": "text"}}]), json_values),
+    "previous_response_id": (st.none(), texts),
+    "store": (st.booleans(), json_values),
+    "stream": (st.booleans(), json_values),
+    "temperature": FIELDS["temperature"],
 }
 
 
@@ -319,12 +374,16 @@ CHAT_FIELDS = {
 def openai_requests(draw, good_keys: list[str]):
     """A body that is valid except for a few mutations: a field with an absurd value or a wrong
     type, a required field dropped, unknown fields, or a field of the other endpoint."""
-    path = draw(st.sampled_from([COMPLETIONS, CHAT]))
-    own = COMPLETION_FIELDS if path == COMPLETIONS else CHAT_FIELDS
-    fields = {**FIELDS, **own}
-    required = "prompt" if path == COMPLETIONS else "messages"
+    path = draw(st.sampled_from([COMPLETIONS, CHAT, RESPONSES]))
+    if path == RESPONSES:
+        fields, required = RESPONSES_FIELDS, "input"
+    else:
+        own = COMPLETION_FIELDS if path == COMPLETIONS else CHAT_FIELDS
+        fields = {**FIELDS, **own}
+        required = "prompt" if path == COMPLETIONS else "messages"
     body = {required: draw(fields[required][0])}
-    for name in draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=4, unique=True)):
+    optional = sorted(name for name in fields if name != required)
+    for name in draw(st.lists(st.sampled_from(optional), max_size=4, unique=True)):
         body[name] = draw(fields[name][0])
     for _ in range(draw(st.integers(0, 2))):
         kind = draw(st.sampled_from(["absurd", "absurd", "wrong_type", "drop", "unknown"]))
@@ -336,7 +395,7 @@ def openai_requests(draw, good_keys: list[str]):
         elif kind == "drop":
             body.pop(required, None)
         else:
-            other = CHAT_FIELDS if path == COMPLETIONS else COMPLETION_FIELDS
+            other = CHAT_FIELDS if path != CHAT else COMPLETION_FIELDS
             body[draw(st.one_of(texts, st.sampled_from(sorted(other))))] = draw(json_values)
     raw = encode_json(body, draw(st.booleans()))
     return FuzzRequest("POST", path, raw, draw(headers(good_keys)))

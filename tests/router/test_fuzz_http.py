@@ -1,7 +1,8 @@
 """HTTP fuzzing of the gateway over fake nodes: generated requests across every endpoint (raw
 bytes, invalid UTF-8, recursive JSON, OpenAI fields with wrong types and absurd values, unknown
-fields, deep nesting, unicode edge cases, odd methods and paths) never get a 5xx while the nodes
-are healthy, and the router serves a valid request afterwards with nothing left held.
+fields, deep nesting, unicode edge cases, odd methods and paths; tools, tool choices, template
+kwargs, n > 1, structured output, the Responses API) never get a 5xx while the nodes are
+healthy, and the router serves a valid request afterwards with nothing left held.
 
 The count is `DUET_FUZZ_EXAMPLES` (total over this module, default 400: under a minute); the
 full run is `DUET_FUZZ_EXAMPLES=10000 python -m pytest tests/router/test_fuzz_http.py`.
@@ -40,6 +41,8 @@ def cluster():
     """Fake nodes that answer at once (tokens without delay) and a router with keys and every
     limit set, so both rejections and full completions are exercised."""
     cfg = fake_config(
+        reasoning_parser="deepseek_r1",  # the chat and Responses paths with both parsers on
+        tool_parser="hermes",
         max_tokens_limit=16,
         max_body_bytes=1024 * 1024,
         max_prompt_tokens=128,
