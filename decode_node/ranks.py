@@ -258,7 +258,7 @@ def build_rank(
     security=None,
 ) -> RankDecodeNode:
     """Joins the group (`rendezvous` as in RankGroup), installs expert parallelism, binds this
-    rank's KV receiver (CURVE with `security`, an control.security.CurveSecurity; plain with
+    rank's KV receiver (CURVE with `security`, a control.security.CurveSecurity; plain with
     None)."""
     from kvtransfer import ZmqReceiver, make_fingerprint
 

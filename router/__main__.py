@@ -20,7 +20,7 @@ from control.errors import DuetError
 def build_app(cfg, model_dir: str | None = None, security=None):
     """The FastAPI app for a `ClusterConfig`, and the (host, port) it should listen on (the
     router's `bind_host`, else its `host`).
-    `security` (an control.security.CurveSecurity) makes the node sockets CURVE; None: plain."""
+    `security` (a control.security.CurveSecurity) makes the node sockets CURVE; None: plain."""
     from control.builtin_model import ensure_builtin_model
     from control.model_config import ModelConfig
     from control.tokenizer import Tokenizer
