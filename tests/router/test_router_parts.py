@@ -169,9 +169,14 @@ def make_watchdog(nodes, requests, lost=()):
     timeouts = TimeoutConfig(prefill_queue_s=5.0, transfer_s=5.0, decode_s=30.0, node_timeout_s=2)
     callbacks = {"node_lost": Calls(), "fail": Calls()}
     watchdog = Watchdog(
-        nodes, requests, timeouts, "router-1",
-        send=Calls(True), lost_connections=lambda: list(lost), **callbacks,
-    )  # fmt: skip
+        nodes,
+        requests,
+        timeouts,
+        "router-1",
+        send=Calls(True),
+        lost_connections=lambda: list(lost),
+        **callbacks,
+    )
     return watchdog, callbacks
 
 
@@ -226,9 +231,13 @@ def test_health_refuses_another_model_and_reports_a_restarted_node_as_lost():
     nodes = two_node_registry()
     node_lost = Calls()
     health = NodeHealth(
-        nodes, NoPolicy(), FakeAdmission(), {"num_hidden_layers": 3},
-        node_lost=node_lost, is_closing=lambda: False,
-    )  # fmt: skip
+        nodes,
+        NoPolicy(),
+        FakeAdmission(),
+        {"num_hidden_layers": 3},
+        node_lost=node_lost,
+        is_closing=lambda: False,
+    )
     health.on_node_ready(NodeReady("p0", "prefill", {"fingerprint": {"num_hidden_layers": 3}}))
     health.on_node_ready(NodeReady("d0", "decode", {"fingerprint": {"num_hidden_layers": 4}}))
     assert nodes.nodes["p0"].is_ready and nodes.nodes["d0"].status == NodeStatus.DEAD
@@ -243,11 +252,20 @@ def test_dispatch_answers_a_late_reservation_yes_with_an_abort_to_the_decode_nod
     nodes = two_node_registry()
     send = Calls(True)
     dispatch = RequestDispatch(
-        nodes, policy=None, admission=None, metrics=None, timeouts=TimeoutConfig(),
-        max_positions=128, requests={},
-        send=send, reject=Calls(), abort_on_nodes=Calls(), forget=Calls(),
-        wait_for_nodes=Calls(), room_changed=None,
-    )  # fmt: skip
+        nodes,
+        policy=None,
+        admission=None,
+        metrics=None,
+        timeouts=TimeoutConfig(),
+        max_positions=128,
+        requests={},
+        send=send,
+        reject=Calls(),
+        abort_on_nodes=Calls(),
+        forget=Calls(),
+        wait_for_nodes=Calls(),
+        room_changed=None,
+    )
     dispatch.on_reserve_reply(ReserveReply("gone", True, "tcp://d0-kv"))
     dispatch.on_reserve_reply(ReserveReply("gone-too", False, "", reason="full"))
     assert send.calls == [("d0", Abort("gone", "reservation came too late"))]
