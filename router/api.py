@@ -393,8 +393,23 @@ def check_common(body: _SamplingFields) -> None:
     sequences(body)
     if isinstance(body, CompletionRequest):
         _check_num_logprobs("logprobs", body.logprobs)
-        if body.suffix:
-            raise _unsupported("suffix", "suffix is not supported")
+        # suffix (fill-in-the-middle, control.fim; "" is no suffix) wraps a text prompt.
+        if body.suffix and body.echo:
+            raise ApiError(
+                400,
+                "suffix: cannot be combined with echo (as OpenAI refuses it)",
+                param="suffix",
+                code="invalid_value",
+            )
+        prompt = body.prompt
+        if body.suffix and isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
+            raise ApiError(
+                400,
+                "suffix: needs a text prompt; a prompt of token ids has no text to put between "
+                "the fill-in-the-middle tokens (send the whole FIM prompt's ids instead)",
+                param="suffix",
+                code="invalid_value",
+            )
     if isinstance(body, ChatCompletionRequest):
         _check_num_logprobs("top_logprobs", body.top_logprobs)
         if body.top_logprobs and not body.logprobs:

@@ -71,6 +71,7 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         "max_completion_tokens": body.max_output_tokens,
         "parallel_tool_calls": body.parallel_tool_calls,
         "ignore_eos": body.ignore_eos,
+        "stream": body.stream,  # streamed: a call's arguments come in pieces
     }
     for name in ("temperature", "top_p", "user", "top_k", "min_p", "repetition_penalty", "seed"):
         if getattr(body, name) is not None:
@@ -185,9 +186,11 @@ class ResponseBuilder:
             events += self._text("reasoning", fields["reasoning_content"])
         if fields.get("content"):
             events += self._text("message", fields["content"])
-        for call in fields.get("tool_calls", []):
-            events += self._close()
-            events += self._function_call(call["function"])
+        for piece in fields.get("tool_calls", []):
+            if "id" in piece:  # a new call: its name, maybe its first arguments
+                events += self._close()
+                events += self._open_call(piece["function"]["name"])
+            events += self._arguments(piece["function"]["arguments"])
         return events
 
     def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
@@ -249,7 +252,17 @@ class ResponseBuilder:
         if item is None:
             return []
         item["status"] = "completed"
-        index, part = len(self.items) - 1, item["content"][0]
+        index = len(self.items) - 1
+        if item["type"] == "function_call":
+            where = {"item_id": item["id"], "output_index": index}
+            arguments, name = item["arguments"], item["name"]
+            end = "response.function_call_arguments.done"
+            events = [self._event(end, **where, arguments=arguments, name=name)]
+            return [
+                *events,
+                self._event("response.output_item.done", output_index=index, item=item),
+            ]
+        part = item["content"][0]
         where = {"item_id": item["id"], "output_index": index, "content_index": 0}
         if item["type"] == "reasoning":
             events = [self._event("response.reasoning_text.done", **where, text=part["text"])]
@@ -260,30 +273,27 @@ class ResponseBuilder:
             ]
         return [*events, self._event("response.output_item.done", output_index=index, item=item)]
 
-    def _function_call(self, function: dict[str, Any]) -> list[dict[str, Any]]:
+    def _open_call(self, name: str) -> list[dict[str, Any]]:
         item = {
             "type": "function_call",
             "id": f"fc_{secrets.token_hex(12)}",
             "call_id": f"call_{secrets.token_hex(12)}",
-            "name": function["name"],
-            "arguments": function["arguments"],
-            "status": "completed",
+            "name": name,
+            "arguments": "",
+            "status": "in_progress",
         }
         self.items.append(item)
+        self._open = item
         index = len(self.items) - 1
-        where = {"item_id": item["id"], "output_index": index}
-        added = {**item, "arguments": "", "status": "in_progress"}
-        return [
-            self._event("response.output_item.added", output_index=index, item=added),
-            self._event("response.function_call_arguments.delta", **where, delta=item["arguments"]),
-            self._event(
-                "response.function_call_arguments.done",
-                **where,
-                arguments=item["arguments"],
-                name=item["name"],
-            ),
-            self._event("response.output_item.done", output_index=index, item=item),
-        ]
+        return [self._event("response.output_item.added", output_index=index, item=dict(item))]
+
+    def _arguments(self, piece: str) -> list[dict[str, Any]]:
+        item = self._open
+        if not piece or item is None or item["type"] != "function_call":
+            return []
+        item["arguments"] += piece
+        where = {"item_id": item["id"], "output_index": len(self.items) - 1}
+        return [self._event("response.function_call_arguments.delta", **where, delta=piece)]
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self._seq, **fields}

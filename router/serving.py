@@ -32,6 +32,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from control.errors import ConfigError, InvalidRequestError
+from control.fim import NoFimTokensError, fim_prompt_ids
 from control.prompt import validate_prompt
 from control.sampling_params import SamplingParams
 from control.structured_output import GrammarChecker
@@ -48,7 +49,7 @@ from router.api import (
     sequences,
     stop_strings,
 )
-from router.chat_output import ChatOutput
+from router.chat_output import ChatOutput, join_calls
 from router.core import Router, RouterError
 from router.logprobs import LogprobFormatter, merge
 from router.response_shapes import RequestFailed, ResponseShapes
@@ -148,11 +149,26 @@ class Serving:
         return self.tokenizer.encode(text)
 
     def completion_prompts(self, body: CompletionRequest) -> Prompts:
-        prompt = body.prompt
+        """The ids of the request's prompts. With a non-empty `suffix`, each text prompt becomes
+        the fill-in-the-middle prompt around it and that suffix (`control.fim`; an empty text is
+        then a prompt too: the middle at the start of a file); a 400 on `suffix` when the model
+        has no FIM tokens."""
+        prompt, suffix = body.prompt, body.suffix or ""  # "" is no suffix
+        if suffix:
+            check_common(body)  # what suffix cannot be combined with, before any FIM work
+
+        def encode(text: str, where: str) -> list[int]:
+            if suffix:
+                try:
+                    return fim_prompt_ids(self.tokenizer, text, suffix, body.add_special_tokens)
+                except NoFimTokensError as exc:
+                    raise ApiError(400, str(exc), param="suffix", code="unsupported") from None
+            if not text:
+                raise ApiError(400, f"{where}the prompt is empty", param="prompt")
+            return self.encode_text(text, body.add_special_tokens)
+
         if isinstance(prompt, str):
-            if not prompt:
-                raise ApiError(400, "the prompt is empty", param="prompt")
-            return Prompts([self.encode_text(prompt, body.add_special_tokens)])
+            return Prompts([encode(prompt, "")])
         if not prompt:  # [] (any of the list forms)
             raise ApiError(400, "the prompt is empty", param="prompt")
         if isinstance(prompt[0], int):
@@ -168,10 +184,7 @@ class Serving:
             )
         if isinstance(prompt[0], list):
             return Prompts([list(p) for p in prompt], is_batch=True)
-        for i, text in enumerate(prompt):
-            if not text:
-                raise ApiError(400, f"prompt[{i}]: the prompt is empty", param="prompt")
-        ids = [self.encode_text(text, body.add_special_tokens) for text in prompt]
+        ids = [encode(text, f"prompt[{i}]: ") for i, text in enumerate(prompt)]
         return Prompts(ids, is_batch=True)
 
     def chat_prompt(
@@ -362,7 +375,7 @@ class Serving:
             reasoning_parser = self.router.cfg.router.reasoning_parser
             tool_parser = self.router.cfg.router.tool_parser if tool_choice != "none" else ""
             if reasoning_parser or tool_parser:
-                output = ChatOutput(reasoning_parser, tool_parser)
+                output = ChatOutput(reasoning_parser, tool_parser, stream=body.stream)
         return _Sub(
             index, prompt_index, req, text, echo, formatter, echo_only=echo_only, output=output
         )
@@ -540,7 +553,7 @@ class Serving:
             if sub.output is not None and sub.output.reasoning is not None:
                 choice["reasoning_content"] = "".join(reasoning) or None
             if made:
-                choice["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in made]
+                choice["tool_calls"] = join_calls(made)
         if best_of > fmt.n:  # each prompt's n best, by cumulative logprob (ties: first made)
             shown = []
             for start in range(0, len(subs), best_of):

@@ -103,8 +103,22 @@ def test_a_streamed_function_call(call_cluster):
         client.responses.create(model="tiny-model", input="Weather?", tools=TOOLS, stream=True)
     )
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
-    assert len(done) == 1 and json.loads(done[0].arguments) == {"city": "Paris"}
+    assert len(done) == 1 and done[0].arguments == '{"city": "Paris"}'
+    # added (name known, no arguments yet), the arguments in pieces, done, the item done
+    (added,) = _call_items(events, "response.output_item.added")
+    assert added.item.name == "get_weather" and added.item.arguments == ""
+    pieces = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) > 1 and "".join(e.delta for e in pieces) == done[0].arguments
+    assert {e.item_id for e in pieces} == {added.item.id}
+    order = [e.sequence_number for e in (added, *pieces, done[0])]
+    assert order == sorted(order)
+    ((_, item),) = [(e, e.item) for e in _call_items(events, "response.output_item.done")]
+    assert item.arguments == done[0].arguments and item.status == "completed"
     assert events[-1].type == "response.completed"
+
+
+def _call_items(events, kind):
+    return [e for e in events if e.type == kind and e.item.type == "function_call"]
 
 
 @pytest.mark.parametrize(

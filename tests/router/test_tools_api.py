@@ -4,7 +4,6 @@ in the history, rendered by the chat template), tool_choice none / auto / requir
 forced call reaches both nodes as its grammar), and a 400 naming the field for every bad
 tools or tool_choice value, before any node hears of the request."""
 
-import json
 
 import httpx
 import openai
@@ -68,23 +67,29 @@ def test_auto_returns_the_call_with_its_arguments(client, script):
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.id.startswith("call_")
     assert call.function.name == "get_weather"
-    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert call.function.arguments == '{"city": "Paris"}'  # as the model wrote it
 
 
-def test_a_streamed_call_comes_as_one_indexed_tool_call_delta(client, script):
+def test_a_streamed_call_comes_name_first_then_its_arguments_in_pieces(client, script):
     stream = _create(client, script, tools=TOOLS, stream=True)
-    content, calls, finish = [], {}, None
+    content, calls, pieces, finish = [], {}, [], None
     for chunk in stream:
         for choice in chunk.choices:
             content.append(choice.delta.content or "")
             for part in choice.delta.tool_calls or []:
-                call = calls.setdefault(part.index, {"name": "", "arguments": ""})
-                call["name"] += part.function.name or ""
-                call["arguments"] += part.function.arguments or ""
+                if part.index not in calls:  # a call's first piece: its id, type and name
+                    assert part.id.startswith("call_") and part.type == "function"
+                    calls[part.index] = {"name": part.function.name, "arguments": ""}
+                else:
+                    assert part.function.name is None and part.id is None
+                calls[part.index]["arguments"] += part.function.arguments or ""
+                pieces.append(part.function.arguments)
             finish = choice.finish_reason or finish
     assert "".join(content) == "Let me look. "
     assert list(calls) == [0] and calls[0]["name"] == "get_weather"
-    assert json.loads(calls[0]["arguments"]) == {"city": "Paris"}
+    # the model's own text, token by token as the fake node sends it
+    assert calls[0]["arguments"] == '{"city": "Paris"}'
+    assert len([p for p in pieces if p]) > 1
     assert finish == "tool_calls"
 
 
