@@ -353,7 +353,7 @@ def sampling_to_dict(params: SamplingParams) -> dict[str, Any]:
     out = dataclasses.asdict(params)
     out["stop_token_ids"] = list(params.stop_token_ids)
     out["logit_bias"] = [[token, bias] for token, bias in params.logit_bias]
-    # Structured output: the (kind, spec) pair travels as a two-item list (asdict's copy).
+    # Structured output: (kind, spec[, after]) travels as a list (asdict's copy).
     out["structured"] = None if params.structured is None else list(params.structured)
     return out
 
@@ -367,11 +367,11 @@ def sampling_from_dict(raw: dict[str, Any]) -> SamplingParams:
     raw = dict(raw)
     raw["stop_token_ids"] = tuple(raw.get("stop_token_ids", ()))
     raw["logit_bias"] = tuple(_bias_pair(pair) for pair in raw.get("logit_bias", ()))
-    # Structured output: [kind, spec] -> (kind, spec); SamplingParams checks the strings.
+    # Structured output: [kind, spec(, after)] -> a tuple; SamplingParams checks the strings.
     structured = raw.get("structured")
     if structured is not None:
-        if not isinstance(structured, list) or len(structured) != 2:
-            raise ProtocolError("structured must be a [kind, spec] pair")
+        if not isinstance(structured, list) or len(structured) not in (2, 3):
+            raise ProtocolError("structured must be [kind, spec] or [kind, spec, after]")
         raw["structured"] = tuple(structured)
     return SamplingParams(**raw)
 

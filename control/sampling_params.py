@@ -42,8 +42,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     # Structured output (`control.structured_output`): (kind, spec), e.g. ("json_schema",
-    # "{...}"); the sampling nodes mask each token to the grammar. None = free text.
-    structured: tuple[str, str] | None = None
+    # "{...}"), or (kind, spec, after) to start after a reasoning model's "</think>"; the
+    # sampling nodes mask each token to the grammar. None = free text.
+    structured: tuple[str, ...] | None = None
     # A restarted attempt of a structured request (`router.state`): its last `structured_resume`
     # prompt tokens are output already streamed, which the grammar consumes before anything new.
     structured_resume: int = 0
@@ -106,10 +107,12 @@ class SamplingParams:
     def _check_structured(self) -> None:
         if not (
             isinstance(self.structured, tuple)
-            and len(self.structured) == 2
+            and len(self.structured) in (2, 3)
             and all(isinstance(part, str) for part in self.structured)
         ):
-            raise InvalidRequestError("structured must be a (kind, spec) pair of strings")
+            raise InvalidRequestError(
+                "structured must be (kind, spec) or (kind, spec, after), all strings"
+            )
         StructuredOutput.of(self.structured)  # the kind and the size; compiling is the node's
         if self.min_tokens:  # EOS is the only token a complete grammar allows
             raise InvalidRequestError(

@@ -6,6 +6,11 @@ A request asks for it with `SamplingParams.structured = (kind, spec)`:
   regex        a regular expression (Rust)    choice       one of a JSON list of strings
   grammar      a Lark grammar (llguidance's dialect)
 
+With a third item, `(kind, spec, after)`, the grammar applies only after the output's first
+`after` (a reasoning model's "</think>"): the text before it is free, as a reasoning parser
+reads it, and the spec constrains the answer, not the thinking. Free text ends at the first
+`after`, so the reasoning cannot write it and go on thinking.
+
 JSON comes without free whitespace (separators ", " and ": "): free whitespace lets a weak model
 pad forever without closing the object. A schema may override that with llguidance's
 `x-guidance` options. The sampling nodes' matchers and masks are `runtime.grammar`.
@@ -35,6 +40,8 @@ MAX_SPEC_CHARS = {
 MAX_CHOICES = 1024
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_ERROR_CHARS = 500
+MAX_AFTER_CHARS = 64
+_REGEX_SPECIAL = frozenset("\\.+*?()|[]{}^$#&-~/")
 
 
 @dataclass(frozen=True)
@@ -43,8 +50,14 @@ class StructuredOutput:
 
     kind: str
     spec: str = ""
+    after: str = ""  # the grammar starts after the output's first `after` ("": at once)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.after, str) or len(self.after) > MAX_AFTER_CHARS:
+            raise InvalidRequestError(
+                f"structured output: the text it starts after must be at most "
+                f"{MAX_AFTER_CHARS} characters"
+            )
         if self.kind not in KINDS:
             raise InvalidRequestError(
                 f"structured output: unknown kind {self.kind!r} (one of {', '.join(KINDS)})"
@@ -60,12 +73,16 @@ class StructuredOutput:
 
     @classmethod
     def of(cls, value: StructuredOutput | Sequence[str]) -> StructuredOutput:
-        """From SamplingParams' (kind, spec) pair."""
+        """From SamplingParams' (kind, spec) or (kind, spec, after)."""
         return value if isinstance(value, StructuredOutput) else cls(*value)
 
     def grammar(self) -> str:
         """The llguidance grammar; InvalidRequestError when the spec is not even well formed
         (the grammar's own errors show when it is compiled, `Grammars.check`)."""
+        body = self._body_grammar()
+        return _after(self.after, body) if self.after else body
+
+    def _body_grammar(self) -> str:
         if self.kind == "json_object":
             return _json_grammar({"type": "object"})
         if self.kind == "json_schema":
@@ -91,6 +108,20 @@ def _json_grammar(schema: dict | bool) -> str:
         return llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     except ValueError as exc:
         raise InvalidRequestError(f"structured output: invalid json_schema: {exc}") from None
+
+
+def _after(text: str, body: str) -> str:
+    """`body` (an llguidance grammar, its JSON) behind free text that ends at the first `text`:
+    one lexeme, any text ending in `text` and holding it nowhere else."""
+    literal = "".join("\\" + c if c in _REGEX_SPECIAL else c for c in text)
+    free = f"/(?s:.*){literal}/ & ~/(?s:.*{literal}.+)/"
+    if body.lstrip().startswith("{"):  # a grammar's JSON (else Lark text, as llguidance reads it)
+        grammars = json.loads(body)["grammars"]
+    else:
+        grammars = [{"lark_grammar": body}]
+    grammars[0]["name"] = "body"
+    head = {"name": "start", "lark_grammar": f"start: FREE @body\nFREE: {free}\n"}
+    return json.dumps({"grammars": [head, *grammars]})
 
 
 def _choice_lark(structured: StructuredOutput) -> str:

@@ -147,6 +147,10 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of `token` as one piece of the vocabulary (added tokens too), or None."""
+        return self._tok.token_to_id(token)
+
 
 def _raise_exception(message: str) -> None:
     raise ValueError(message)

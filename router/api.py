@@ -354,10 +354,6 @@ def _text(value: str, max_len: int) -> str:
     return value if len(value) <= max_len else value[: max_len - 3] + "..."
 
 
-def _unsupported(param: str, why: str) -> ApiError:
-    return ApiError(400, f"{param}: {why}", param=param, code="unsupported")
-
-
 def sequences(body: _SamplingFields) -> tuple[int, int]:
     """(n, best_of) of a request: the choices returned per prompt, and the sequences generated
     per prompt (completions' `best_of`, the n with the highest cumulative logprob are
@@ -458,7 +454,7 @@ def sampling_params(
     max_positions: int,
     max_tokens_limit: int,
     vocab_size: int,
-    structured: tuple[str, str] | None = None,
+    structured: tuple[str, ...] | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams; `max_tokens` None means "up to the context end".
 

@@ -52,6 +52,7 @@ from router.api import (
 from router.chat_output import ChatOutput, join_calls
 from router.core import Router, RouterError
 from router.logprobs import LogprobFormatter, merge
+from router.reasoning import TAGS as REASONING_TAGS
 from router.response_shapes import RequestFailed, ResponseShapes
 from router.state import ErrorEvent, RouterRequest
 from router.text import TextStream
@@ -255,10 +256,12 @@ class Serving:
         chat = isinstance(body, ChatCompletionRequest)
         self.check_model(body.model)
         check_common(body)
-        structured = await self._structured(body)
+        # A reasoning model's answer, not its thinking, is what structured output constrains.
+        after = self._reasoning_end() if chat else ""
+        structured = await self._structured(body, after)
         tool_choice = "none"
         if chat:
-            structured, tool_choice = await self._tools(body, structured)
+            structured, tool_choice = await self._tools(body, structured, after)
         stop = stop_strings(body)
         max_tokens = body.max_tokens
         if chat and body.max_completion_tokens is not None:
@@ -313,9 +316,14 @@ class Serving:
             watcher.cancel()
             self._abort_all([s.req for s in subs], reason)
 
+    def _reasoning_end(self) -> str:
+        """The text that ends a chat output's reasoning ("" without a reasoning parser)."""
+        parser = self.router.cfg.router.reasoning_parser
+        return REASONING_TAGS[parser].end if parser else ""
+
     async def _tools(
-        self, body: ChatCompletionRequest, structured: tuple[str, str] | None
-    ) -> tuple[tuple[str, str] | None, str]:
+        self, body: ChatCompletionRequest, structured: tuple[str, ...] | None, after: str
+    ) -> tuple[tuple[str, ...] | None, str]:
         """(the structured output to sample under, the tool choice's mode). A required or named
         call is a grammar (`router.tools.call_grammar`), compiled here first like any spec."""
         tools = check_tools(body.tools)
@@ -329,18 +337,20 @@ class Serving:
         if structured is not None:
             message = "tool_choice: a required tool call cannot be combined with structured output"
             raise ApiError(400, message, param="tool_choice", code="invalid_value")
-        grammar = ("grammar", call_grammar(parser, tools, choice, body.parallel_tool_calls))
+        lark = call_grammar(parser, tools, choice, body.parallel_tool_calls)
+        grammar = ("grammar", lark, after) if after else ("grammar", lark)
         try:
             await asyncio.to_thread(self.grammars.check, grammar)
         except InvalidRequestError as exc:
             raise ApiError(400, f"tools: {exc}", param="tools", code="invalid_value") from None
         return grammar, choice.mode
 
-    async def _structured(self, body: Any) -> tuple[str, str] | None:
-        """The (kind, spec) the body asks for, compiled: a 400 naming the field when it is
-        malformed or does not compile. Compiling releases the GIL: off the event loop."""
+    async def _structured(self, body: Any, after: str = "") -> tuple[str, ...] | None:
+        """The (kind, spec) the body asks for, (kind, spec, after) to start after the text
+        `after`, compiled: a 400 naming the field when it is malformed or does not compile.
+        Compiling releases the GIL: off the event loop."""
         try:
-            asked = structured_output.requested(body)
+            asked = structured_output.requested(body, after)
             if asked is not None:
                 await asyncio.to_thread(asked.check, self.grammars)
         except structured_output.StructuredFieldError as exc:

@@ -51,7 +51,7 @@ class Requested:
     (kind, spec)."""
 
     param: str
-    structured: tuple[str, str]
+    structured: tuple[str, ...]
 
     def check(self, grammars: GrammarChecker) -> None:
         """StructuredFieldError (naming the field) when the spec does not compile."""
@@ -61,15 +61,16 @@ class Requested:
             raise StructuredFieldError(self.param, str(exc)) from None
 
 
-def requested(body: Any) -> Requested | None:
-    """What the body asks for, or None for free text; StructuredFieldError when a field is
-    malformed, too large, or more than one is set. Compiling is `Requested.check`'s."""
+def requested(body: Any, after: str = "") -> Requested | None:
+    """What the body asks for (starting after the text `after` when it is not empty), or None
+    for free text; StructuredFieldError when a field is malformed, too large, or more than one
+    is set. Compiling is `Requested.check`'s."""
     found = []
     for name in FIELDS:
         value = getattr(body, name, None)
         spec = None if value is None else _READERS[name](value)
         if spec is not None:
-            found.append(Requested(name, spec))
+            found.append(Requested(name, (*spec, after) if after else spec))
     if len(found) > 1:
         names = ", ".join(r.param for r in found)
         raise StructuredFieldError(

@@ -41,7 +41,7 @@ NOT_IMPLEMENTED: dict[str, tuple[str, tuple[Any, ...], str]] = {
     "vllm_xargs": (SAMPLING, (None, {}), "vllm_xargs is not supported"),
     # what the response holds
     "echo": (OUTPUT, (None, False), "echo is only supported on /v1/completions"),
-    "suffix": (OUTPUT, (None, ""), "suffix is not supported"),
+    "suffix": (OUTPUT, (None, ""), "suffix is only supported on /v1/completions"),
     "prompt_logprobs": (OUTPUT, (None,), "use echo with logprobs on /v1/completions"),
     "return_token_ids": (OUTPUT, (None, False), "return_token_ids is not supported"),
     "include_stop_str_in_output": (OUTPUT, (None, False), "stop strings are never included"),

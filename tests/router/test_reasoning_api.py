@@ -1,7 +1,8 @@
 """Reasoning output and chat_template_kwargs through the real router over fake nodes: with
 `reasoning_parser = "deepseek_r1"` a chat's `<think>...</think>` comes back as reasoning_content,
 streamed and not, and the usage counts the tokens spent reasoning; completions and a router
-without the parser leave the text as it is. chat_template_kwargs reach the chat template."""
+without the parser leave the text as it is. Structured output and forced tool calls reach the
+nodes as grammars that start after "</think>". chat_template_kwargs reach the chat template."""
 
 import json
 import shutil
@@ -9,8 +10,9 @@ import shutil
 import httpx
 import openai
 import pytest
-from router_fakes import fake_config, start_cluster, stop_all
+from router_fakes import RecordingCluster, fake_config, start_cluster, stop_all
 
+from control.protocol import sampling_from_dict
 from control.tokenizer import Tokenizer
 from router.serving import TEMPLATE_VARIABLES
 
@@ -31,9 +33,10 @@ def script(tok):
 @pytest.fixture(scope="module")
 def cluster(model_dir, tok, script):
     started = []
-    cfg = fake_config(reasoning_parser="deepseek_r1")
+    cfg = fake_config(reasoning_parser="deepseek_r1", tool_parser="hermes")
     ids, _ = script
-    fakes, server = start_cluster(cfg, ids, tok.eos_token_ids[0], model_dir, started)
+    eos = tok.eos_token_ids[0]
+    fakes, server = start_cluster(cfg, ids, eos, model_dir, started, RecordingCluster)
     yield fakes, server
     stop_all(started)
 
@@ -80,6 +83,39 @@ def test_a_streamed_chat_sends_reasoning_then_content_through_the_openai_client(
     assert ("".join(reasoning), "".join(content)) == (REASONING, CONTENT)
     assert order == sorted(order, key="rc".index)  # all reasoning first
     assert usage.completion_tokens_details.reasoning_tokens == script[1]
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+TOOL = {"type": "function", "function": {"name": "add", "parameters": SCHEMA}}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "kind"),
+    [
+        ({"response_format": RESPONSE_FORMAT}, "json_schema"),
+        ({"guided_regex": "[0-9]+"}, "regex"),
+        ({"tools": [TOOL], "tool_choice": "required"}, "grammar"),
+    ],
+)
+def test_structured_output_starts_after_the_reasoning(cluster, script, extra, kind):
+    fakes, server = cluster
+    fakes.messages.clear()
+    body = {"messages": MESSAGES, "max_tokens": 4, **extra}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    sent = {sampling_from_dict(m.sampling).structured for m in fakes.messages}
+    ((got_kind, _, after),) = sent  # the same on both nodes
+    assert (got_kind, after) == (kind, "</think>")
+
+
+def test_completions_keep_their_grammar_from_the_start(cluster):
+    fakes, server = cluster
+    fakes.messages.clear()
+    body = {"prompt": "2+2=", "max_tokens": 2, "guided_regex": "[0-9]+"}
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    sent = {sampling_from_dict(m.sampling).structured for m in fakes.messages}
+    assert sent == {("regex", "[0-9]+")}
 
 
 def test_completions_keep_the_text_whole(cluster, script):

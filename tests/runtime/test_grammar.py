@@ -107,8 +107,14 @@ def test_sampling_params_carry_the_spec_over_the_wire():
     assert sampling_from_dict(sampling_to_dict(SamplingParams())).structured is None
     with pytest.raises(InvalidRequestError, match="unknown kind"):
         SamplingParams(structured=("yaml", ""))
-    with pytest.raises(InvalidRequestError, match="a \\(kind, spec\\) pair"):
+    with pytest.raises(InvalidRequestError, match="structured must be \\(kind, spec\\)"):
         SamplingParams(structured=("regex", 3))
+    after = SamplingParams(structured=("regex", "a+", "</think>"))
+    assert sampling_from_dict(sampling_to_dict(after)) == after
+    with pytest.raises(InvalidRequestError, match="structured must be"):
+        SamplingParams(structured=("regex", "a+", "</think>", "x"))
+    with pytest.raises(InvalidRequestError, match="at most 64 characters"):
+        SamplingParams(structured=("regex", "a+", "x" * 65))
     with pytest.raises(InvalidRequestError, match="min_tokens cannot be combined"):
         SamplingParams(min_tokens=2, structured=("regex", "a+"))
 
@@ -129,6 +135,29 @@ def test_a_structured_request_always_stops_at_eos():
     """ignore_eos cannot make a complete grammar run on: EOS stays a stop token."""
     assert SamplingParams(ignore_eos=True).stop_ids([1]) == frozenset()
     assert SamplingParams(ignore_eos=True, structured=("regex", "a")).stop_ids([1]) == {1}
+
+
+# ---- after the reasoning -------------------------------------------------------------------
+THINKING = 'Let me see: {"a": maybe} or "b" </thi nk> '  # free text no body below accepts
+
+
+@pytest.mark.parametrize("name", ["object", "regex", "choice"])
+def test_a_grammar_after_the_reasoning_leaves_the_thinking_free(grammars, tok, name):
+    """(kind, spec, "</think>"): the text before the first "</think>" is free (here a text the
+    spec itself refuses at once), the output cannot end there, and after the tag the allowed
+    tokens are exactly the spec's own at its start (the oracle: the spec's matcher alone)."""
+    kind, spec = CASES[name]
+    alone = grammars.matcher((kind, spec))
+    assert not all(alone.fork().consume(t) for t in tok.encode(THINKING))
+    after = grammars.matcher((kind, spec, "</think>"))
+    for token in tok.encode(THINKING):
+        assert after.consume(token), after.error
+    assert not after.is_accepting
+    for token in tok.encode("</think>"):
+        assert after.consume(token), after.error
+    assert allowed_by_library(after) == allowed_by_library(alone)
+    (token, *_) = tok.encode("</think>")  # a second closing tag is the spec's to allow, not free
+    assert (token in allowed_by_library(after)) == (token in allowed_by_library(alone))
 
 
 # ---- masks -----------------------------------------------------------------------------------
