@@ -16,8 +16,11 @@ MAX_LOGPROBS = 20  # the most alternatives a request may ask for (vLLM's max_log
 @dataclass(frozen=True)
 class TokenLogprobs:
     """One position: the chosen token's logprob and the `k` most likely tokens (ids and
-    logprobs, most likely first; the chosen token may or may not be among them)."""
+    logprobs, most likely first; the chosen token may or may not be among them); `rank`: how
+    many tokens have a logprob at least the chosen one's (1 = the most likely; vLLM's count,
+    ties counted), 0 where it did not travel."""
 
     logprob: float
     top_ids: list[int]
     top_logprobs: list[float]
+    rank: int = 0

@@ -170,6 +170,7 @@ class FirstToken:
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top_ids: list[list[int]] = field(default_factory=list)
     prompt_top_logprobs: list[list[float]] = field(default_factory=list)
+    prompt_ranks: list[int] = field(default_factory=list)  # each prompt token's rank (vLLM's)
     # n > 1: the first tokens of sequences 1 .. n-1 (Reserve.fork_ids' order), and their raw
     # logprobs when asked (one entry per fork in each).
     fork_tokens: list[int] = field(default_factory=list)

@@ -112,19 +112,41 @@ class Tokenizer:
         return [self.bos_token_id, *ids] if self.add_bos_token else ids
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        **kwargs: Any,
     ) -> str:
         """Render `messages` ([{"role": ..., "content": ...}]) with the model's chat template.
 
+        `continue_final_message`: the final message is left open (no end of turn after it), for
+        the model to continue, as transformers does it: its string content is rendered with a
+        tag appended, and the text is cut at the tag (trailing spaces the template trimmed stay
+        trimmed). It cannot be combined with `add_generation_prompt`.
+
         Raises ConfigError when the model has no template, and ValueError (the template's
-        `raise_exception`, or a rendering error) when the messages do not fit it.
+        `raise_exception`, or a rendering error) when the messages do not fit it; with
+        `continue_final_message`, a ValueError starting "continue_final_message:" when the final
+        message has no content or the template does not render it unchanged.
         """
         if self.chat_template is None:
             raise ConfigError("the model's tokenizer_config.json has no chat_template")
         if self._compiled_template is None:
             self._compiled_template = _compile_template(self.chat_template)
+        final, marker = "", "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' tag
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError(
+                    "continue_final_message: cannot be combined with add_generation_prompt"
+                )
+            final = messages[-1].get("content") if messages else None
+            if not isinstance(final, str) or not final:
+                raise ValueError("continue_final_message: the final message has no content")
+            messages = [*messages[:-1], {**messages[-1], "content": final + marker}]
         try:
-            return self._compiled_template.render(
+            rendered = self._compiled_template.render(
                 messages=messages,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -135,6 +157,18 @@ class Tokenizer:
             raise
         except Exception as exc:  # jinja2 errors: undefined names, type errors in the template
             raise ValueError(f"cannot render the chat template: {exc}") from None
+        if not continue_final_message:
+            return rendered
+        tag = marker.strip()
+        if final.strip() not in rendered or tag not in rendered:
+            raise ValueError(
+                "continue_final_message: the final message does not appear in the chat as the "
+                "chat template renders it (the template changes it)"
+            )
+        at = rendered.rindex(tag)
+        if rendered[at : at + len(marker)] == marker:
+            return rendered[:at]  # the template keeps the content as it is
+        return rendered[:at].rstrip()  # it trimmed the content's end: so is the cut text
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt=True) -> list[int]:
         """Ids of the rendered chat; no bos is added, the template writes its own."""

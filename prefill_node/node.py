@@ -540,4 +540,5 @@ def _first_token(
         prompt_logprobs=[p.logprob for p in prompt],
         prompt_top_ids=[p.top_ids for p in prompt],
         prompt_top_logprobs=[p.top_logprobs for p in prompt],
+        prompt_ranks=[p.rank for p in prompt],
     )

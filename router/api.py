@@ -116,6 +116,9 @@ class _SamplingFields(_Strict):
     repetition_penalty: float | None = None
     min_p: float | None = None
     min_tokens: int = 0
+    # vLLM's: the logprob (and rank) of every prompt token after the first, and its k most
+    # likely alternatives; not streamed.
+    prompt_logprobs: int | None = None
     # Structured output (router.structured_output): OpenAI's response_format, vLLM's guided_*
     # and structured_outputs; at most one per request.
     response_format: dict[str, Any] | None = None
@@ -191,6 +194,14 @@ class ChatCompletionRequest(_SamplingFields):
     # Extra variables of the chat template (e.g. {"thinking": true} for DeepSeek-V3.1-style
     # templates), as vLLM passes them.
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the template's generation prompt (the assistant's header) ends the prompt.
+    add_generation_prompt: bool = True
+    # vLLM's: the final message is left open (no end of turn), the model continues it; needs
+    # add_generation_prompt false.
+    continue_final_message: bool = False
+    # vLLM's: with the last message in the reply's role (assistant, or with
+    # add_generation_prompt false the last one's own), its content starts every choice's.
+    echo: bool = False
     logprobs: bool = False
     top_logprobs: int | None = None
     # Tool calling (router.tools): OpenAI's function tools, checked there.
@@ -218,6 +229,7 @@ class TokenizeChatRequest(_Strict):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # as on chat: the final message left open
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -387,6 +399,14 @@ def sequences(body: _SamplingFields) -> tuple[int, int]:
 def check_common(body: _SamplingFields) -> None:
     """Values the schema accepts but this server does not support: 400."""
     sequences(body)
+    _check_num_logprobs("prompt_logprobs", body.prompt_logprobs)
+    if body.prompt_logprobs is not None and body.stream:  # vLLM refuses it too
+        raise ApiError(
+            400,
+            "prompt_logprobs: not available when streaming",
+            param="prompt_logprobs",
+            code="invalid_value",
+        )
     if isinstance(body, CompletionRequest):
         _check_num_logprobs("logprobs", body.logprobs)
         # suffix (fill-in-the-middle, control.fim; "" is no suffix) wraps a text prompt.
@@ -429,13 +449,16 @@ def _check_num_logprobs(param: str, value: int | None) -> None:
 
 def logprob_fields(body: _SamplingFields) -> dict[str, int | None]:
     """The SamplingParams logprob fields a request asks for: completions `logprobs: k` (and,
-    with `echo`, the same for the prompt); chat `logprobs: true` with `top_logprobs: k`."""
+    with `echo`, the same for the prompt); chat `logprobs: true` with `top_logprobs: k`;
+    `prompt_logprobs: k` for the prompt (the larger k when echo asks too: each shows its own)."""
+    prompt = body.prompt_logprobs
     if isinstance(body, CompletionRequest):
-        prompt = body.logprobs if body.echo else None
+        if body.echo and body.logprobs is not None:
+            prompt = body.logprobs if prompt is None else max(prompt, body.logprobs)
         return {"logprobs": body.logprobs, "prompt_logprobs": prompt}
     if isinstance(body, ChatCompletionRequest) and body.logprobs:
-        return {"logprobs": body.top_logprobs or 0, "prompt_logprobs": None}
-    return {"logprobs": None, "prompt_logprobs": None}
+        return {"logprobs": body.top_logprobs or 0, "prompt_logprobs": prompt}
+    return {"logprobs": None, "prompt_logprobs": prompt}
 
 
 def stop_strings(body: _SamplingFields) -> list[str]:

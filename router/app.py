@@ -148,8 +148,13 @@ def create_app(router: Router, tokenizer: Tokenizer, model: ModelInfo) -> FastAP
         body, ignored = parse_body(await request.body(), ChatCompletionRequest)
 
         def run():
-            args = (body.messages, True, body.add_special_tokens, body.chat_template_kwargs)
-            ids = serving.chat_prompt(*args, body.tools)
+            args = (body.messages, body.add_generation_prompt, body.add_special_tokens)
+            ids = serving.chat_prompt(
+                *args,
+                body.chat_template_kwargs,
+                body.tools,
+                continue_final_message=body.continue_final_message,
+            )
             return serving.run(request, body, Prompts([ids]))
 
         return await _noting(ignored, run)
@@ -174,7 +179,12 @@ def create_app(router: Router, tokenizer: Tokenizer, model: ModelInfo) -> FastAP
             serving.check_model(body.model)
             if isinstance(body, TokenizeChatRequest):
                 args = (body.messages, body.add_generation_prompt, body.add_special_tokens)
-                ids = serving.chat_prompt(*args, body.chat_template_kwargs, body.tools)
+                ids = serving.chat_prompt(
+                    *args,
+                    body.chat_template_kwargs,
+                    body.tools,
+                    continue_final_message=body.continue_final_message,
+                )
             else:
                 ids = serving.encode_text(body.prompt, body.add_special_tokens)
             strs = [tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None

@@ -70,9 +70,9 @@ class OutputOrdering:
         self.admission.first_token(req)
         for stage, ms in msg.stage_ms.items():
             self.metrics.stage.labels(stage).observe(ms / 1000)
-        if req.attempt == 0 and req.sampling.prompt_logprobs is not None:
+        if req.num_output_tokens == 0 and req.sampling.prompt_logprobs is not None:
             req.prompt_logprobs = _logprobs_list(
-                msg.prompt_logprobs, msg.prompt_top_ids, msg.prompt_top_logprobs
+                msg.prompt_logprobs, msg.prompt_top_ids, msg.prompt_top_logprobs, msg.prompt_ranks
             )
         self._start_forks(req, msg, now)
         self._first_output(req, msg.token, _first_logprobs(msg), now)
@@ -172,12 +172,18 @@ class OutputOrdering:
 
 
 def _logprobs_list(
-    logprobs: list[float], top_ids: list[list[int]], top_logprobs: list[list[float]]
+    logprobs: list[float],
+    top_ids: list[list[int]],
+    top_logprobs: list[list[float]],
+    ranks: list[int] | None = None,
 ) -> list[TokenLogprobs]:
-    """The wire's parallel lists -> one TokenLogprobs per token ([] when they do not align)."""
-    if not (len(logprobs) == len(top_ids) == len(top_logprobs)):
+    """The wire's parallel lists -> one TokenLogprobs per token ([] when they do not align;
+    ranks 0 when they did not travel)."""
+    ranks = ranks or [0] * len(logprobs)
+    if not (len(logprobs) == len(top_ids) == len(top_logprobs) == len(ranks)):
         return []
-    return [TokenLogprobs(*entry) for entry in zip(logprobs, top_ids, top_logprobs, strict=True)]
+    entries = zip(logprobs, top_ids, top_logprobs, ranks, strict=True)
+    return [TokenLogprobs(*entry) for entry in entries]
 
 
 def _first_logprobs(msg: FirstToken) -> list[TokenLogprobs]:

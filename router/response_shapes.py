@@ -30,6 +30,7 @@ class ResponseShapes:
     prompt_lens: tuple[int, ...]
     is_batch: bool = False
     n: int = 1  # choices per prompt
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the alternatives asked for
     created: int = field(default_factory=lambda: int(time.time()))  # the same in every chunk
 
     def _base(self, obj: str) -> dict[str, Any]:
@@ -88,9 +89,14 @@ class ResponseShapes:
                 for i, c in enumerate(choices)
             ]
             base = self._base("chat.completion")
+            if self.prompt_logprobs is not None:  # vLLM's: one prompt, at the top
+                base["prompt_logprobs"] = choices[0]["prompt_logprobs"] if choices else None
         else:
+            keys = ["index", "text", "logprobs", "finish_reason"]
+            if self.prompt_logprobs is not None:  # vLLM's: each choice its prompt's
+                keys.append("prompt_logprobs")
             out = [{"index": i, **c} for i, c in enumerate(choices)]
-            out = [{k: c[k] for k in ("index", "text", "logprobs", "finish_reason")} for c in out]
+            out = [{k: c[k] for k in keys} for c in out]
             base = self._base("text_completion")
         return {**base, "choices": out, "usage": self.usage(num_outputs, reasoning_tokens)}
 

@@ -51,7 +51,7 @@ from router.api import (
 )
 from router.chat_output import ChatOutput, join_calls
 from router.core import Router, RouterError
-from router.logprobs import LogprobFormatter, merge
+from router.logprobs import LogprobFormatter, merge, prompt_logprobs
 from router.reasoning import TAGS as REASONING_TAGS
 from router.response_shapes import RequestFailed, ResponseShapes
 from router.state import ErrorEvent, RouterRequest
@@ -99,6 +99,7 @@ class _Sub:
     cumulative_logprob: float = 0.0  # of every token generated (best_of ranks by it)
     echo_only: bool = False  # echo with max_tokens 0: the prompt is the whole output
     output: ChatOutput | None = None  # chat with a reasoning or a tool parser
+    chat_echo: str = ""  # chat `echo`: the last message's content, before the output's
 
     def shown(self, delta: str, num_tokens: int, finish: str | None) -> str | dict[str, Any]:
         """A text delta as the client sees it: with a reasoning or tool parser, the chat
@@ -117,7 +118,14 @@ class _Sub:
 
 # What the server itself hands the chat template; a request's chat_template_kwargs may not.
 TEMPLATE_VARIABLES = frozenset(
-    {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"}
+    {
+        "messages",
+        "add_generation_prompt",
+        "continue_final_message",
+        "bos_token",
+        "eos_token",
+        "tools",
+    }
 )
 
 
@@ -195,11 +203,28 @@ class Serving:
         add_special_tokens: bool,
         template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """The ids of the rendered chat (bos first only if `add_special_tokens`: the template
         writes its own); `template_kwargs`: the request's chat_template_kwargs; `tools` go to
-        the template as `tools` (Hugging Face's name)."""
+        the template as `tools` (Hugging Face's name); `continue_final_message`: the final
+        message left open for the model to continue (`Tokenizer.apply_chat_template`)."""
+        if continue_final_message and add_generation_prompt:
+            raise ApiError(
+                400,
+                "continue_final_message: cannot be combined with add_generation_prompt; set "
+                "add_generation_prompt to false",
+                param="continue_final_message",
+                code="invalid_value",
+            )
         dicts = [m.as_template_dict() for m in messages]
+        if continue_final_message and not dicts[-1]["content"]:
+            raise ApiError(
+                400,
+                "continue_final_message: the final message has no content to continue",
+                param="continue_final_message",
+                code="invalid_value",
+            )
         template_kwargs = template_kwargs or {}
         taken = sorted(TEMPLATE_VARIABLES.intersection(template_kwargs))
         if taken:
@@ -212,9 +237,14 @@ class Serving:
             template_kwargs = {**template_kwargs, "tools": [t.spec for t in check_tools(tools)]}
         try:
             text = self.tokenizer.apply_chat_template(
-                dicts, add_generation_prompt, **template_kwargs
+                dicts,
+                add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **template_kwargs,
             )
         except (ValueError, ConfigError) as exc:
+            if str(exc).startswith("continue_final_message:"):  # the template changed it
+                raise ApiError(400, str(exc), "continue_final_message", "invalid_value") from None
             raise ApiError(400, f"messages: {exc}", param="messages") from None
         return self.encode_text(text, add_special_tokens)
 
@@ -294,7 +324,15 @@ class Serving:
             for j, seq in enumerate([req, *req.forks])
         ]
         prompt_lens = tuple(len(ids) for ids in prompts.token_ids)
-        fmt = ResponseShapes(request_id, self.model.name, chat, prompt_lens, prompts.is_batch, n)
+        fmt = ResponseShapes(
+            request_id,
+            self.model.name,
+            chat,
+            prompt_lens,
+            prompts.is_batch,
+            n,
+            prompt_logprobs=body.prompt_logprobs,
+        )
         return subs, fmt, best_of
 
     async def outputs(
@@ -377,8 +415,9 @@ class Serving:
                 prompt = self.tokenizer.decode(req.prompt_ids)
             echo = (prompt, req.prompt_ids)
         formatter = None
-        if logprob_fields(body)["logprobs"] is not None:  # (best_of may ask them for itself)
-            formatter = LogprobFormatter(self.tokenizer, chat)
+        num_top = logprob_fields(body)["logprobs"]
+        if num_top is not None:  # (best_of may ask them for itself)
+            formatter = LogprobFormatter(self.tokenizer, chat, num_top=num_top)
         text = TextStream(self.tokenizer, stop)
         output = None
         if chat:
@@ -386,9 +425,14 @@ class Serving:
             tool_parser = self.router.cfg.router.tool_parser if tool_choice != "none" else ""
             if reasoning_parser or tool_parser:
                 output = ChatOutput(reasoning_parser, tool_parser, stream=body.stream)
-        return _Sub(
+        sub = _Sub(
             index, prompt_index, req, text, echo, formatter, echo_only=echo_only, output=output
         )
+        if chat and body.echo:  # vLLM's rule: the last message when it has the reply's role
+            last = body.messages[-1]
+            if last.role == ("assistant" if body.add_generation_prompt else last.role):
+                sub.chat_echo = last.as_template_dict()["content"]
+        return sub
 
     def _check_prompt(self, ids: list[int], where: str) -> None:
         try:
@@ -442,9 +486,12 @@ class Serving:
     async def _deltas(self, sub: _Sub) -> AsyncIterator[tuple[str | dict, str | None, dict | None]]:
         """(text delta, or with a chat parser the delta's fields; finish_reason or None;
         logprobs or None) until the request ends;
-        RequestFailed on error. An echoed prompt comes with the first delta."""
+        RequestFailed on error. An echoed prompt comes with the first delta; a chat's echoed
+        message is a delta of its own (`content` only), before any output."""
         req, text = sub.req, sub.text
         echo = sub.echo
+        if sub.chat_echo:
+            yield sub.chat_echo, None, None
         async for event in self.router.events(req):
             if isinstance(event, ErrorEvent):
                 raise RequestFailed(sub.prompt_index, event)
@@ -559,6 +606,12 @@ class Serving:
             {"text": text, "finish_reason": finish, "logprobs": lps}
             for text, finish, lps in zip(texts, finishes, merged, strict=True)
         ]
+        if fmt.prompt_logprobs is not None:
+            for sub, choice in zip(subs, choices, strict=True):
+                asked = sub.req.prompt_logprobs
+                ids = sub.req.prompt_ids
+                entries = prompt_logprobs(self.tokenizer, ids, asked, fmt.prompt_logprobs)
+                choice["prompt_logprobs"] = entries
         for sub, choice, reasoning, made in zip(subs, choices, reasonings, calls, strict=True):
             if sub.output is not None and sub.output.reasoning is not None:
                 choice["reasoning_content"] = "".join(reasoning) or None

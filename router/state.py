@@ -120,7 +120,8 @@ class RouterRequest:
     pending_tokens: list[int] = field(default_factory=list)  # D's tokens that beat P's first
     pending_finish: str | None = None
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    # The first attempt's prompt logprobs (tokens after the first), when asked; None until then.
+    # The prompt logprobs (tokens after the first), when asked, from an attempt that had no
+    # output yet; None until then.
     prompt_logprobs: list[TokenLogprobs] | None = None
     timings: RequestTimings = field(default_factory=RequestTimings)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -166,8 +167,9 @@ class RouterRequest:
         done = self.num_output_tokens
         remaining = max(1, self.sampling.max_new_tokens - done)
         min_tokens = min(remaining, max(0, self.sampling.min_tokens - done))
-        # A later attempt's prompt holds the output too: prompt logprobs come from the first.
-        prompt_logprobs = self.sampling.prompt_logprobs if self.attempt == 0 else None
+        # A later attempt's prompt holds the output too: prompt logprobs come from an attempt
+        # that had none yet (the first, or one restarted before its first token).
+        prompt_logprobs = self.sampling.prompt_logprobs if done == 0 else None
         return dataclasses.replace(
             self.sampling,
             max_new_tokens=remaining,

@@ -40,9 +40,7 @@ NOT_IMPLEMENTED: dict[str, tuple[str, tuple[Any, ...], str]] = {
     "logits_processors": (SAMPLING, (None, []), "logits processors are not supported"),
     "vllm_xargs": (SAMPLING, (None, {}), "vllm_xargs is not supported"),
     # what the response holds
-    "echo": (OUTPUT, (None, False), "echo is only supported on /v1/completions"),
     "suffix": (OUTPUT, (None, ""), "suffix is only supported on /v1/completions"),
-    "prompt_logprobs": (OUTPUT, (None,), "use echo with logprobs on /v1/completions"),
     "return_token_ids": (OUTPUT, (None, False), "return_token_ids is not supported"),
     "include_stop_str_in_output": (OUTPUT, (None, False), "stop strings are never included"),
     "skip_special_tokens": (OUTPUT, (None, True), "special tokens are always skipped"),
@@ -53,8 +51,6 @@ NOT_IMPLEMENTED: dict[str, tuple[str, tuple[Any, ...], str]] = {
     "truncate_prompt_tokens": (PROMPT, (None,), "prompt truncation is not supported"),
     "prompt_embeds": (PROMPT, (None,), "prompt embeddings are not supported"),
     "web_search_options": (PROMPT, (None,), "web search is not supported"),
-    "add_generation_prompt": (CHAT, (None, True), "the generation prompt is always added"),
-    "continue_final_message": (CHAT, (None, False), "continue_final_message is not supported"),
     "chat_template": (CHAT, (None,), "only the model's own chat template is supported"),
     "documents": (CHAT, (None, []), "documents are not supported"),
     "functions": (CHAT, (None, []), "function calls are not supported"),

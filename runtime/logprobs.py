@@ -27,11 +27,13 @@ def token_logprobs(
     index = torch.tensor(rows)
     logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [R, V]
     chosen = torch.tensor([token_ids[i] for i in rows])
-    chosen_lp = logprobs.gather(1, chosen[:, None])[:, 0].tolist()  # [R]
+    chosen_lp_t = logprobs.gather(1, chosen[:, None])  # [R, 1]
+    ranks = (logprobs >= chosen_lp_t).sum(dim=-1).tolist()  # [R]
+    chosen_lp = chosen_lp_t[:, 0].tolist()
     k = max(num_top[i] for i in rows)
     top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
     top_lp, top_ids = top_lp.tolist(), top_ids.long().tolist()  # [R, k]
     for r, i in enumerate(rows):
         n = num_top[i]
-        out[i] = TokenLogprobs(chosen_lp[r], top_ids[r][:n], top_lp[r][:n])
+        out[i] = TokenLogprobs(chosen_lp[r], top_ids[r][:n], top_lp[r][:n], ranks[r])
     return out

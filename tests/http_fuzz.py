@@ -294,6 +294,7 @@ FIELDS = {
         json_values,
     ),
     "guided_grammar": (st.sampled_from(['start: "a" | "b"']), texts),
+    "prompt_logprobs": (st.sampled_from([None, 0, 2]), ints),
     "structured_outputs": (
         st.sampled_from([{"regex": "[0-9]+"}, {"choice": ["x", "y"]}]),
         st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar", "x"]), json_values),
@@ -311,7 +312,7 @@ COMPLETION_FIELDS = {
     "echo": (st.just(False), st.booleans()),
     "logprobs": (st.none(), ints),
     "best_of": (st.sampled_from([None, 1]), ints),
-    "suffix": (st.none(), texts),
+    "suffix": (st.sampled_from([None, "", "return x"]), texts),
 }
 CHAT_FIELDS = {
     "messages": (
@@ -326,6 +327,9 @@ CHAT_FIELDS = {
     ),
     "logprobs": (st.just(False), st.booleans()),
     "top_logprobs": (st.none(), ints),
+    "echo": (st.booleans(), json_values),
+    "add_generation_prompt": (st.booleans(), json_values),
+    "continue_final_message": (st.booleans(), json_values),
     "tools": (
         st.sampled_from([None, [WEATHER_TOOL]]),
         st.one_of(

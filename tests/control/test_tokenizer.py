@@ -188,3 +188,64 @@ def test_added_token_dicts_and_no_template(tmp_path, model_dir):
     assert tok.encode_prompt("hi") == tok.encode("hi")  # add_bos_token false
     with pytest.raises(ConfigError, match="no chat_template"):
         tok.apply_chat_template(CHAT)
+
+
+# ---- continue_final_message ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "final",
+    [
+        {"role": "assistant", "content": "Oui, c'est"},
+        {"role": "assistant", "content": "  spaces around  "},
+        {"role": "assistant", "content": "text"},  # also in the end of turn, "<|end_of_text|>"
+        {"role": "user", "content": "日本語"},
+    ],
+)
+def test_continue_final_message_matches_transformers(tok, hf_tok, final):
+    chat = [*CHAT, final]
+    got = tok.apply_chat_template(chat, add_generation_prompt=False, continue_final_message=True)
+    assert got == hf_tok.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    closed = tok.apply_chat_template(chat, add_generation_prompt=False)
+    assert closed.startswith(got) and got.endswith(final["content"]) and closed != got
+
+
+def test_continue_final_message_of_a_template_that_trims_matches_transformers(
+    tmp_path, model_dir, hf_tok
+):
+    other = shutil.copytree(model_dir, tmp_path / "trims")
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    template = config["chat_template"].replace(
+        "message['content'] }}", "message['content'] | trim }}"
+    )
+    assert template != config["chat_template"]
+    config["chat_template"] = template
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    chat = [*CHAT[:2], {"role": "assistant", "content": "  Oui  "}]
+    got = Tokenizer(other).apply_chat_template(chat, False, continue_final_message=True)
+    assert got.endswith("<|assistant|>Oui")
+    assert got == hf_tok.apply_chat_template(
+        chat,
+        tokenize=False,
+        add_generation_prompt=False,
+        continue_final_message=True,
+        chat_template=template,
+    )
+
+
+def test_continue_final_message_refusals(tmp_path, model_dir, tok):
+    chat = [*CHAT[:2], {"role": "assistant", "content": "Oui"}]
+    with pytest.raises(ValueError, match="^continue_final_message: cannot be combined"):
+        tok.apply_chat_template(chat, add_generation_prompt=True, continue_final_message=True)
+    for empty in ("", None):
+        open_chat = [*CHAT[:2], {"role": "assistant", "content": empty}]
+        with pytest.raises(ValueError, match="^continue_final_message: .* no content"):
+            tok.apply_chat_template(open_chat, False, continue_final_message=True)
+    other = shutil.copytree(model_dir, tmp_path / "upper")
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["chat_template"] = config["chat_template"].replace(
+        "message['content'] }}", "message['content'] | upper }}"
+    )
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="^continue_final_message: .* does not appear"):
+        Tokenizer(other).apply_chat_template(chat, False, continue_final_message=True)

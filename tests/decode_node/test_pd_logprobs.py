@@ -33,6 +33,10 @@ def test_logprobs_equal_the_teacher_forced_log_softmax(model32, prompt):
     for p in range(1, len(prompt)):
         assert first.prompt_logprobs[p - 1] == pytest.approx(ref[p - 1, ids[p]].item(), abs=ATOL)
         assert first.prompt_top_ids[p - 1] == ref[p - 1].topk(2).indices.tolist()
+        # the rank: the tokens at least as likely, within the values' tolerance
+        x, row = ref[p - 1, ids[p]].item(), ref[p - 1]
+        lowest, highest = int((row > x + ATOL).sum()) + 1, int((row >= x - ATOL).sum())
+        assert lowest <= first.prompt_ranks[p - 1] <= highest
     # output logprobs: the first token's from P, the rest from D
     out_lps = first.logprob + seen.logprobs
     assert len(out_lps) == len(seen.output)

@@ -326,6 +326,11 @@ def fake_logprobs(token: int, k: int) -> tuple[float, list[int], list[float]]:
     return -0.25, [(token + j) % 256 for j in range(k)], [-0.25 - j for j in range(k)]
 
 
+def fake_rank(token: int) -> int:
+    """The rank the fakes send for a prompt token: any value, known to the tests."""
+    return 1 + token % 7
+
+
 def _first_token(msg: Prefill, token: int, num_forks: int = 0) -> FirstToken:
     k, prompt_k = msg.sampling.get("logprobs"), msg.sampling.get("prompt_logprobs")
     extra: dict = {"fork_tokens": [token] * num_forks}
@@ -343,6 +348,7 @@ def _first_token(msg: Prefill, token: int, num_forks: int = 0) -> FirstToken:
             prompt_logprobs=[e[0] for e in entries],
             prompt_top_ids=[e[1] for e in entries],
             prompt_top_logprobs=[e[2] for e in entries],
+            prompt_ranks=[fake_rank(t) for t in msg.token_ids[1:]],
         )
     return FirstToken(msg.request_id, token, len(msg.token_ids), {"queue": 1.0}, **extra)
 

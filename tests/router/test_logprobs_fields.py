@@ -1,12 +1,13 @@
 """Logprobs in the OpenAI response shapes, through the official openai client: completions
 (`logprobs: k`, with `echo` the prompt's too) and chat (`logprobs`, `top_logprobs`), streamed and
-not. The fake nodes send `router_fakes.fake_logprobs`, so every value here is known."""
+not; vLLM's `prompt_logprobs` on both. The fake nodes send `router_fakes.fake_logprobs` and
+`fake_rank`, so every value here is known."""
 
 import dataclasses
 
 import openai
 import pytest
-from router_fakes import FakeCluster, RouterServer, fake_config, fake_logprobs
+from router_fakes import FakeCluster, RouterServer, fake_config, fake_logprobs, fake_rank
 
 from control.tokenizer import Tokenizer
 from tinymodel.make import ensure_tiny_model
@@ -137,8 +138,14 @@ def test_chat_logprobs(server, tok, stream, top):
         ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
-        ("/v1/chat/completions", {"echo": True}, "echo"),
-        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "prompt_logprobs": 1, "stream": True},
+            "prompt_logprobs",
+        ),
+        ("/v1/chat/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ],
 )
 def test_bad_logprob_requests_are_400(server, path, body, param):
@@ -163,5 +170,66 @@ def test_a_moved_request_keeps_logprobs_but_asks_prompt_logprobs_only_once():
     assert req.attempt_sampling.prompt_logprobs == 2
     req.state = req.state.__class__.DECODING
     req.restart(room=2)
+    # moved before its first token: the same prompt, so the new attempt asks for them again
+    assert req.attempt_sampling.prompt_logprobs == 2
+    req.num_output_tokens = 2  # two tokens went out to the client
+    req.state = req.state.__class__.DECODING
+    req.restart(room=2)
     assert req.attempt_sampling.logprobs == 2  # the new attempt's first token has its logprob
     assert req.attempt_sampling.prompt_logprobs is None  # its prompt holds the output too
+
+
+def expected_prompt_logprobs(tok, prompt_ids, k):
+    """vLLM's shape from what the fakes send: null first, then per token its own entry and the
+    k alternatives (rank = place), keyed by token id."""
+    out = [None]
+    for token in prompt_ids[1:]:
+        logprob, top_ids, top_lps = fake_logprobs(token, k)
+        entry = {str(token): {"logprob": logprob, "rank": fake_rank(token),
+                              "decoded_token": text_of(tok, token)}}  # fmt: skip
+        for place, (t, v) in enumerate(zip(top_ids, top_lps, strict=True)):
+            entry.setdefault(str(t), {"logprob": v, "rank": place + 1,
+                                      "decoded_token": text_of(tok, t)})  # fmt: skip
+        out.append(entry)
+    return out
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_completion_prompt_logprobs_come_per_choice(server, tok, k):
+    import httpx
+
+    prompts = ["Hello there", "The lazy dog"]
+    body = {"prompt": prompts, "max_tokens": 2, "prompt_logprobs": k, "n": 2}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=20)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 4
+    for choice in choices:
+        ids = tok.encode_prompt(prompts[choice["index"] // 2])
+        assert choice["prompt_logprobs"] == expected_prompt_logprobs(tok, ids, k)
+        assert choice["logprobs"] is None  # the output's were not asked for
+
+
+def test_chat_prompt_logprobs_come_once_at_the_top(server, tok):
+    import httpx
+
+    messages = [{"role": "user", "content": "Hi"}]
+    body = {"messages": messages, "max_tokens": 2, "prompt_logprobs": 1}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=20)
+    assert r.status_code == 200, r.text
+    tokenized = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=20)
+    ids = tokenized.json()["tokens"]
+    assert r.json()["prompt_logprobs"] == expected_prompt_logprobs(tok, ids, 1)
+    assert "prompt_logprobs" not in r.json()["choices"][0]
+
+
+def test_echo_shows_its_own_k_beside_a_larger_prompt_logprobs(server, tok):
+    import httpx
+
+    body = {"prompt": "Hello there", "max_tokens": 1, "echo": True, "logprobs": 1}
+    r = httpx.post(server.url + "/v1/completions", json={**body, "prompt_logprobs": 4}, timeout=20)
+    choice = r.json()["choices"][0]
+    ids = tok.encode_prompt("Hello there")
+    assert choice["prompt_logprobs"] == expected_prompt_logprobs(tok, ids, 4)
+    alone = httpx.post(server.url + "/v1/completions", json=body, timeout=20).json()["choices"][0]
+    assert choice["logprobs"] == alone["logprobs"]  # echo's top: 1 alternative, not 4

@@ -4,7 +4,6 @@ in the history, rendered by the chat template), tool_choice none / auto / requir
 forced call reaches both nodes as its grammar), and a 400 naming the field for every bad
 tools or tool_choice value, before any node hears of the request."""
 
-
 import httpx
 import openai
 import pytest

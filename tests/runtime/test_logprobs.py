@@ -1,4 +1,5 @@
-"""The batched logprob/top-k op against torch.log_softmax, row by row."""
+"""The batched logprob/top-k op against torch.log_softmax, row by row; ranks against a count
+over logits whose order is exact."""
 
 import pytest
 import torch
@@ -29,3 +30,24 @@ def test_rows_that_ask_get_log_softmax_and_top_k(vocab):
 
 def test_no_row_asks():
     assert token_logprobs(torch.randn(2, 7), [1, 2], [None, None]) == [None, None]
+
+
+def test_the_rank_counts_the_tokens_at_least_as_likely():
+    """Distinct logits 0.01 apart (no rounding can reorder them), then a tie: vLLM's count
+    includes every token at least as likely, the chosen one too."""
+    gen = torch.Generator().manual_seed(1)
+    vocab = 777
+    logits = torch.randperm(vocab, generator=gen).float()[None].repeat(4, 1) * 0.01
+    tokens = [0, 5, 400, 776]
+    out = token_logprobs(logits, tokens, [0, 2, None, 20])
+    for row, lp in enumerate(out):
+        if lp is None:
+            continue
+        expected = int((logits[row] >= logits[row, tokens[row]]).sum())
+        assert lp.rank == expected
+    assert {lp.rank for lp in out if lp is not None} != {out[0].rank}  # not all alike
+    best = int(logits[0].argmax())
+    tied = logits.clone()
+    tied[0, 3] = tied[0, best]
+    (lp,) = token_logprobs(tied[:1], [best], [1])
+    assert lp.rank == 2  # the best token and its tie
