@@ -31,6 +31,8 @@ class ResponseShapes:
     is_batch: bool = False
     n: int = 1  # choices per prompt
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the alternatives asked for
+    # The reply's role: the last message's when the chat adds no generation prompt (vLLM's).
+    role: str = "assistant"
     created: int = field(default_factory=lambda: int(time.time()))  # the same in every chunk
 
     def _base(self, obj: str) -> dict[str, Any]:
@@ -82,7 +84,7 @@ class ResponseShapes:
             out = [
                 {
                     "index": i,
-                    "message": _message(c),
+                    "message": _message(c, self.role),
                     "logprobs": c["logprobs"],
                     "finish_reason": c["finish_reason"],
                 }
@@ -106,8 +108,8 @@ class ResponseShapes:
         return ApiError(500, message, code=f"failed_at_{exc.event.stage}")
 
 
-def _message(choice: dict[str, Any]) -> dict[str, Any]:
-    message = {"role": "assistant", "content": choice["text"]}
+def _message(choice: dict[str, Any], role: str) -> dict[str, Any]:
+    message = {"role": role, "content": choice["text"]}
     if "reasoning_content" in choice:
         message["reasoning_content"] = choice["reasoning_content"]
     if "tool_calls" in choice:  # OpenAI's: a message of calls alone has null content

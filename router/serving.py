@@ -332,6 +332,7 @@ class Serving:
             prompts.is_batch,
             n,
             prompt_logprobs=body.prompt_logprobs,
+            role=_reply_role(body),
         )
         return subs, fmt, best_of
 
@@ -430,7 +431,7 @@ class Serving:
         )
         if chat and body.echo:  # vLLM's rule: the last message when it has the reply's role
             last = body.messages[-1]
-            if last.role == ("assistant" if body.add_generation_prompt else last.role):
+            if last.role == _reply_role(body):
                 sub.chat_echo = last.as_template_dict()["content"]
         return sub
 
@@ -556,9 +557,7 @@ class Serving:
         try:
             if fmt.chat:
                 for sub in subs:
-                    yield _sse_event(
-                        fmt.chunk(sub.index, {"role": "assistant", "content": ""}, None)
-                    )
+                    yield _sse_event(fmt.chunk(sub.index, {"role": fmt.role, "content": ""}, None))
             async with contextlib.aclosing(self._merged(subs)) as events:
                 async for index, delta, finish, logprobs in events:
                     if delta or finish or logprobs:
@@ -650,6 +649,14 @@ def request_id_for(headers: Mapping[str, str], chat: bool) -> str:
             code="invalid_request_id",
         )
     return f"{prefix}-{client_id}"
+
+
+def _reply_role(body: CompletionRequest | ChatCompletionRequest) -> str:
+    """A chat reply's role: the assistant's after a generation prompt, else the last message's
+    (its continuation), as vLLM answers."""
+    if isinstance(body, ChatCompletionRequest) and not body.add_generation_prompt:
+        return body.messages[-1].role
+    return "assistant"
 
 
 def _started(tasks: list[asyncio.Future]) -> list[RouterRequest]:

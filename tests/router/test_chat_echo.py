@@ -150,6 +150,9 @@ def test_echo_prepends_the_last_message_of_the_replys_role(
     r = _chat(server, **body, echo=True)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == echoed + OUTPUT
+    # the reply's role: the last message's own without a generation prompt (vLLM's)
+    role = "assistant" if flags.get("add_generation_prompt", True) else messages[-1]["role"]
+    assert r.json()["choices"][0]["message"]["role"] == role
     assert r.json()["usage"]["completion_tokens"] == len(output_ids)  # echo is no output
     assert _chat(server, **body).json()["choices"][0]["message"]["content"] == OUTPUT
 
