@@ -1,7 +1,7 @@
-"""Agent frameworks people drive chat models with, unchanged, against `duet up --tool-parser
-hermes` on the random tiny model: each forces a call (the way it asks for one), so the tiny
-model's call is sampled under the function's schema and the framework gets arguments it can
-use. The arguments are enums: a random model fills a free string until max_tokens. What each
+"""Agent frameworks people drive chat models with (LangChain, the OpenAI Agents SDK,
+instructor), unchanged, against `duet up --tool-parser hermes` on the random tiny model: each
+forces a call (the way it asks for one), so the tiny model's call is sampled under the
+function's schema and the framework gets arguments it can use. The arguments are enums: a random model fills a free string until max_tokens. What each
 test checks is in its docstring."""
 
 import asyncio
@@ -81,3 +81,22 @@ def test_the_agents_sdk_runs_its_tool_and_finishes(url):
     result = asyncio.run(Runner.run(agent, "Weather in Lima?", max_turns=4))
     assert len(seen) == 1 and seen[0] in CITIES
     assert isinstance(result.final_output, str)
+
+
+def test_instructor_in_tools_mode_returns_the_pydantic_model(url):
+    """instructor in TOOLS mode (`response_model=Weather`): it forces the function named after the
+    model, the router samples the call under its schema, and instructor validates the
+    arguments into a Weather on the first try (max_retries=1: one attempt, no re-ask)."""
+    import instructor
+    from openai import OpenAI
+
+    client = instructor.from_openai(OpenAI(base_url=url, api_key="x"), mode=instructor.Mode.TOOLS)
+    weather = client.chat.completions.create(
+        model="tiny-model",
+        response_model=Weather,
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        max_retries=1,
+        temperature=0.0,
+        max_tokens=120,
+    )
+    assert isinstance(weather, Weather) and weather.city in CITIES
