@@ -14,7 +14,9 @@ Run: `duet bench-masks --model /work/bench-model --batch 1 8 32 --threads 4` (id
 `--masks-only` times the mask phases alone (the weights are not read). `--tool-call hermes` (or
 deepseek_v3): the rows write a forced tool call instead (`tool_choice: "required"`, one function
 whose arguments follow the schema), in that parser's format: a constrained call's cost per step
-against `forward` alone, which is what a free-text step costs.
+against `forward` alone, which is what a free-text step costs. `--vocab N --masks-only`: the
+masks over a tokenizer of N tokens (`bench.synthetic_vocab`; DeepSeek's have 129 280, the
+built-in model 2048).
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
+from bench.synthetic_vocab import synthetic_vocab_model
 from control.cluster_config import TOOL_PARSERS
 from router.tools import Tool, ToolChoice, call_grammar
 
@@ -53,6 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mask-threads", type=int, default=2, help="llguidance's workers")
     p.add_argument("--masks-only", action="store_true", help="no forward: the weights stay unread")
     p.add_argument("--tool-call", choices=TOOL_PARSERS, help="rows write a forced tool call")
+    p.add_argument("--vocab", type=int, help="a synthetic tokenizer of this many tokens")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
@@ -150,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ops.set_num_threads(args.threads)
     model_dir = args.model or str(ensure_tiny_model())
+    if args.vocab is not None:
+        if not args.masks_only:
+            raise SystemExit("--vocab needs --masks-only: no model has that vocabulary")
+        scratch = tempfile.TemporaryDirectory(prefix="duet-vocab-")
+        out = Path(scratch.name) / "model"
+        model_dir = str(synthetic_vocab_model(args.vocab, out, Path(model_dir)))
     model = None
     if args.masks_only:
         cfg = ModelConfig.from_model_dir(model_dir)
