@@ -115,13 +115,22 @@ def _after(text: str, body: str) -> str:
     one lexeme, any text ending in `text` and holding it nowhere else."""
     literal = "".join("\\" + c if c in _REGEX_SPECIAL else c for c in text)
     free = f"/(?s:.*){literal}/ & ~/(?s:.*{literal}.+)/"
-    if body.lstrip().startswith("{"):  # a grammar's JSON (else Lark text, as llguidance reads it)
-        grammars = json.loads(body)["grammars"]
-    else:
-        grammars = [{"lark_grammar": body}]
+    grammars = _grammar_list(body)
     grammars[0]["name"] = "body"
     head = {"name": "start", "lark_grammar": f"start: FREE @body\nFREE: {free}\n"}
     return json.dumps({"grammars": [head, *grammars]})
+
+
+def _grammar_list(body: str) -> list[dict]:
+    """The grammars of llguidance's JSON form (a non-empty "grammars" list of objects), else
+    `body` as one Lark grammar (how a malformed one fails is then Lark's error to tell)."""
+    try:
+        grammars = json.loads(body).get("grammars") if body.lstrip().startswith("{") else None
+    except (ValueError, AttributeError):
+        grammars = None
+    if isinstance(grammars, list) and grammars and all(isinstance(g, dict) for g in grammars):
+        return grammars
+    return [{"lark_grammar": body}]
 
 
 def _choice_lark(structured: StructuredOutput) -> str:

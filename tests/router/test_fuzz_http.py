@@ -60,7 +60,10 @@ def cluster():
     fakes.start()
     server = RouterServer(cfg, model_dir)
     server.start()
-    with httpx.Client(base_url=server.url, timeout=30) as client:
+    # A connection per request: a kept-alive one can be closed by the server's idle timeout just
+    # as the next request goes out on it (a reset that is the client's race, not the server's).
+    no_reuse = httpx.Limits(max_keepalive_connections=0)
+    with httpx.Client(base_url=server.url, timeout=30, limits=no_reuse) as client:
         yield fakes, server, client
     server.stop()
     fakes.stop()

@@ -160,6 +160,20 @@ def test_a_grammar_after_the_reasoning_leaves_the_thinking_free(grammars, tok, n
     assert (token in allowed_by_library(after)) == (token in allowed_by_library(alone))
 
 
+@pytest.mark.parametrize(
+    "grammar", ["{}", '{"grammars": 3}', '{"grammars": [{"lark_grammar": "start: \\"a\\""}]}']
+)
+def test_a_grammar_after_the_reasoning_reads_any_grammar_text(grammars, grammar):
+    """Whatever a request's grammar text is (llguidance's JSON form, or text that only looks like
+    it), wrapping it never fails on its own: it compiles, or fails with the library's reason."""
+    try:
+        grammars.check(("grammar", grammar, "</think>"))
+    except InvalidRequestError as exc:
+        assert "invalid grammar" in str(exc)
+    else:
+        assert grammar.startswith('{"grammars": [')
+
+
 # ---- masks -----------------------------------------------------------------------------------
 def test_batched_masks_equal_the_library_bitmask(grammars, tok):
     """Rows at different places of different grammars (and rows without one): each row's
