@@ -99,6 +99,9 @@ class SlaConfig:
     # (503 + Retry-After), "queue" (waits at the router up to queue_s, then 503), "none" (served).
     admission: str = "none"
     queue_s: float = 5.0  # admission = "queue": the longest a request waits at the router
+    # admission = "none": a request no decode node has room for waits for room, in turn
+    # (preempted ones first, then FIFO), this long at most (then 503 no_decode_room).
+    queue_timeout_s: float = 600.0
     kv_bytes_per_s: float = 1e9  # KV transfer rate the TTFT estimate assumes (loopback/LAN)
     cap_decode_batch: bool = True  # decode nodes cap their batch to keep steps within tpot_ms
 
@@ -533,6 +536,8 @@ def _validate_admission(sla: SlaConfig) -> None:
         )
     if sla.queue_s <= 0:
         raise ConfigError(f"[sla] queue_s must be positive, got {sla.queue_s!r}")
+    if sla.queue_timeout_s < 0:
+        raise ConfigError(f"[sla] queue_timeout_s must be >= 0, got {sla.queue_timeout_s!r}")
     if sla.kv_bytes_per_s <= 0:
         raise ConfigError(f"[sla] kv_bytes_per_s must be positive, got {sla.kv_bytes_per_s!r}")
 

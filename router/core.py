@@ -126,6 +126,9 @@ class Router:
             node_lost=self._node_lost,
             is_closing=self._is_closing,
         )
+        # With no admission set, a request waits for decode room (in turn) instead of a 503.
+        sla = self.cfg.sla
+        room_wait_s = sla.queue_timeout_s if sla.admission == "none" else 0.0
         self.dispatch = RequestDispatch(
             self.nodes,
             self.policy,
@@ -140,7 +143,9 @@ class Router:
             forget=self._forget,
             wait_for_nodes=self.health.wait_for_nodes,
             room_changed=self._room_changed,
+            queue_timeout_s=room_wait_s,
         )
+        self.metrics.waiting_for_room.set_function(lambda: len(self.dispatch.room_queue))
         self.recovery = NodeLossRecovery(
             self.requests,
             self.nodes,

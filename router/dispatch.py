@@ -30,6 +30,7 @@ from router.admission import AdmissionControl
 from router.metrics import RouterMetrics
 from router.nodes import NodeRegistry, NodeState
 from router.policy import PairingPolicy
+from router.room_queue import RoomQueue
 from router.state import RETRY_AFTER_S, ErrorEvent, RequestState, RouterError, RouterRequest
 
 Send = Callable[[str, Any], bool]  # (node name, message) -> whether it was queued
@@ -54,6 +55,7 @@ class RequestDispatch:
         forget: Callable[[RouterRequest], None],
         wait_for_nodes: Callable[[float], Awaitable[bool]],
         room_changed: asyncio.Event,
+        queue_timeout_s: float = 0.0,
     ):
         self.nodes = nodes
         self.policy = policy
@@ -68,6 +70,8 @@ class RequestDispatch:
         self.forget = forget
         self.wait_for_nodes = wait_for_nodes
         self.room_changed = room_changed
+        self.queue_timeout_s = queue_timeout_s
+        self.room_queue = RoomQueue()
         self._reply_waiters: dict[str, asyncio.Future] = {}  # by wire id: reservations asked
 
     def stop_waiting(self, req: RouterRequest) -> None:
@@ -76,65 +80,96 @@ class RequestDispatch:
         waiter = self._reply_waiters.get(req.wire_id)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        self.room_queue.wake(req.wire_id)
 
     async def reserve_somewhere(self, req: RouterRequest, wait_for_room_s: float = 0.0) -> None:
         """Asks the ready decode nodes in the policy's order. A node that refuses because it is
         draining is marked so at once; when no decode node is ready at all (draining or
-        restarting), waits for one up to the reserve timeout and asks again. With
-        `wait_for_room_s` (a preempted request), refusals for want of room are retried as
-        decode holds end, for up to that long."""
-        num_prompt = len(req.attempt_prompt_ids)
-        max_new, n = req.attempt_sampling.max_new_tokens, req.attempt_sampling.n
-        shape = (num_prompt, max_new, self.max_positions, n)
-        deadline = time.monotonic() + max(self.timeouts.reserve_s, wait_for_room_s)
-        refusals = []
-        while True:
-            # A node never admits what could not finish in its whole pool; each reserves by its
-            # own rule (on_demand or worst_case): the policy ranks by the smallest (the nodes
-            # normally share one), and each node is held for its own.
-            ready = [
-                node
-                for node in self.nodes.ready("decode")
-                if node.pages_for(node.worst_case_tokens(*shape)) <= node.total_pages
-            ]
-            num_tokens = min(
-                (node.reservation_tokens(*shape) for node in ready),
-                default=min(num_prompt + max_new, self.max_positions),
-            )
-            candidates = self.policy.rank_decode(ready, num_tokens)
-            refusals = []
-            for node in candidates:
-                if not node.is_ready:  # died or began draining while we asked another
+        restarting), waits for one up to the reserve timeout and asks again.
+
+        When every node refuses for want of room, a request may wait for it, in turn
+        (`router.room_queue`): a preempted one for `wait_for_room_s`, a new one for `[sla]
+        queue_timeout_s` when no admission is set (`queue_timeout_s` here; 0: refused at
+        once). While others wait, a new request takes its place behind them before asking."""
+        wait_s = wait_for_room_s or self.queue_timeout_s
+        preempted = wait_for_room_s > 0
+        deadline = time.monotonic() + max(self.timeouts.reserve_s, wait_s)
+        refusals: list[str] = []
+        try:
+            if wait_s and len(self.room_queue):
+                self.room_queue.join(req.wire_id, preempted)
+            while True:
+                queued = req.wire_id in self.room_queue
+                if queued and not self.room_queue.is_head(req.wire_id):
+                    await self.room_queue.wait_turn(req.wire_id, deadline - time.monotonic())
+                    if req.is_done or time.monotonic() >= deadline:
+                        break
                     continue
-                need = node.reservation_tokens(*shape)
-                reply = await self._reserve_on(req, node, need)
-                if req.is_done:  # failed meanwhile (node death, router shutdown)
-                    break
-                if reply is not None and reply.ok:
-                    req.timings.reserved = time.monotonic()
-                    self.metrics.stage.labels("reserve").observe(
-                        req.timings.reserved - req.timings.arrival
-                    )
+                reserved, refusals, fits = await self._ask_nodes(req)
+                if reserved:
                     return
-                if reply is not None and reply.draining:
-                    self.nodes.mark_draining(node)
-                refusals.append(f"{node.name}: {reply.reason if reply else 'no answer'}")
-            left = deadline - time.monotonic()
-            if req.is_done or left <= 0:
-                break
-            if self.nodes.ready("decode"):
-                if not wait_for_room_s:
+                left = deadline - time.monotonic()
+                if req.is_done or left <= 0:
                     break
-                await self.wait_for_room(left)  # a preempted request: room comes back
-            else:
-                await self.wait_for_nodes(left)  # none ready: one is draining or restarting
+                if self.nodes.ready("decode"):
+                    if not wait_s or not fits:  # no room to wait for: too big for every pool
+                        break
+                    self.room_queue.join(req.wire_id, preempted)
+                    if self.room_queue.is_head(req.wire_id):
+                        await self.wait_for_room(left)  # room comes back as holds end
+                else:
+                    await self.wait_for_nodes(left)  # none ready: one is draining or restarting
+        finally:
+            waited = self.room_queue.leave(req.wire_id)
+            if waited:
+                req.room_wait_s += waited
+                self.metrics.room_wait.observe(waited)
         if req.is_done:
             error = req.error or ErrorEvent("reserve", "the request ended during reservation")
             self.forget(req)
             raise RouterError(503, error.message, "reserve_failed", RETRY_AFTER_S)
         self.metrics.rejections.labels("no_decode_room").inc()
         why = "; ".join(refusals) or "no decode node has enough free KV pages"
+        if req.room_wait_s:
+            why += f"; waited {req.room_wait_s:.1f} s for room"
         self.reject(req, f"no decode node admitted the request ({why})", "no_decode_room")
+
+    async def _ask_nodes(self, req: RouterRequest) -> tuple[bool, list[str], bool]:
+        """One round over the ready decode nodes: (whether one reserved, each refusal's reason,
+        whether any ready node's whole pool could hold it). The policy may rank none (none has
+        room by the last heartbeats): no reservation, no refusal."""
+        num_prompt = len(req.attempt_prompt_ids)
+        max_new, n = req.attempt_sampling.max_new_tokens, req.attempt_sampling.n
+        shape = (num_prompt, max_new, self.max_positions, n)
+        # A node never admits what could not finish in its whole pool; each reserves by its own
+        # rule (on_demand or worst_case): the policy ranks by the smallest (the nodes normally
+        # share one), and each node is held for its own.
+        ready = [
+            node
+            for node in self.nodes.ready("decode")
+            if node.pages_for(node.worst_case_tokens(*shape)) <= node.total_pages
+        ]
+        num_tokens = min(
+            (node.reservation_tokens(*shape) for node in ready),
+            default=min(num_prompt + max_new, self.max_positions),
+        )
+        refusals = []
+        for node in self.policy.rank_decode(ready, num_tokens):
+            if not node.is_ready:  # died or began draining while we asked another
+                continue
+            reply = await self._reserve_on(req, node, node.reservation_tokens(*shape))
+            if req.is_done:  # failed meanwhile (node death, router shutdown)
+                return False, refusals, True
+            if reply is not None and reply.ok:
+                req.timings.reserved = time.monotonic()
+                self.metrics.stage.labels("reserve").observe(
+                    req.timings.reserved - req.timings.arrival
+                )
+                return True, [], True
+            if reply is not None and reply.draining:
+                self.nodes.mark_draining(node)
+            refusals.append(f"{node.name}: {reply.reason if reply else 'no answer'}")
+        return False, refusals, bool(ready)
 
     async def _reserve_on(self, req: RouterRequest, node: NodeState, num_tokens: int):
         """Reserve on one decode node: the reply, None for a refusal to send; a silent node

@@ -115,6 +115,19 @@ class RouterMetrics:
             "Requests a decode node preempted (its KV pool ran out)",
             registry=r,
         )
+        # Waiting for decode room, in turn (router/room_queue.py): how many wait now (set by the
+        # router to its queue's length) and how long each waited.
+        self.waiting_for_room = Gauge(
+            "duet_router_waiting_for_room",
+            "Requests waiting at the router for decode KV room, in turn",
+            registry=r,
+        )
+        self.room_wait = Histogram(
+            "duet_router_room_wait_seconds",
+            "How long a request waited for decode KV room (those that waited)",
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
+            registry=r,
+        )
         self.num_finished = 0  # plain counts for the SLA share (read at scrape time)
         self.num_sla_met = 0
         # ---- SLA admission: goodput and the TTFT prediction's error ------

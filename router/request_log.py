@@ -51,6 +51,7 @@ def request_end_record(req: RouterRequest, outcome: str) -> dict[str, Any]:
         "decode_node": req.decode_node,
         "migrations": req.num_migrations,
         "preemptions": req.num_preemptions,  # on-demand decode KV
+        "room_wait_s": _seconds(req.room_wait_s),  # waiting for decode room, in turn
     }
 
 

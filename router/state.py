@@ -130,6 +130,7 @@ class RouterRequest:
     # FirstToken (its reason), applied once that token is in.
     num_preemptions: int = 0
     pending_preempt: str | None = None
+    room_wait_s: float = 0.0  # waiting for decode room, in turn (`router.room_queue`)
     # n > 1 (see the module docstring): sequences 1 .. n-1, and for a fork its parent.
     forks: list[RouterRequest] = field(default_factory=list, repr=False, compare=False)
     parent: RouterRequest | None = field(default=None, repr=False, compare=False)

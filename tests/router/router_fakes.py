@@ -41,11 +41,12 @@ FAKE_FINGERPRINT = None  # the fakes send none, so the router's check is skipped
 
 def fake_config(num_prefill: int = 1, num_decode: int = 1, sla=None, **router) -> ClusterConfig:
     """A cluster on free loopback ports with short timeouts (fast failure tests); `sla`: extra
-    [sla] fields (admission tests)."""
+    [sla] fields (admission tests). A request no decode node has room for is refused at once
+    (`queue_timeout_s = 0`) unless the test asks for the wait in turn."""
     ports = iter(free_ports(2 + num_prefill + 2 * num_decode))
     free_port = ports.__next__
     raw = {
-        "sla": {"ttft_ms": 1000, "tpot_ms": 200, **(sla or {})},
+        "sla": {"ttft_ms": 1000, "tpot_ms": 200, "queue_timeout_s": 0, **(sla or {})},
         "router": {"port": free_port(), "control_port": free_port(), **router},
         "timeouts": {
             "reserve_s": 1.0, "prefill_queue_s": 5.0, "transfer_s": 5.0, "decode_s": 30.0,
