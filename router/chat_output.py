@@ -59,8 +59,7 @@ def _merged(pieces: list[ToolCallDelta]) -> list[ToolCallDelta]:
     for piece in pieces:
         if out and out[-1].index == piece.index:
             last = out[-1]
-            piece = ToolCallDelta(piece.index, last.name, last.arguments + piece.arguments)
-            out[-1] = piece
+            out[-1] = ToolCallDelta(piece.index, last.name, last.arguments + piece.arguments)
         else:
             out.append(piece)
     return out

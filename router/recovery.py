@@ -18,7 +18,10 @@ then it fails (stage "preemption"). A Preempted that arrives before P's FirstTok
 socket) waits in the request until that token is in, so no token is lost.
 
 A RequestError from a node that is draining (its drain timed out and it gave the request back)
-moves the request too, unseen by the client; any other RequestError fails it.
+moves the request too, unseen by the client, and so does one of stage "transfer": the KV link
+failed (a dropped connection, a restarted peer, frames that failed their integrity check), which
+is not the request's doing, so it gets a new attempt like a node loss, within the same
+`max_migrations`. Any other RequestError fails it.
 
 `NodeLossRecovery` owns the background tasks that start moved attempts (`moves`; the router
 cancels them at stop). The unfinished requests (it re-keys a moved one under its new wire id),
@@ -142,11 +145,15 @@ class NodeLossRecovery:
             for name in (req.prefill_node, req.decode_node)
             if name in self.nodes.nodes and self.nodes.nodes[name].status == NodeStatus.DRAINING
         ]
-        if draining and req.num_migrations < self.max_migrations and not self.is_closing():
+        can_move = req.num_migrations < self.max_migrations and not self.is_closing()
+        if draining and can_move:
             # a node whose drain timed out gave the request back: move it, unseen
             self._move(req, msg.stage, f"{draining[0].name} stopped draining: {msg.message}")
+        elif msg.stage == "transfer" and can_move and not req.is_done:
+            self._move(req, "transfer", f"the KV transfer failed: {msg.message}")
         else:
-            self.fail(req, msg.stage, msg.message)
+            moved = f" after {req.num_migrations} migrations" if req.num_migrations else ""
+            self.fail(req, msg.stage, msg.message + moved)
 
     def on_preempted(self, msg: Preempted) -> None:
         req = self.requests.get(msg.request_id)

@@ -13,7 +13,9 @@ After every fault run:
     plan gives the same run every time. Waits are loops on a condition with a bound, never
     sleeps; only the tests of a deadline wait for one (of TRANSFER_S or SHORT_S).
 (b) End to end: `duet up` 1P1D with DUET_KV_FAULTS in its prefill node, 16 concurrent streams of
-    the official openai client (the last tests of this module).
+    the official openai client (the last tests of this module). A failed transfer is a new
+    attempt at the router (`router.recovery`), so every stream completes with the oracle's
+    tokens.
 """
 
 import asyncio
@@ -320,9 +322,13 @@ E2E_MAX_NEW = 8
 # exactly the storm, so the requests after it meet a good link.
 E2E_PLAN = f"drop=0.1,dup=0.1,delay=0.1,reorder=0.1,corrupt=0.1,seed=7,limit={2 * E2E_STREAMS}"
 E2E_TIMEOUTS = {"transfer_s": 4.0, "node_timeout_s": 30.0}
+# Each fault costs at most one move, and the plan faults at most `limit` messages: with this
+# many moves allowed no stream can run out of them.
+E2E_MAX_MIGRATIONS = 2 * E2E_STREAMS
 E2E_DTYPE = "float32"  # greedy tokens independent of the batch: comparable with the oracle
-# A stream ends by the KV deadline (transfer_s) after its prefill: this bound is generous.
-E2E_BOUND_S = 30.0
+# An attempt ends by the KV deadline (transfer_s) after its prefill, and a stream can meet every
+# fault of the plan in turn: the bound covers that, and is never the expected time.
+E2E_BOUND_S = E2E_TIMEOUTS["transfer_s"] * 2 * E2E_STREAMS + 60.0
 PAGES_USED = ("duet_kv_pages_used", {"node": "decode-0", "role": "decode"})
 
 
@@ -330,6 +336,7 @@ PAGES_USED = ("duet_kv_pages_used", {"node": "decode-0", "role": "decode"})
 def faulty_cluster(tmp_path_factory):
     raw = cluster_shorthand(1, 1)
     raw["timeouts"] = E2E_TIMEOUTS
+    raw.setdefault("router", {})["max_migrations"] = E2E_MAX_MIGRATIONS
     config = tmp_path_factory.mktemp("cfg") / "faults.toml"
     config.write_text(dump_toml(raw))
     up = start_cluster(
@@ -371,15 +378,11 @@ def test_e2e_streams_under_faults_end_and_pages_return(faulty_cluster):
 
     results = asyncio.run(storm())  # raises TimeoutError if any client hangs past the bound
     refs = {p: generate_reference(E2E_DTYPE, E2E_MAX_NEW, prompt=p)["text"] for p in set(prompts)}
-    num_failed = 0
     for prompt, (outcome, a, b) in zip(prompts, results, strict=True):
-        if outcome == "finished":
-            assert b in ("stop", "length") and a == refs[prompt], f"{prompt!r}: {a!r}"
-        else:
-            num_failed += 1
-            assert a == "failed_at_transfer", f"{prompt!r}: {a} {b}"
-            assert re.search(r"KV|transfer", b), b
-    assert 0 < num_failed < E2E_STREAMS, results
+        assert outcome == "finished", f"{prompt!r}: {a} {b}"
+        assert b in ("stop", "length") and a == refs[prompt], f"{prompt!r}: {a!r}"
+    # the faults did fail transfers: those attempts were retried, unseen by the clients
+    assert up.metric("duet_request_migrations_total", stage="transfer") > 0
     assert _wait(lambda: used() == 0, 15), "decode pages did not return to the baseline"
 
     # The storm used up the plan's `limit`: the same nodes now serve on a good link.

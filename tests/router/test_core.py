@@ -212,8 +212,8 @@ def test_node_error_and_abort_reach_both_nodes():
     async def main():
         r = make_router()
         req = await submit(r)
-        r.handle(RequestError("r1", "transfer", "kv incomplete"))
-        assert drain(req) == [ErrorEvent("transfer", "kv incomplete")]
+        r.handle(RequestError("r1", "prefill", "prefill forward failed"))
+        assert drain(req) == [ErrorEvent("prefill", "prefill forward failed")]
         aborted = {n for n, m in r.transport.of(Abort) if m.request_id == "r1"}
         assert aborted == {"p0", "d0"}
         req2 = await submit(r, "r2")

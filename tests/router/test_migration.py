@@ -1,7 +1,8 @@
 """Requests outliving their nodes, router core without sockets: a prefill node lost before the
 first token is retried unseen; a decode node lost mid-stream has its request re-prefilled
 (prompt + streamed tokens) on a surviving pair and the stream goes on with no token repeated or
-missing; the number of moves is bounded; messages of an old attempt are ignored."""
+missing; a failed KV transfer is retried the same way; the number of moves is bounded; messages
+of an old attempt are ignored."""
 
 import asyncio
 import time
@@ -9,7 +10,15 @@ import time
 from router_fakes import fake_config, tokens
 from test_core import EOS, RecordingTransport, drain, submit  # noqa: F401
 
-from control.protocol import FirstToken, NodeFailed, NodeReady, Prefill, Reserve, ReserveReply
+from control.protocol import (
+    FirstToken,
+    NodeFailed,
+    NodeReady,
+    Prefill,
+    RequestError,
+    Reserve,
+    ReserveReply,
+)
 from router.core import Router
 from router.state import ErrorEvent, RequestState, TokenEvent
 
@@ -137,5 +146,44 @@ def test_a_restarted_decode_node_takes_a_waiting_move():
         r.handle(FirstToken("r1~1", 6, 11))
         r.handle(tokens("r1~1", [7], "length"))
         assert tokens_of(drain(req)) == [5, 6, 7]
+
+    asyncio.run(main())
+
+
+def test_a_failed_kv_transfer_is_retried_then_bounded():
+    """A RequestError of stage "transfer" (the KV link, not the request) is a new attempt, on
+    the same single pair here, with the stream going on; the error of the old attempt's other
+    node is ignored; past max_migrations the request fails naming the stage and the moves."""
+
+    async def main():
+        r = make_router(num_prefill=1, num_decode=1, max_migrations=1)
+        req = await submit(r, prompt_len=10, max_new=4)
+        r.handle(FirstToken("r1", 5, 10))
+        r.handle(RequestError("r1", "transfer", "KV frame failed its integrity check"))
+        assert req.state == RequestState.RESERVING and req.wire_id == "r1~1"
+        r.handle(RequestError("r1", "transfer", "the peer aborted"))  # the old attempt's: ignored
+        assert req.state == RequestState.RESERVING
+        _, reserve = await answer_reserve(r, 2)
+        assert reserve.prompt_len == 11  # the prompt and the token already streamed
+        assert r.metrics.migrations.labels("transfer")._value.get() == 1
+        r.handle(FirstToken("r1~1", 6, 11))
+        r.handle(RequestError("r1~1", "transfer", "connection dropped"))
+        events = drain(req)
+        assert tokens_of(events) == [5, 6]
+        assert isinstance(events[-1], ErrorEvent) and events[-1].stage == "transfer"
+        assert events[-1].message == "connection dropped after 1 migrations"
+        assert req.state == RequestState.FAILED and not r.requests
+
+    asyncio.run(main())
+
+
+def test_other_request_errors_are_not_retried():
+    async def main():
+        r = make_router(num_prefill=1, num_decode=1)
+        req = await submit(r, prompt_len=10, max_new=4)
+        r.handle(RequestError("r1", "prefill", "bad request: the prompt is too long"))
+        events = drain(req)
+        assert events == [ErrorEvent("prefill", "bad request: the prompt is too long")]
+        assert r.metrics.migrations.labels("transfer")._value.get() == 0
 
     asyncio.run(main())
