@@ -15,6 +15,10 @@ raised. The summary (bench.serve_metrics) is printed as a table and written with
 
     duet bench-serve --url http://127.0.0.1:8000 --num-prompts 64 --request-rate 4 \\
         --input-len 512 --output-len 128 [--config deploy/configs/1p1d.toml] [--out DIR]
+
+`--dataset multi-turn --turns T`: `--num-prompts` conversations of T turns, each turn sent when
+the previous answer arrived, with the whole history (bench.multi_turn); the summary adds the
+TTFT of first turns and of later ones.
 """
 
 from __future__ import annotations
@@ -55,14 +59,18 @@ class Target:
     def endpoint(self) -> str:
         return self.url + ("/v1/chat/completions" if self.chat else "/v1/completions")
 
-    def payload(self, req: BenchRequest) -> dict[str, Any]:
+    def payload(self, req: BenchRequest, prompt: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The request body; `prompt`: the fields that carry the prompt instead of `req.prompt`
+        (a multi-turn history: `messages`, or a `prompt` text)."""
         body: dict[str, Any] = {
             "max_tokens": req.output_len,
             "temperature": self.temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        if self.chat:
+        if prompt is not None:
+            body.update(prompt)
+        elif self.chat:
             body["messages"] = [{"role": "user", "content": req.prompt}]
         else:
             body["prompt"] = req.prompt
@@ -89,13 +97,16 @@ def _chunk_text(obj: dict[str, Any], chat: bool) -> str:
     return choices[0].get("text") or ""
 
 
-async def _stream(client: httpx.AsyncClient, target: Target, req: BenchRequest, rec, tokenizer):
-    """Send one request and fill `rec` from its SSE stream; raises _Failed."""
+async def _stream(
+    client: httpx.AsyncClient, target: Target, req: BenchRequest, rec, tokenizer, prompt, parts
+):
+    """Send one request and fill `rec` from its SSE stream, the streamed text into `parts`;
+    raises _Failed."""
     t_send = time.perf_counter()
     last = None
-    parts: list[str] = []
     usage = None
-    async with client.stream("POST", target.endpoint, json=target.payload(req)) as resp:
+    body = target.payload(req, prompt)
+    async with client.stream("POST", target.endpoint, json=body) as resp:
         if resp.status_code != 200:
             body = (await resp.aread()).decode("utf-8", "replace")
             raise _Failed(f"http_{resp.status_code}", _error_message(body))
@@ -153,8 +164,18 @@ def _error_message(body: str) -> str:
         return body.strip().splitlines()[0][:200] if body.strip() else ""
 
 
-async def send_one(client, target: Target, index: int, req: BenchRequest, t0: float, tokenizer):
-    """One request's RequestRecord; every failure is recorded as an error kind, never raised."""
+async def send_one(
+    client,
+    target: Target,
+    index: int,
+    req: BenchRequest,
+    t0: float,
+    tokenizer,
+    prompt: dict[str, Any] | None = None,
+    text_out: list[str] | None = None,
+):
+    """One request's RequestRecord; every failure is recorded as an error kind, never raised.
+    `prompt`: the body's prompt fields (`Target.payload`); `text_out` gets the streamed text."""
     rec = RequestRecord(
         index=index,
         start_s=time.perf_counter() - t0,
@@ -162,7 +183,9 @@ async def send_one(client, target: Target, index: int, req: BenchRequest, t0: fl
         expected_output_len=req.output_len,
     )
     try:
-        await asyncio.wait_for(_stream(client, target, req, rec, tokenizer), target.timeout_s)
+        parts = [] if text_out is None else text_out
+        stream = _stream(client, target, req, rec, tokenizer, prompt, parts)
+        await asyncio.wait_for(stream, target.timeout_s)
     except _Failed as exc:
         rec.error, rec.error_message = exc.kind, exc.message
     except (asyncio.TimeoutError, httpx.TimeoutException):
@@ -255,20 +278,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson (inf)")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    p.add_argument("--dataset", choices=DATASETS, default="random")
+    p.add_argument("--dataset", choices=(*DATASETS, "multi-turn"), default="random")
+    p.add_argument(
+        "--turns", type=int, default=4, help="multi-turn: turns per conversation (--num-prompts)"
+    )
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens (chat: median)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens (chat: median)")
     p.add_argument(
         "--prefix-len",
         type=int,
         default=DEFAULT_PREFIX_LEN,
-        help="shared-prefix: tokens of the prefix every prompt starts with",
+        help="shared-prefix / multi-turn: tokens of the prefix every prompt starts with",
     )
     p.add_argument(
         "--endpoint",
         choices=("auto", "completions", "chat"),
         default="auto",
-        help="auto: chat for synthetic-chat, completions for random",
+        help="auto: completions for random, chat for the others",
     )
     p.add_argument(
         "--ignore-eos",
@@ -310,7 +336,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     args.url = args.url.rstrip("/").removesuffix("/v1")
     if args.tokenizer is None and cfg is not None and cfg.model:
         args.tokenizer = cfg.model
-    for name in ("num_prompts", "input_len", "output_len"):
+    for name in ("num_prompts", "input_len", "output_len", "turns"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
     if not args.request_rate > 0:
@@ -358,6 +384,8 @@ def load_tokenizer(model_dir: str | None):
 def run(args: argparse.Namespace, tokenizer=None) -> dict[str, Any]:
     """Run one benchmark from resolved arguments; write OUT; return the summary."""
     tokenizer = tokenizer or load_tokenizer(args.tokenizer)
+    if args.dataset == "multi-turn":
+        return _run_multi_turn(args, tokenizer)
     requests = make_requests(
         tokenizer,
         args.dataset,
@@ -367,16 +395,7 @@ def run(args: argparse.Namespace, tokenizer=None) -> dict[str, Any]:
         args.seed,
         args.prefix_len,
     )
-    model = args.model or asyncio.run(_model_name(args.url))
-    target = Target(
-        args.url,
-        args.endpoint == "chat",
-        model,
-        args.ignore_eos,
-        args.temperature,
-        args.timeout,
-        args.extra_body,
-    )
+    target = _target(args)
     progress = False if args.no_progress else None
     records, duration = asyncio.run(
         run_requests(
@@ -387,6 +406,49 @@ def run(args: argparse.Namespace, tokenizer=None) -> dict[str, Any]:
             args.seed,
             tokenizer,
             progress,
+        )
+    )
+    summary = summarize(records, duration, args.ttft_ms, args.tpot_ms)
+    write_outputs(Path(args.out), args, summary, records)
+    return summary
+
+
+def _target(args: argparse.Namespace) -> Target:
+    model = args.model or asyncio.run(_model_name(args.url))
+    return Target(
+        args.url,
+        args.endpoint == "chat",
+        model,
+        args.ignore_eos,
+        args.temperature,
+        args.timeout,
+        args.extra_body,
+    )
+
+
+def _run_multi_turn(args: argparse.Namespace, tokenizer) -> dict[str, Any]:
+    from bench.multi_turn import make_conversations, run_conversations
+
+    conversations = make_conversations(
+        tokenizer,
+        args.num_prompts,
+        args.turns,
+        args.input_len,
+        args.output_len,
+        args.prefix_len,
+        args.seed,
+    )
+    target = _target(args)
+    records, duration = asyncio.run(
+        run_conversations(
+            target,
+            conversations,
+            args.request_rate,
+            args.max_concurrency,
+            args.seed,
+            tokenizer,
+            send_one,
+            arrival_times,
         )
     )
     summary = summarize(records, duration, args.ttft_ms, args.tpot_ms)

@@ -43,6 +43,8 @@ class RequestRecord:
     latency_s: float | None = None
     tpot_s: float | None = None
     itl_s: list[float] = dataclasses.field(default_factory=list)
+    conversation: int | None = None  # multi-turn: the conversation and its turn (from 1)
+    turn: int | None = None
 
     def met_sla(self, ttft_ms: float, tpot_ms: float) -> bool:
         if not self.ok or self.ttft_s is None or self.ttft_s * 1e3 > ttft_ms:
@@ -90,6 +92,17 @@ def summarize(
         "rejected": rejected,
         "sla_attainment_admitted": met / admitted if admitted else 0.0,
         "goodput": met / duration_s,
+        **_by_turn(ok),
+    }
+
+
+def _by_turn(ok: list[RequestRecord]) -> dict[str, Any]:
+    """Multi-turn runs: TTFT of first turns (nothing to reuse) apart from the later ones."""
+    if not any(r.turn is not None for r in ok):
+        return {}
+    return {
+        "ttft_ms_first_turn": stats_ms([r.ttft_s for r in ok if r.turn == 1]),
+        "ttft_ms_later_turns": stats_ms([r.ttft_s for r in ok if (r.turn or 0) >= 2]),
     }
 
 
@@ -124,12 +137,18 @@ def format_table(summary: dict[str, Any], title: str = "Serving benchmark") -> s
         row("Rejected at admission (503/429)", str(summary["rejected"]))
         row("SLA met among admitted", f"{100 * summary['sla_attainment_admitted']:.1f}%")
     row("Goodput (req/s)", _fmt(summary["goodput"], 3))
-    for key, name in (
+    sections = [
         ("ttft_ms", "TTFT"),
         ("tpot_ms", "TPOT"),
         ("itl_ms", "ITL"),
         ("e2e_ms", "E2E latency"),
-    ):
+    ]
+    if "ttft_ms_first_turn" in summary:
+        sections += [
+            ("ttft_ms_first_turn", "TTFT, turn 1"),
+            ("ttft_ms_later_turns", "TTFT, turns 2+"),
+        ]
+    for key, name in sections:
         lines.append(f"{' ' + name + ' (ms) ':-^{width}}")
         for stat in ("mean", "median", "p90", "p99"):
             row(f"{stat.capitalize()} {name}", _fmt(summary[key][stat]))

@@ -270,3 +270,48 @@ def test_bad_extra_body_is_a_one_line_error(raw, message):
     argv = ["--url", "http://x", "--extra-body", raw]
     with pytest.raises(DuetError, match=message):
         serve.resolve(serve.build_parser().parse_args(argv))
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_multi_turn_sends_each_turn_with_its_whole_history(tmp_path, endpoint):
+    """3 conversations x 3 turns: every turn carries the shared system prompt, the earlier user
+    turns and the answers the server streamed to them, in order; a turn goes out only after the
+    previous one's answer (its body comes later in the fake's log); records and summary tell
+    turn 1 from the later ones."""
+    app, state = make_app(FakeBehavior(ttft_s=0.0, itl_s=0.0))
+    with ServerThread(app) as server:
+        summary, records = run_bench(
+            server.url,
+            tmp_path,
+            "--dataset", "multi-turn", "--endpoint", endpoint, "--num-prompts", "3",
+            "--turns", "3", "--input-len", "5", "--output-len", "4", "--prefix-len", "6",
+        )  # fmt: skip
+    assert summary["completed"] == 9 and len(state.received) == 9
+    assert sorted((r["conversation"], r["turn"]) for r in records) == [
+        (c, t) for c in range(3) for t in (1, 2, 3)
+    ]
+    answer = WORD * 4  # what the fake streams for 4 tokens
+    if endpoint == "chat":
+        histories = [b["messages"] for b in state.received]
+        systems = {h[0]["content"] for h in histories}
+        assert len(systems) == 1 and len(next(iter(systems)).split()) == 6
+        by_len = {n: [h for h in histories if len(h) == n] for n in (2, 4, 6)}
+        assert all(len(v) == 3 for v in by_len.values())  # each conversation's three turns
+        for later in by_len[4] + by_len[6]:
+            assert [m["role"] for m in later] == ["system"] + ["user", "assistant"] * (
+                len(later) // 2 - 1
+            ) + ["user"]
+            assert all(m["content"] == answer for m in later if m["role"] == "assistant")
+            # the history is that of an earlier turn of the same conversation, sent before it
+            earlier = histories.index(later[: len(later) - 2])
+            assert earlier < histories.index(later)
+    else:
+        prompts = [b["prompt"] for b in state.received]
+        for p in prompts:
+            if p.count(answer):  # a later turn: an earlier turn's prompt, its answer, a new turn
+                head = p[: p.rindex(answer) + len(answer)]
+                earlier = head[: -len(answer)]
+                assert earlier in prompts and prompts.index(earlier) < prompts.index(p)
+        assert sorted(p.count(answer) for p in prompts) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert summary["ttft_ms_first_turn"]["median"] is not None
+    assert summary["ttft_ms_later_turns"]["median"] is not None
