@@ -10,13 +10,17 @@
     [security]  curve_key_file (ZeroMQ CURVE on every inter-node socket), insecure,
                 api_key_file / api_keys (HTTP Bearer keys), metrics_need_key
     [[prefill]] name, host, bind_host, control_port, threads, page_size, chunk_size, replicas,
-                device, prefix_cache, quant, pack, weights_cache
+                device, prefix_cache, quant, quant_lm_head, pack, weights_cache
     [[decode]]  name, host, bind_host, control_port, kv_port, threads, page_size, num_pages,
                 max_batch, ranks, replicas, device, kv_reservation, kv_headroom_tokens, quant,
-                pack, weights_cache, mtp, mtp_tokens, overlap
+                quant_lm_head, pack, weights_cache, mtp, mtp_tokens, overlap
 
 `quant` ("none", "int8", "fp8"; model.quant) is each node's own weight scheme: the KV it
 produces or consumes is the same whatever the scheme, so any prefill node feeds any decode node.
+`quant_lm_head` (bool, default false) runs the node's LM head in int8 W8A8 whatever its `quant`
+("none" included): the head, the largest matrix a small decode batch reads, in half the bytes,
+for logits within int8 rounding of the model-dtype head's. Its kernel takes bf16 and float32
+activations, so it goes with either `dtype`.
 
 `mtp = true` makes a decode node speculate with the checkpoint's MTP layer, verifying
 `mtp_tokens` drafts a step (`runtime.speculative`). The MTP layer's KV is one more layer of the
@@ -161,6 +165,7 @@ class PrefillNodeConfig(_Addresses):
     # (and the router pairs this node by load alone).
     prefix_cache: bool = True
     quant: str = "none"  # weight quantization: "none" | "int8" | "fp8"
+    quant_lm_head: bool = False  # the LM head in int8 W8A8, whatever `quant` is
     # Packed weights (`model.weight_pack`): `pack` maps this packed weight store (made by
     # `duet pack`) instead of loading the checkpoint; else with `weights_cache` the node builds
     # the pack once under the cache dir (keyed by checkpoint, scheme, dtype and shard) and maps
@@ -214,6 +219,7 @@ class DecodeNodeConfig(_Addresses):
     kv_reservation: str = "on_demand"
     kv_headroom_tokens: int = 32
     quant: str = "none"  # weight quantization: "none" | "int8" | "fp8"
+    quant_lm_head: bool = False  # the LM head in int8 W8A8, whatever `quant` is
     # Packed weights (`model.weight_pack`): `pack` maps this packed weight store (made by
     # `duet pack`) instead of loading the checkpoint; else with `weights_cache` the node builds
     # the pack once under the cache dir (keyed by checkpoint, scheme, dtype and shard) and maps

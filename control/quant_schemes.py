@@ -20,9 +20,20 @@ def parse_quant(value: object, where: str = "quant") -> str:
     return value
 
 
+# The LM head's own scheme, apart from the node's `quant` (a node's `quant_lm_head`): "none"
+# keeps it in the model dtype, "int8" runs it W8A8 (`ops.linear_int8`) whatever `quant` is. At
+# small-batch decode it is one of the largest matrices read per token (vocab x hidden).
+LM_HEAD_SCHEMES = ("none", "int8")
+
+
+def lm_head_scheme(quant_lm_head: bool) -> str:
+    """The head's scheme (one of LM_HEAD_SCHEMES) for a node's `quant_lm_head`."""
+    return "int8" if quant_lm_head else "none"
+
+
 # The matrices a scheme other than "none" quantizes (model/quant.py): every MLA projection but
 # kv_b_proj, and every MLP and expert projection. The rest (embedding, LM head, kv_b, norms,
-# router gate) stays in the model dtype.
+# router gate) stays in the model dtype; the LM head goes int8 with `quant_lm_head` alone.
 _QUANTIZED = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
 _QUANTIZED += ("gate_proj", "up_proj", "down_proj")
 FP8_BLOCK = 128

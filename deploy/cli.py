@@ -87,6 +87,7 @@ def _add_generate(sub) -> None:
     p.add_argument(
         "--decode-quant", choices=QUANT_SCHEMES, help="the decode steps' own (a decode node's)"
     )
+    _add_quant_lm_head(p)
     p.add_argument(
         "--mtp-tokens",
         type=int,
@@ -150,6 +151,7 @@ def _run_generate(args) -> int:
         progress=not args.json,
         pack=args.pack,
         weights_cache=args.weights_cache,
+        quant_lm_head=args.quant_lm_head,
     )
     model = load(prefill_quant)
     decode_model = None if decode_quant == prefill_quant else load(decode_quant)
@@ -184,6 +186,15 @@ def _add_pack_options(p) -> None:
     )
 
 
+def _add_quant_lm_head(p) -> None:
+    """--quant-lm-head: the LM head in int8 whatever --quant is (a node's `quant_lm_head`)."""
+    p.add_argument(
+        "--quant-lm-head",
+        action="store_true",
+        help="run the LM head in int8 W8A8 whatever the weight quantization (model.quant)",
+    )
+
+
 def _parse_shard(text: str) -> tuple[int, int]:
     rank, sep, world = text.partition("/")
     try:
@@ -203,6 +214,7 @@ def _add_pack(sub) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--out", required=True, help="the pack file to write")
     p.add_argument("--mtp", action="store_true", help="include the MTP layer (mtp = true nodes)")
+    _add_quant_lm_head(p)
     p.add_argument(
         "--tensor-parallel",
         type=_parse_shard,
@@ -223,7 +235,14 @@ def _run_pack(args) -> int:
     dtype = getattr(torch, args.dtype)
     # Expert-parallel ranks map the whole model's pack (each takes its experts out of it).
     spec = pack_spec(
-        model_dir, dtype, args.quant, None, args.tensor_parallel, args.parallel, args.mtp
+        model_dir,
+        dtype,
+        args.quant,
+        None,
+        args.tensor_parallel,
+        args.parallel,
+        args.mtp,
+        args.quant_lm_head,
     )
     stats = build_pack(model_dir, args.out, spec, progress=True)
     print(f"{args.out}: {stats}")

@@ -6,8 +6,10 @@
 - weights: every tensor of the checkpoint (`model.weight_names.checkpoint_shapes`, from the
   model's config.json) at the cluster dtype, the router gate and bias in float32 as loaded
   (`model.weight_names.keeps_fp32`), except the matrices the node's `quant` scheme quantizes
-  (`control.quant_schemes.quantized_bytes`: a byte per weight plus scales). An FP8 checkpoint on
-  a quant = "none" node is dequantized at load, so it counts at the cluster dtype. A decode
+  (`control.quant_schemes.quantized_bytes`: a byte per weight plus scales), and the LM head's
+  int8 bytes on a `quant_lm_head` node (a tied head is the embedding, counted once as every tied
+  head is). An FP8 checkpoint on a quant = "none" node is dequantized at load, so it counts at
+  the cluster dtype. A decode
   node of `ranks` R runs R processes, each with the full attention, dense and shared-expert
   weights and its own shard of the routed experts (`model.sharding.expert_shard`); a prefill
   node of `ranks` R (tensor parallel) runs R processes, each with its share of the heads, MLP
@@ -76,17 +78,21 @@ def weight_bytes(
     mtp: bool = False,
     tensor_parallel: int = 1,
     parallel: str = "tp",
+    quant_lm_head: bool = False,
 ) -> int:
     """Bytes of the weights one process holds; `experts` limits the routed experts (a rank);
     `quant` the node's weight scheme (its quantized matrices take about a byte per weight);
     `mtp`: the MTP layer is loaded too; `tensor_parallel` = R: a tensor-parallel
-    rank's share of the matrices its `parallel` scheme splits."""
+    rank's share of the matrices its `parallel` scheme splits; `quant_lm_head`: the LM head
+    in int8."""
     keep = None if experts is None else (lambda e: e in experts)
     size = DTYPE_BYTES[dtype]
 
     def held(name: str, shape: tuple[int, ...]) -> int:
         if quant != "none" and is_quantized(name):
             return quantized_bytes(quant, shape)
+        if quant_lm_head and name == "lm_head.weight":
+            return quantized_bytes("int8", shape)
         return math.prod(shape) * (4 if keeps_fp32(name) else size)
 
     shapes = checkpoint_shapes(model, keep)
@@ -126,9 +132,9 @@ def node_resources(
     has routed experts, as the node itself would refuse); `mtp`: the cluster uses MTP
     (`ClusterConfig.uses_mtp`), so every node holds the MTP layer and its cache."""
     ranks = node.ranks
-    quant = node.quant
+    quant, head = node.quant, node.quant_lm_head
     if ranks == 1:
-        weights = weight_bytes(model, dtype, quant=quant, mtp=mtp)
+        weights = weight_bytes(model, dtype, quant=quant, mtp=mtp, quant_lm_head=head)
     else:
         tp = ranks if isinstance(node, PrefillNodeConfig) else 1
         scheme = node.parallel if tp > 1 else "tp"
@@ -138,7 +144,9 @@ def node_resources(
             shards = (None for _ in range(ranks))
         else:
             shards = (expert_shard(model.n_routed_experts, r, ranks) for r in range(ranks))
-        weights = sum(weight_bytes(model, dtype, shard, quant, mtp, tp, scheme) for shard in shards)
+        weights = sum(
+            weight_bytes(model, dtype, shard, quant, mtp, tp, scheme, head) for shard in shards
+        )
     kv = ranks * kv_pool_bytes(model, dtype, node.num_pages, node.page_size, mtp)
     memory = math.ceil((weights + kv) * MARGIN) + ranks * RUNTIME_BYTES + shm_bytes(node)
     return PodResources(node.threads * ranks, memory, weights, kv)

@@ -65,6 +65,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--decode-quant", choices=QUANT_SCHEMES, help="every decode node's weight quantization"
     )
     p.add_argument(
+        "--quant-lm-head",
+        action="store_true",
+        help="every node runs its LM head in int8 W8A8, whatever its weight quantization",
+    )
+    p.add_argument(
         "--mtp-tokens",
         type=int,
         help="every decode node speculates with the model's MTP layer, this many drafts a step",
@@ -159,6 +164,9 @@ def resolve_config(args: argparse.Namespace) -> dict:
         if quant is not None:  # overrides the config's per-node `quant`
             for node in raw.get(role, []):
                 node["quant"] = quant
+    if args.quant_lm_head:  # overrides the config's per-node `quant_lm_head`
+        for node in (*raw.get("prefill", []), *raw.get("decode", [])):
+            node["quant_lm_head"] = True
     if args.no_weights_cache:  # overrides the config's per-node `weights_cache`
         for node in (*raw.get("prefill", []), *raw.get("decode", [])):
             node["weights_cache"] = False

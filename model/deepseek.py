@@ -41,9 +41,10 @@ class DeepseekModel:
     the packed copy of a matrix are never both held for the whole model; from a
     CheckpointReader (`from_pretrained`) each tensor is read only as it is packed, so loading
     holds the model as held plus one tensor in flight. `quant` ("none", "int8", "fp8"; None =
-    "none") is the scheme of the projections and experts (`model.quant`). With `mtp`, the
-    checkpoint's MTP layer is loaded too (`model.mtp`, the draft of speculative decoding) and
-    the KV pool has one more layer, its cache. With `tensor_parallel` = (rank, world) the model
+    "none") is the scheme of the projections and experts (`model.quant`); `quant_lm_head` runs
+    the LM head (the MTP layer's too: it is the same head) in int8 whatever `quant` is. With
+    `mtp`, the checkpoint's MTP layer is loaded too (`model.mtp`, the draft of speculative
+    decoding) and the KV pool has one more layer, its cache. With `tensor_parallel` = (rank, world) the model
     holds rank `rank`'s shard (`model.sharding`: its heads, MLP columns and experts), whose
     attention and MLP outputs are partial sums: `model.tensor_parallel` all-reduces them;
     with `parallel = "tp_sp"` its heads only (o_proj, MLPs and experts whole), and the forward
@@ -60,6 +61,7 @@ class DeepseekModel:
         tensor_parallel: tuple[int, int] | None = None,
         parallel: str = "tp",
         sink: PackWriter | None = None,
+        quant_lm_head: bool = False,
     ):
         self.cfg = cfg
         self.tensor_parallel = tensor_parallel
@@ -67,7 +69,7 @@ class DeepseekModel:
         # The sequence-split forward (`model.sequence_parallel.install_sequence_parallel`).
         self.sequence_parallel = None
         num_heads = None
-        q = quantizer(quant, dtype)
+        q = quantizer(quant, dtype, quant_lm_head)
         if tensor_parallel is not None:
             rank, world = tensor_parallel
             if not isinstance(weights, PackSource):  # a pack holds the shard as it was cut
@@ -78,6 +80,7 @@ class DeepseekModel:
         if not isinstance(weights, PackSource):
             weights = CheckpointSource(weights, q, sink)
         self.quant = q.name
+        self.lm_head_quant = q.head_scheme  # the LM head's scheme: "none" | "int8"
         # Where it was loaded from (`from_pretrained`): structured output loads the tokenizer
         # there. None for a model built from weights in memory.
         self.model_dir: Path | None = None
@@ -94,11 +97,13 @@ class DeepseekModel:
         self.cos_sin = rope_cos_sin(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
         self.embed_tokens = weights.raw("model.embed_tokens.weight")
         # The head (the largest matrix) first: its raw and packed copies are held together
-        # while little else is loaded, not on top of the whole model.
+        # while little else is loaded, not on top of the whole model. A tied head follows
+        # `quant_lm_head` too: the embedding keeps its model-dtype rows for the lookup and the
+        # head is a packed copy of them (int8 or not), as an untied head is its own matrix.
         if cfg.tie_word_embeddings:
-            self.lm_head = weights.dense("model.embed_tokens.weight", tied=True)
+            self.lm_head = weights.head("model.embed_tokens.weight", tied=True)
         else:
-            self.lm_head = weights.dense("lm_head.weight")
+            self.lm_head = weights.head("lm_head.weight")
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             self.layers.append(
@@ -127,16 +132,28 @@ class DeepseekModel:
         mtp: bool = False,
         tensor_parallel: tuple[int, int] | None = None,
         parallel: str = "tp",
+        quant_lm_head: bool = False,
     ) -> DeepseekModel:
         """Loads config.json and the safetensors, each tensor read as the model packs it;
         `expert_range` limits the routed experts held (an expert-parallel rank loads only its
-        shard); `quant` is the weights' scheme (`model.quant`: "none", "int8", "fp8");
+        shard); `quant` is the weights' scheme (`model.quant`: "none", "int8", "fp8"),
+        `quant_lm_head` the LM head's (int8 when true);
         `tensor_parallel` = (rank, world): a tensor-parallel rank's shard of the `parallel`
         scheme ("tp" or "tp_sp", see the class). `model.pack_cache.load_model` loads through a
         packed weight store instead."""
         args = (dtype, expert_range, progress, quant, mtp, tensor_parallel, parallel)
         with cls.open_checkpoint(model_dir, *args) as (cfg, weights, expert_range):
-            model = cls(cfg, weights, dtype, expert_range, quant, mtp, tensor_parallel, parallel)
+            model = cls(
+                cfg,
+                weights,
+                dtype,
+                expert_range,
+                quant,
+                mtp,
+                tensor_parallel,
+                parallel,
+                quant_lm_head=quant_lm_head,
+            )
         model.model_dir = Path(model_dir)
         return model
 
@@ -177,12 +194,24 @@ class DeepseekModel:
         mtp: bool,
         tensor_parallel: tuple[int, int] | None,
         parallel: str,
+        quant_lm_head: bool = False,
     ) -> DeepseekModel:
         """The model around a mapped pack's weights (`model.weight_pack`), which must be of
         these arguments (`model.pack_cache.load_model` checks its spec)."""
         whole = pack.spec.expert_range is None and pack.spec.tensor_parallel is None
-        source = PackSource(pack, quantizer(quant, dtype), cfg.n_routed_experts if whole else None)
-        model = cls(cfg, source, dtype, expert_range, quant, mtp, tensor_parallel, parallel)
+        q = quantizer(quant, dtype, quant_lm_head)
+        source = PackSource(pack, q, cfg.n_routed_experts if whole else None)
+        model = cls(
+            cfg,
+            source,
+            dtype,
+            expert_range,
+            quant,
+            mtp,
+            tensor_parallel,
+            parallel,
+            quant_lm_head=quant_lm_head,
+        )
         if unused := set(pack.keys()) - source.taken:
             raise PackError(f"pack {pack.path}: holds {len(unused)} weights the model did not take")
         model.pack = pack  # the mapping lives as long as the model

@@ -9,7 +9,8 @@
 
 A pack is keyed by content: `checkpoint_fingerprint` hashes config.json, every safetensors
 file's name, size and header (names, dtypes, shapes, offsets), and 64 KiB samples at four places
-of each file's data; the key adds the scheme, dtype, shard, MTP layer and packed layout.
+of each file's data; the key adds the scheme, dtype, shard, MTP layer, the LM head's scheme
+(`quant_lm_head`) and packed layout.
 
 Where the weights live (`weights_backing`): on a host with a tmpfs that serves huge pages
 (`$DUET_HUGEPAGE_DIR`, or /dev/shm when it is mounted `huge=always|within_size|advise`), the
@@ -36,6 +37,7 @@ import torch
 from control.builtin_model import cache_root
 from control.file_lock import FileLock
 from control.model_config import ModelConfig
+from control.quant_schemes import lm_head_scheme
 from model.checkpoint_reader import INDEX_FILE, SINGLE_FILE
 from model.heap import release_free_heap
 from model.weight_pack import MappedPack, PackError, PackSpec, PackWriter, read_manifest
@@ -83,6 +85,7 @@ def pack_spec(
     tensor_parallel=None,
     parallel: str = "tp",
     mtp: bool = False,
+    quant_lm_head: bool = False,
 ) -> PackSpec:
     """The spec of the pack a process loading these arguments needs. An expert-parallel rank
     (an `expert_range` without tensor parallelism) maps the whole model's pack and takes its
@@ -97,6 +100,7 @@ def pack_spec(
         tensor_parallel=None if tensor_parallel is None else tuple(tensor_parallel),
         parallel=parallel if tensor_parallel is not None else "tp",
         mtp=mtp,
+        lm_head=lm_head_scheme(quant_lm_head),
         layout="native" if ops.native_available() else "reference",
     )
 
@@ -145,6 +149,7 @@ def build_pack(model_dir, out: str | Path, spec: PackSpec, progress: bool = True
                 spec.tensor_parallel,
                 spec.parallel,
                 sink=writer,
+                quant_lm_head=spec.lm_head == "int8",
             )
             read = reader.bytes_read
         path = writer.finish()
@@ -168,17 +173,29 @@ def load_model(
     pack: str | Path | None = None,
     weights_cache: bool = False,
     numa_node: int | None = None,
+    quant_lm_head: bool = False,
 ):
     """The model of `model_dir` as `from_pretrained` gives it, through a pack when asked (see
-    the module). `numa_node`: the node this process is bound to, on a host of several."""
+    the module). `numa_node`: the node this process is bound to, on a host of several;
+    `quant_lm_head`: the LM head in int8 (`model.quant`)."""
     from model.deepseek import DeepseekModel
 
-    args = (dtype, expert_range, quant, mtp, tensor_parallel, parallel)
+    args = (dtype, expert_range, quant, mtp, tensor_parallel, parallel, quant_lm_head)
     if not pack and not weights_cache:
         return DeepseekModel.from_pretrained(
-            model_dir, dtype, expert_range, progress, quant, mtp, tensor_parallel, parallel
+            model_dir,
+            dtype,
+            expert_range,
+            progress,
+            quant,
+            mtp,
+            tensor_parallel,
+            parallel,
+            quant_lm_head=quant_lm_head,
         )
-    spec = pack_spec(model_dir, dtype, quant, expert_range, tensor_parallel, parallel, mtp)
+    spec = pack_spec(
+        model_dir, dtype, quant, expert_range, tensor_parallel, parallel, mtp, quant_lm_head
+    )
     if pack:
         mapped = MappedPack(local_copy(Path(pack), numa_node), expect=spec)
     else:
@@ -205,7 +222,8 @@ def ensure_cached_pack(
     key = hashlib.sha256(json.dumps(spec.to_json(), sort_keys=True).encode()).hexdigest()[:32]
     folder = cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{Path(model_dir).name}-{spec.quant}-{key}.pack"
+    head = "" if spec.lm_head == "none" else f"-{spec.lm_head}head"  # for whoever lists them
+    path = folder / f"{Path(model_dir).name}-{spec.quant}{head}-{key}.pack"
     if not verify and _usable(path, spec):
         return path
     with FileLock(folder / f".{path.name}.lock", PACK_LOCK_TIMEOUT_S, f"the pack {path}"):

@@ -5,6 +5,13 @@ feed an int8 decode node: the KV cache and its wire format stay in the model dty
 scheme, and attention (the latent KV, `kv_b_proj` and the absorbed W_UK / W_UV), the embedding, the
 LM head and the router gate stay in the model dtype too, as in the seeds' CPU deployments.
 
+The LM head has a scheme of its own, `quant_lm_head` (off by default): on, it runs W8A8 int8
+(`ops.linear_int8`, as the "int8" scheme's projections) whatever `quant` is, "none" included. At
+small-batch decode it is one of the largest matrices read per token (DeepSeek-V2-Lite: 102400 x
+2048), so int8 halves those bytes; its error is the int8 rounding of the logits alone (nothing
+downstream compounds it), measured in tests/model/test_quant_lm_head.py. `ops.linear_int8` takes
+bf16 and fp32 activations, so the head goes int8 in either model dtype (not float16).
+
 - "none": the dtype's kernels (`ops.linear`, `ops.fused_moe`).
 - "int8": W8A8. Weights int8 symmetric per output channel, activations quantized per token inside
   the kernel (`ops.linear_int8`, `ops.fused_moe_int8`). An FP8 checkpoint is dequantized to fp32
@@ -26,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from control.errors import ConfigError
-from control.quant_schemes import QUANT_SCHEMES, parse_quant
+from control.quant_schemes import QUANT_SCHEMES, lm_head_scheme, parse_quant
 from model.checkpoint_reader import Fp8Weight
 from native import ops
 
@@ -73,13 +80,15 @@ def as_tensor(source: Source, dtype: torch.dtype) -> torch.Tensor:
 
 class Quantizer:
     """Scheme "none": the model dtype's kernels. Subclasses override `_pack_linear`,
-    `_pack_experts` and their ops; `keeps_fp8` asks the loader for FP8 weights as stored."""
+    `_pack_experts` and their ops; `keeps_fp8` asks the loader for FP8 weights as stored.
+    `head_scheme` is the LM head's ("none": the model dtype, "int8"; see the module)."""
 
     name = "none"
     keeps_fp8 = False
 
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self, dtype: torch.dtype, quant_lm_head: bool = False):
         self.dtype = dtype
+        self.head_scheme = lm_head_scheme(quant_lm_head)
 
     def linear(self, *parts: Source) -> Linear:
         """The projection of `parts` stacked by rows (gate and up: one GEMM)."""
@@ -90,8 +99,18 @@ class Quantizer:
         return self.linear(gate, up), self.linear(down)
 
     def dense(self, source: Source) -> Linear:
-        """A projection kept in the model dtype whatever the scheme (the LM head)."""
+        """A projection kept in the model dtype whatever the scheme (kv_b_proj; the LM head
+        unless `head_scheme` is "int8")."""
         return Linear(ops.prepack_linear(as_tensor(source, self.dtype)), ops.linear)
+
+    def head(self, source: Source) -> Linear:
+        """The LM head: `dense`, or W8A8 int8 per output row (one scale per vocabulary entry)
+        when `head_scheme` is "int8", whatever this scheme is."""
+        if self.head_scheme == "int8":
+            # A float checkpoint's head is quantized from its own dtype (no fp32 copy of the
+            # largest matrix), an FP8 one's from fp32, as the int8 scheme's projections.
+            return Linear(ops.prepack_linear_int8(_stacked([source])), ops.linear_int8)
+        return self.dense(source)
 
     def experts(self, w13: list[Loader], w2: list[Loader]) -> Experts:
         """Routed experts from per-expert loaders: w13 returns (gate, up), w2 the down matrix."""
@@ -105,6 +124,18 @@ class Quantizer:
     def wrap_dense(self, packed) -> Linear:
         """The model-dtype projection of a weight `dense` packed."""
         return Linear(packed, ops.linear)
+
+    def wrap_head(self, packed) -> Linear:
+        """The LM head of a weight `head` packed (in `head_scheme`)."""
+        if self.head_scheme == "int8":
+            return Linear(packed, ops.linear_int8)
+        return self.wrap_dense(packed)
+
+    def head_key(self, name: str) -> str:
+        """The pack key of the head read from checkpoint tensor `name`: the int8 head's differs
+        from the model-dtype one's (`dense:`), so a pack of one is never read as the other even
+        past its spec check (model.weight_pack.PackSpec.lm_head)."""
+        return f"head_int8:{name}" if self.head_scheme == "int8" else f"dense:{name}"
 
     def wrap_experts(self, packed: tuple) -> Experts:
         """The routed experts of (w13, w2) as this scheme packed them."""
@@ -248,13 +279,25 @@ def _stacked_fp8(
 _SCHEMES = {"none": Quantizer, "int8": Int8Quantizer, "fp8": Fp8Quantizer}
 
 
-def quantizer(quant: str | None, dtype: torch.dtype) -> Quantizer:
+# What `ops.linear_int8` takes as activations: the int8 head's model dtypes.
+_INT8_HEAD_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def quantizer(quant: str | None, dtype: torch.dtype, quant_lm_head: bool = False) -> Quantizer:
     """The Quantizer of `quant` (None = "none") for a model in `dtype`; int8 and fp8 need bf16
-    (their kernels take bf16 activations)."""
+    (their kernels take bf16 activations). `quant_lm_head`: the LM head in int8 (see the
+    module), in a bf16 or fp32 model."""
     name = parse_quant(quant)
     if name != "none" and dtype != torch.bfloat16:
         raise QuantizationError(
             f'quant = "{name}" needs dtype bfloat16 (its kernels take bf16 activations), '
             f"got {str(dtype).removeprefix('torch.')}"
         )
-    return _SCHEMES[name](dtype)
+    if not isinstance(quant_lm_head, bool):
+        raise QuantizationError(f"quant_lm_head must be true or false, got {quant_lm_head!r}")
+    if quant_lm_head and dtype not in _INT8_HEAD_DTYPES:
+        raise QuantizationError(
+            "quant_lm_head = true needs dtype bfloat16 or float32 (the int8 kernel takes those "
+            f"activations), got {str(dtype).removeprefix('torch.')}"
+        )
+    return _SCHEMES[name](dtype, quant_lm_head)

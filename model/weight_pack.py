@@ -12,7 +12,7 @@ File layout (little-endian):
     manifest offset u64, manifest length u64, crc32 of the manifest u64, magic b"DUETPAK1"]
 
 The manifest holds the `PackSpec` (what the pack is of: checkpoint fingerprint, scheme, dtype,
-shard, MTP layer, packed layout and its version), the data size, and per weight its entry
+shard, MTP layer, the LM head's scheme, packed layout and its version), the data size, and per weight its entry
 (`native.packed_state`: classes by name, sizes, and per tensor offset, bytes, dtype, shape and
 checksum). Mapping checks the footer, the manifest, the size, the spec against what the node
 expects, and (by default) every tensor's checksum (`ops.checksum`, at memory speed), and refuses
@@ -65,7 +65,8 @@ class PackError(WeightLoadError):
 class PackSpec:
     """What a pack holds: the checkpoint (its fingerprint, `model.pack_cache`), the weights'
     scheme and dtype, the shard (routed experts held; tensor-parallel rank and scheme), whether
-    the MTP layer is in, and the packed layout (`native` kernels' or the `reference` twins')."""
+    the MTP layer is in, the LM head's scheme (`lm_head`: "none" in the model dtype, "int8" with
+    `quant_lm_head`), and the packed layout (`native` kernels' or the `reference` twins')."""
 
     fingerprint: str
     quant: str
@@ -74,11 +75,19 @@ class PackSpec:
     tensor_parallel: tuple[int, int] | None = None
     parallel: str = "tp"
     mtp: bool = False
+    lm_head: str = "none"
     layout: str = "native"
     layout_version: int = LAYOUT_VERSION
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        raw = dataclasses.asdict(self)
+        # Packs made before the head had a scheme of its own hold it in the model dtype and
+        # name no `lm_head`: a model-dtype head's spec leaves it out too, so such a pack (and its
+        # cache key, a hash of this) stays valid, and `from_json` reads the absence as "none".
+        # An int8 head's spec names it, so its key and its manifest differ from those packs'.
+        if raw["lm_head"] == "none":
+            del raw["lm_head"]
+        return raw
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> PackSpec:

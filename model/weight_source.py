@@ -1,7 +1,8 @@
 """Where a model's weights come from, named: what the layers' constructors ask for.
 
 A layer asks its `WeightSource` for each weight by checkpoint name and by how it holds it (`raw`
-as read, a `linear` in the node's scheme, a `dense` one in the model dtype, the routed `experts`,
+as read, a `linear` in the node's scheme, a `dense` one in the model dtype, the LM `head` in its
+own scheme (`model.quant`: the model dtype, or int8 with `quant_lm_head`), the routed `experts`,
 the `absorbed` attention of kv_b_proj); the source returns it ready for the kernels:
 
 - `CheckpointSource` reads the checkpoint (a `CheckpointReader`, a tensor-parallel view of one,
@@ -39,6 +40,7 @@ class WeightSource(Protocol):
     def linear(self, *names: str) -> Linear: ...
     def gated_mlp(self, prefix: str) -> tuple[Linear, Linear]: ...
     def dense(self, name: str, tied: bool = False) -> Linear: ...
+    def head(self, name: str, tied: bool = False) -> Linear: ...
     def experts(self, prefix: str, expert_range: range) -> Experts: ...
     def absorbed(self, name: str, cfg: ModelConfig, num_heads: int) -> Absorbed: ...
 
@@ -91,6 +93,14 @@ class CheckpointSource:
         packed = self._quant.dense(source).weight
         del source
         return self._quant.wrap_dense(self._keep(f"dense:{name}", packed))
+
+    def head(self, name: str, tied: bool = False) -> Linear:
+        """The LM head of `name` in the quantizer's `head_scheme`; `tied` as for `dense` (the
+        embedding keeps its model-dtype rows for the lookup, the head is a packed copy)."""
+        source = self._weights[name] if tied else self._weights.pop(name)
+        packed = self._quant.head(source).weight
+        del source
+        return self._quant.wrap_head(self._keep(self._quant.head_key(name), packed))
 
     def experts(self, prefix: str, expert_range: range) -> Experts:
         # Per-expert loaders: each expert is read only as it is packed, so loading holds one
@@ -147,6 +157,9 @@ class PackSource:
 
     def dense(self, name: str, tied: bool = False) -> Linear:
         return self._quant.wrap_dense(self._get(f"dense:{name}"))
+
+    def head(self, name: str, tied: bool = False) -> Linear:
+        return self._quant.wrap_head(self._get(self._quant.head_key(name)))
 
     def experts(self, prefix: str, expert_range: range) -> Experts:
         packed = self._get(f"experts:{prefix}")

@@ -105,6 +105,7 @@ class PrefillNode(NodeLoop):
             "page_size": self.pool.page_size,
             "version": package_version(),
             "quant": self.model.quant,  # the weights' scheme: "none" | "int8" | "fp8"
+            "lm_head": self.model.lm_head_quant,  # the LM head's: "none" | "int8"
             # Where the weights live: a mapped pack (file or shmem, which pages) or the heap.
             "weights_backing": self.model.weights_backing,
             "weights": self.model.weights_detail,

@@ -57,10 +57,11 @@ def load_model(
     parallel: str = "tp",
 ):
     """The node's model on its device and threads, its weights in the node's `quant` scheme
-    (the tiny model when none is named), mapped from its `pack` or the weights cache when the
-    node says so (`model.pack_cache`); `expert_range` limits the routed experts held (an
-    expert-parallel rank's shard); `tensor_parallel` = (rank, world) loads a tensor-parallel
-    rank's shard of the `parallel` scheme ("tp" or "tp_sp")."""
+    and its LM head in int8 with `quant_lm_head` (the tiny model when none is named), mapped
+    from its `pack` or the weights cache when the node says so (`model.pack_cache`);
+    `expert_range` limits the routed experts held (an expert-parallel rank's shard);
+    `tensor_parallel` = (rank, world) loads a tensor-parallel rank's shard of the `parallel`
+    scheme ("tp" or "tp_sp")."""
     from control.placement import bound_node
     from model.pack_cache import load_model as load_weights
     from native import ops
@@ -76,6 +77,7 @@ def load_model(
             model_dir,
             getattr(torch, cluster.dtype),
             quant=node_cfg.quant,
+            quant_lm_head=node_cfg.quant_lm_head,
             expert_range=expert_range,
             tensor_parallel=tensor_parallel,
             parallel=parallel,

@@ -66,6 +66,7 @@ def test_up_overrides_every_node_of_a_role():
         model=str(ensure_tiny_model()),
         prefill_quant=None,
         decode_quant="fp8",
+        quant_lm_head=False,
         mtp_tokens=None,
         no_weights_cache=False,
         reasoning_parser=None,
