@@ -41,6 +41,7 @@ class Dims:
     top_k: int = 6
     moe_inter: int = 1408
     dense_inter: int = 10944
+    vocab: int = 102400
     page_size: int = 16
     moe_decode_tokens: tuple[int, ...] = (1, 8)
     prefill_tokens: int = 2048
@@ -70,6 +71,11 @@ class Dims:
             "o": (self.heads * self.v_head_dim, self.hidden),
         }
 
+    @property
+    def with_head(self) -> dict[str, tuple[int, int]]:
+        """The projections and the LM head (bf16, or int8 with `quant_lm_head`; never fp8)."""
+        return {**self.projections, "lm_head": (self.hidden, self.vocab)}
+
 
 FULL = Dims()
 QUICK = Dims(
@@ -84,6 +90,7 @@ QUICK = Dims(
     top_k=2,
     moe_inter=96,
     dense_inter=320,
+    vocab=512,
     prefill_tokens=48,
     gemm_tokens=16,
     mla_batches=(1, 3),
@@ -251,7 +258,7 @@ def _routing(d: Dims, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def linear_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
-    for proj, (k, n) in d.projections.items():
+    for proj, (k, n) in d.with_head.items():
         rows = [(f"{fam}_{proj}", m) for fam, m in (("gemv", 1), ("gemm", d.gemm_tokens))]
         rows = [(name, m) for name, m in rows if wanted(name)]
         if not rows:
@@ -309,7 +316,7 @@ def fp8_linear_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
 def int8_linear_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
     """ops.linear_int8 (per-token activation quantization fused in) on the projection shapes;
     the baseline is torch._int_mm on the already quantized operands (int32 out, no epilogue)."""
-    for proj, (k, n) in d.projections.items():
+    for proj, (k, n) in d.with_head.items():
         rows = [(f"{fam}_int8_{proj}", m) for fam, m in (("gemv", 1), ("gemm", d.gemm_tokens))]
         rows = [(name, m) for name, m in rows if wanted(name)]
         if not rows:
