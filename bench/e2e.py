@@ -34,8 +34,10 @@ from statistics import median
 import torch
 
 QUANTS = ("none", "int8", "fp8")
-# "Q@pack": scheme Q mapped from a packed weight store (--pack, else the weights cache's)
-ROWS = (*QUANTS, *(f"{q}@pack" for q in QUANTS))
+# "Q+head": scheme Q with the LM head in int8 (`quant_lm_head`); "Q@pack": scheme Q mapped from
+# a packed weight store (--pack, else the weights cache's)
+_HEADS = (*QUANTS, *(f"{q}+head" for q in QUANTS))
+ROWS = (*_HEADS, *(f"{q}@pack" for q in _HEADS))
 GB = 1e9
 
 
@@ -45,8 +47,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument(
         "--quant",
         default="none",
-        help="comma list of none, int8, fp8; Q@pack maps Q's weights from a pack (--pack, else "
-        "the weights cache's, built once), e.g. int8,int8@pack",
+        help="comma list of none, int8, fp8; Q+head: with the LM head in int8 (quant_lm_head); "
+        "Q@pack maps Q's weights from a pack (--pack, else the weights cache's, built once), "
+        "e.g. int8,int8+head,int8@pack",
     )
     p.add_argument("--pack", help="the pack the @pack row maps (made by duet pack)")
     p.add_argument(

@@ -205,3 +205,21 @@ def test_interleaved_rounds_give_medians_and_per_round_ratios():
     assert int8["tpot_ratio"] == pytest.approx(0.5)  # rounds: 0.6, 0.5, 0.5
     assert none["prefill_speedup"] == pytest.approx(1.0) and int8["rounds"] == 3
     assert "ttft_s" not in fp8
+
+
+def test_a_head_row_holds_the_int8_head(tiny_dir, capsys):
+    """`none+head`: the bf16 model with its LM head in int8. Its weights are the bf16 row's less
+    the head's bf16 bytes plus its int8 ones and their scales; its outputs differ a little."""
+    rc = duet_main(
+        ["bench-e2e", "--model", str(tiny_dir), "--quant", "none,none+head", "--json"] + SMALL
+    )
+    assert rc == 0
+    ref, head = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert head["quant"] == "none+head" and "error" not in head
+    cfg = json.loads((tiny_dir / "config.json").read_text())
+    vocab, hidden = cfg["vocab_size"], cfg["hidden_size"]
+    assert head["weights_bytes"] < ref["weights_bytes"]
+    assert head["kl"] > 0 and head["top1_agreement"] > 0.5
+    # the packed head: int8 rows plus an fp32 scale and an int32 sum per row, vs bf16 rows
+    saved = ref["weights_bytes"] - head["weights_bytes"]
+    assert saved == pytest.approx(vocab * hidden * 2 - (vocab * hidden + 8 * vocab), rel=0.05)
