@@ -29,7 +29,7 @@ COLUMNS = (
     ("KV ADDRESS", lambda n: n["kv_endpoint"]),
     ("DEVICE", lambda n: n["device"]),
     ("THREADS", lambda n: n["threads"]),
-    ("WEIGHTS", lambda n: n["quantization"]),
+    ("WEIGHTS", lambda n: n["quantization"] + ("+int8 head" if n.get("lm_head") == "int8" else "")),
     ("PAGE", lambda n: n["page_size"]),
     ("RANKS", lambda n: n["ranks"]),
     ("KV USED/FREE/TOTAL", lambda n: _pages(n["kv_pages"])),

@@ -68,6 +68,8 @@ def node_view(
         "threads": node.threads,
         "dtype": dtype,
         "quantization": _weights_form(str(info.get("quant", node.quant)), dtype),
+        # the LM head's own scheme ("none": the model dtype; "int8" with quant_lm_head)
+        "lm_head": str(info.get("lm_head", "int8" if node.quant_lm_head else "none")),
         "weights": str(info.get("weights", "")) or None,  # where they live (a pack, the heap)
         "page_size": state.page_size if is_decode else node.page_size,
         "ranks": int(info.get("ranks", node.ranks)) if is_decode else 1,

@@ -76,6 +76,7 @@ def test_cluster_lists_every_configured_node_with_pages_from_heartbeats(make_clu
         assert entry["status"] == "ready" and entry["error"] is None
         assert entry["threads"] == node.threads and entry["device"] == "cpu"
         assert entry["quantization"] == "bf16" and entry["draining"] is False
+        assert entry["lm_head"] == "none"  # quant_lm_head is off by default
         # a fresh age: a node silent past node_timeout_s (+ a watchdog period) would be dead
         assert 0 <= entry["last_heartbeat_s"] < cfg.timeouts.node_timeout_s + 0.5
     assert [nodes[p]["role"] for p in ("p0", "p1", "d0")] == ["prefill", "prefill", "decode"]
@@ -301,3 +302,17 @@ def test_log_lines_are_bare_json_when_configured(make_cluster):
         logger.propagate = True
     records = [json.loads(line) for line in stream.getvalue().splitlines()]
     assert sorted(r["request_id"] for r in records) == sorted(ids)
+
+
+def test_status_names_an_int8_lm_head_beside_the_weights():
+    from deploy.status import render
+
+    node = dict(name="d0", role="decode", status="ready", address="a", kv_endpoint="k")
+    node.update(device="cpu", threads=1, quantization="int8", lm_head="int8", page_size=16)
+    node.update(ranks=1, kv_pages=None, error=None, draining=False, last_heartbeat_s=0.1)
+    node.update(queue={"waiting": 0, "running": 0, "queued_tokens": None}, version="v")
+    view = dict(version="v", router={"url": "u"}, ratio="0P1D", dtype="bfloat16")
+    view.update(is_serving=True, nodes=[node, {**node, "name": "d1", "lm_head": "none"}])
+    with_head, without = render(view).splitlines()[2:]
+    assert " int8+int8 head " in with_head
+    assert " int8 " in without and "head" not in without

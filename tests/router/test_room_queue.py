@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 from router_fakes import fake_config, tokens
+from test_core import RecordingTransport
 
 from control.protocol import FirstToken, NodeReady, Reserve, ReserveReply
 from control.sampling_params import SamplingParams
@@ -53,21 +54,6 @@ def test_a_waiter_is_told_when_its_turn_comes():
         assert not q.is_head("c")
 
     asyncio.run(main())
-
-
-class RecordingTransport:
-    def __init__(self):
-        self.sent = []
-
-    def send(self, node, msg):
-        self.sent.append((node, msg))
-        return True
-
-    def of(self, kind):
-        return [(n, m) for n, m in self.sent if isinstance(m, kind)]
-
-    def lost_connections(self):
-        return []
 
 
 def make_router(queue_timeout_s):
