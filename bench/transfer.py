@@ -20,6 +20,7 @@ import time
 import torch
 import zmq
 
+from control.security import CurveKeys, CurveSecurity
 from kvtransfer import Rendezvous, ZmqReceiver, ZmqSender, make_fingerprint
 from model.kv_pool import KVPool
 
@@ -39,6 +40,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decode-page-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="measurements of each; best is kept")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument(
+        "--security",
+        choices=("off", "curve"),
+        default="off",
+        help="curve: both transfers over CURVE sockets (a fresh cluster key), as a cluster "
+        "with security on moves its KV",
+    )
     args = p.parse_args(argv)
     positive = ("layers", "width", "prompt_len", "chunk_len", "requests", "inflight", "repeats")
     for name in (*positive, "decode_page_size"):
@@ -68,8 +76,9 @@ def run_ours(args: argparse.Namespace, chunks) -> dict:
     )
     # One context (one zmq I/O thread) per side, as in two processes.
     recv_ctx, send_ctx = zmq.Context(), zmq.Context()
-    receiver = ZmqReceiver(pool, fp, context=recv_ctx)
-    sender = ZmqSender("bench", context=send_ctx)
+    security = _security(args)
+    receiver = ZmqReceiver(pool, fp, context=recv_ctx, security=security)
+    sender = ZmqSender("bench", context=send_ctx, security=security)
     try:
         sender.connect(receiver.endpoint, fp, TIMEOUT)
         tables, num_ready = {}, 0
@@ -104,6 +113,8 @@ def run_ours(args: argparse.Namespace, chunks) -> dict:
         sender.close(timeout=TIMEOUT)
         receiver.close(timeout=TIMEOUT)
         if not (receiver._thread.is_alive() or (sender._thread and sender._thread.is_alive())):
+            if security is not None:
+                security.release(recv_ctx)  # its ZAP handler's socket, before term
             send_ctx.term()  # would wait for a socket still open: only once both threads ended
             recv_ctx.term()
 
@@ -114,6 +125,10 @@ def run_raw(args: argparse.Namespace, chunks) -> dict:
     pull, push = recv_ctx.socket(zmq.PULL), send_ctx.socket(zmq.PUSH)
     for sock in (pull, push):
         sock.setsockopt(zmq.LINGER, 0)
+    security = _security(args)
+    if security is not None:
+        security.server(pull)
+        security.client(push)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     push.connect(f"tcp://127.0.0.1:{port}")
     payloads = [rows.view(torch.uint8).reshape(-1).numpy() for _, rows in chunks]
@@ -146,8 +161,18 @@ def run_raw(args: argparse.Namespace, chunks) -> dict:
     finally:
         pull.close(linger=0)
         push.close(linger=0)
+        if security is not None:
+            security.release(recv_ctx)
         send_ctx.term()
         recv_ctx.term()
+
+
+def _security(args: argparse.Namespace) -> CurveSecurity | None:
+    """A fresh cluster key's CurveSecurity with `--security curve`, else None (plain sockets)."""
+    if args.security != "curve":
+        return None
+    public, secret = zmq.curve_keypair()
+    return CurveSecurity(CurveKeys(public, secret))
 
 
 def _fail(msg: str):
@@ -175,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "chunk_bytes": chunks[0][1].numel() * chunks[0][1].element_size(),
         "requests": args.requests,
         "decode_page_size": args.decode_page_size,
+        "security": args.security,
         "bytes_per_run": best_ours["bytes"],
         "kv_bytes_per_s": ours_bps,
         "raw_zmq_bytes_per_s": raw_bps,
@@ -193,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"KV rows {args.layers}x{args.width} {args.dtype}, {args.requests} prompts of "
             f"{args.prompt_len} tokens in {args.chunk_len}-token chunks "
-            f"({result['chunk_bytes'] / 1e6:.1f} MB each), decode page {args.decode_page_size}"
+            f"({result['chunk_bytes'] / 1e6:.1f} MB each), decode page {args.decode_page_size}, "
+            f"security {args.security}"
         )
         print(f"  kvtransfer (zmq, checksum, into KVPool): {ours_bps / 1e9:6.2f} GB/s")
         print(f"  raw zmq PUSH/PULL, same frames:       {raw_bps / 1e9:6.2f} GB/s")
