@@ -359,7 +359,7 @@ class PrefillNode(NodeLoop):
         targets = [request.token_ids[pos + 1] for _, request, pos in extra]
         num_top = [request.params.prompt_logprobs for _, request, _ in extra]
         for (_, request, _), lp in zip(
-            extra, token_logprobs(logits, targets, num_top), strict=True
+            extra, token_logprobs(logits, targets, num_top, ranks=True), strict=True
         ):
             request.prompt_logprobs.append(lp)
 

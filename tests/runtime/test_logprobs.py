@@ -39,7 +39,7 @@ def test_the_rank_counts_the_tokens_at_least_as_likely():
     vocab = 777
     logits = torch.randperm(vocab, generator=gen).float()[None].repeat(4, 1) * 0.01
     tokens = [0, 5, 400, 776]
-    out = token_logprobs(logits, tokens, [0, 2, None, 20])
+    out = token_logprobs(logits, tokens, [0, 2, None, 20], ranks=True)
     for row, lp in enumerate(out):
         if lp is None:
             continue
@@ -49,5 +49,5 @@ def test_the_rank_counts_the_tokens_at_least_as_likely():
     best = int(logits[0].argmax())
     tied = logits.clone()
     tied[0, 3] = tied[0, best]
-    (lp,) = token_logprobs(tied[:1], [best], [1])
+    (lp,) = token_logprobs(tied[:1], [best], [1], ranks=True)
     assert lp.rank == 2  # the best token and its tie
