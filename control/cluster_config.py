@@ -15,7 +15,7 @@
                 max_batch, ranks, replicas, device, kv_reservation, kv_headroom_tokens, quant,
                 quant_lm_head, pack, weights_cache, mtp, mtp_tokens, overlap
 
-`quant` ("none", "int8", "fp8"; model.quant) is each node's own weight scheme: the KV it
+`quant` ("none", "int8", "fp8", "int4"; model.quant) is each node's own weight scheme: the KV it
 produces or consumes is the same whatever the scheme, so any prefill node feeds any decode node.
 `quant_lm_head` (bool, default false) runs the node's LM head in int8 W8A8 whatever its `quant`
 ("none" included): the head, the largest matrix a small decode batch reads, in half the bytes,
@@ -164,7 +164,7 @@ class PrefillNodeConfig(_Addresses):
     # prompt starting with a cached prefix computes only the rest. false: every prompt cold
     # (and the router pairs this node by load alone).
     prefix_cache: bool = True
-    quant: str = "none"  # weight quantization: "none" | "int8" | "fp8"
+    quant: str = "none"  # weight quantization: "none" | "int8" | "fp8" | "int4"
     quant_lm_head: bool = False  # the LM head in int8 W8A8, whatever `quant` is
     # Packed weights (`model.weight_pack`): `pack` maps this packed weight store (made by
     # `duet pack`) instead of loading the checkpoint; else with `weights_cache` the node builds
@@ -218,7 +218,7 @@ class DecodeNodeConfig(_Addresses):
     # request when the pool runs out; "worst_case" reserves prompt + max_tokens up front.
     kv_reservation: str = "on_demand"
     kv_headroom_tokens: int = 32
-    quant: str = "none"  # weight quantization: "none" | "int8" | "fp8"
+    quant: str = "none"  # weight quantization: "none" | "int8" | "fp8" | "int4"
     quant_lm_head: bool = False  # the LM head in int8 W8A8, whatever `quant` is
     # Packed weights (`model.weight_pack`): `pack` maps this packed weight store (made by
     # `duet pack`) instead of loading the checkpoint; else with `weights_cache` the node builds

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from control.errors import ConfigError
 
-QUANT_SCHEMES = ("none", "int8", "fp8")
+QUANT_SCHEMES = ("none", "int8", "fp8", "int4")
 # Where a node's weights live (model.pack_cache.weights_backing): the heap, or a mapped pack on
 # a file or shmem, on 4 KiB or 2 MiB pages. Here so the router can check a name without torch.
 WEIGHT_BACKINGS = ("heap", "file", "file_hugepages", "shmem", "shmem_hugepages")
@@ -34,9 +34,11 @@ def lm_head_scheme(quant_lm_head: bool) -> str:
 # The matrices a scheme other than "none" quantizes (model/quant.py): every MLA projection but
 # kv_b_proj, and every MLP and expert projection. The rest (embedding, LM head, kv_b, norms,
 # router gate) stays in the model dtype; the LM head goes int8 with `quant_lm_head` alone.
-_QUANTIZED = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
-_QUANTIZED += ("gate_proj", "up_proj", "down_proj")
+_ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+_QUANTIZED = _ATTENTION + _MLP
 FP8_BLOCK = 128
+INT4_GROUP_SIZE = 64  # the inputs sharing an int4 scale (native/reference_int4.py, model/quant.py)
 
 
 def is_quantized(name: str) -> bool:
@@ -46,11 +48,21 @@ def is_quantized(name: str) -> bool:
     )
 
 
-def quantized_bytes(quant: str, shape: tuple[int, ...]) -> int:
-    """Bytes a quantized matrix [N, K] is held in: 1 per weight, plus per row an fp32 scale and
-    an int32 compensation (int8), or an fp32 scale per 128x128 block (fp8)."""
+def is_int4(name: str) -> bool:
+    """Whether the "int4" scheme holds checkpoint tensor `name` in 4 bits: the MLP and expert
+    projections (dense, shared, routed); its attention projections run W8A8 int8."""
+    return name.startswith("model.layers.") and name.endswith(tuple(f".{p}.weight" for p in _MLP))
+
+
+def quantized_bytes(quant: str, shape: tuple[int, ...], name: str = "") -> int:
+    """Bytes a quantized matrix [N, K] (checkpoint tensor `name`) is held in: 1 per weight, plus
+    per row an fp32 scale and an int32 compensation (int8, and the "int4" scheme's attention), a
+    half per weight plus an fp32 scale per group of INT4_GROUP_SIZE inputs of a row (int4), or an
+    fp32 scale per 128x128 block (fp8)."""
     n, k = shape
-    if quant == "int8":
+    if quant == "int4" and is_int4(name):
+        return n * k // 2 + 4 * n * -(-k // INT4_GROUP_SIZE)
+    if quant in ("int8", "int4"):
         return n * k + 8 * n
     blocks = -(-n // FP8_BLOCK) * -(-k // FP8_BLOCK)
     return n * k + 4 * blocks

@@ -90,7 +90,7 @@ def weight_bytes(
 
     def held(name: str, shape: tuple[int, ...]) -> int:
         if quant != "none" and is_quantized(name):
-            return quantized_bytes(quant, shape)
+            return quantized_bytes(quant, shape, name)
         if quant_lm_head and name == "lm_head.weight":
             return quantized_bytes("int8", shape)
         return math.prod(shape) * (4 if keeps_fp32(name) else size)

@@ -40,7 +40,7 @@ class DeepseekModel:
     The constructor consumes `weights` (pops each tensor as its layer packs it), so the raw and
     the packed copy of a matrix are never both held for the whole model; from a
     CheckpointReader (`from_pretrained`) each tensor is read only as it is packed, so loading
-    holds the model as held plus one tensor in flight. `quant` ("none", "int8", "fp8"; None =
+    holds the model as held plus one tensor in flight. `quant` ("none", "int8", "fp8", "int4"; None =
     "none") is the scheme of the projections and experts (`model.quant`); `quant_lm_head` runs
     the LM head (the MTP layer's too: it is the same head) in int8 whatever `quant` is. With
     `mtp`, the checkpoint's MTP layer is loaded too (`model.mtp`, the draft of speculative
@@ -136,7 +136,7 @@ class DeepseekModel:
     ) -> DeepseekModel:
         """Loads config.json and the safetensors, each tensor read as the model packs it;
         `expert_range` limits the routed experts held (an expert-parallel rank loads only its
-        shard); `quant` is the weights' scheme (`model.quant`: "none", "int8", "fp8"),
+        shard); `quant` is the weights' scheme (`model.quant`: "none", "int8", "fp8", "int4"),
         `quant_lm_head` the LM head's (int8 when true);
         `tensor_parallel` = (rank, world): a tensor-parallel rank's shard of the `parallel`
         scheme ("tp" or "tp_sp", see the class). `model.pack_cache.load_model` loads through a

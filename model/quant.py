@@ -1,6 +1,6 @@
 """Weight quantization of a model: which scheme its projections and experts run in.
 
-`quant` is a per-node choice ("none", "int8", "fp8"; `None` is "none"), so a bf16 prefill node can
+`quant` is a per-node choice ("none", "int8", "fp8", "int4"; `None` is "none"), so a bf16 prefill node can
 feed an int8 decode node: the KV cache and its wire format stay in the model dtype whatever the
 scheme, and attention (the latent KV, `kv_b_proj` and the absorbed W_UK / W_UV), the embedding, the
 LM head and the router gate stay in the model dtype too, as in the seeds' CPU deployments.
@@ -16,6 +16,11 @@ bf16 and fp32 activations, so the head goes int8 in either model dtype (not floa
 - "int8": W8A8. Weights int8 symmetric per output channel, activations quantized per token inside
   the kernel (`ops.linear_int8`, `ops.fused_moe_int8`). An FP8 checkpoint is dequantized to fp32
   and re-quantized per channel.
+- "int4": W4A8 for the MLP and expert projections (dense, shared, routed: most of the bytes read
+  per decoded token): 4-bit weights with an fp32 scale per group of INT4_GROUP_SIZE inputs of a
+  row, activations quantized per token to int8 (`ops.linear_int4`, `ops.fused_moe_int4`); the
+  attention projections run the "int8" scheme (their error feeds the KV cache and every later
+  token). An FP8 checkpoint is dequantized to fp32 first, as for int8.
 - "fp8": weight-only e4m3 with 128x128 block scales, converted to bf16 in registers
   (`ops.linear_fp8`, `ops.fused_moe_fp8`). An FP8 checkpoint's weights are kept as stored (its
   blocks must be 128x128; a fused gate|up projection whose gate rows are not whole blocks is
@@ -33,7 +38,7 @@ from collections.abc import Callable
 import torch
 
 from control.errors import ConfigError
-from control.quant_schemes import QUANT_SCHEMES, lm_head_scheme, parse_quant
+from control.quant_schemes import INT4_GROUP_SIZE, QUANT_SCHEMES, lm_head_scheme, parse_quant
 from model.checkpoint_reader import Fp8Weight
 from native import ops
 
@@ -173,6 +178,30 @@ class Int8Quantizer(Quantizer):
         )
 
 
+class Int4Quantizer(Int8Quantizer):
+    """W4A8 MLPs and experts (per-group int4 weights, per-token int8 activations); the attention
+    projections stay W8A8 int8 (`Int8Quantizer`)."""
+
+    name = "int4"
+
+    def gated_mlp(self, gate: Source, up: Source, down: Source) -> tuple[Linear, Linear]:
+        w13 = ops.prepack_linear_int4(_stacked([gate, up]), INT4_GROUP_SIZE)
+        w2 = ops.prepack_linear_int4(_stacked([down]), INT4_GROUP_SIZE)
+        return Linear(w13, ops.linear_int4), Linear(w2, ops.linear_int4)
+
+    def wrap_linear(self, packed) -> Linear:
+        """A projection packed before: int4 (an MLP's) or int8 (attention's), by its type."""
+        int4 = isinstance(packed, (ops.PackedLinearInt4, ops.Int4Weight))
+        return Linear(packed, ops.linear_int4 if int4 else ops.linear_int8)
+
+    _moe_op = staticmethod(ops.fused_moe_int4)
+
+    def _pack_experts(self, w13, w2):
+        return ops.prepack_experts_int4(
+            [_matrix_loader(f) for f in w13], [_matrix_loader(f) for f in w2], INT4_GROUP_SIZE
+        )
+
+
 class Fp8Quantizer(Quantizer):
     """Weight-only FP8 e4m3, 128x128 block scales; an FP8 checkpoint's weights kept as stored."""
 
@@ -276,7 +305,7 @@ def _stacked_fp8(
     return torch.cat([p.weight for p in parts]), torch.cat([p.scale_inv for p in parts])
 
 
-_SCHEMES = {"none": Quantizer, "int8": Int8Quantizer, "fp8": Fp8Quantizer}
+_SCHEMES = {"none": Quantizer, "int8": Int8Quantizer, "fp8": Fp8Quantizer, "int4": Int4Quantizer}
 
 
 # What `ops.linear_int8` takes as activations: the int8 head's model dtypes.
@@ -284,7 +313,7 @@ _INT8_HEAD_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def quantizer(quant: str | None, dtype: torch.dtype, quant_lm_head: bool = False) -> Quantizer:
-    """The Quantizer of `quant` (None = "none") for a model in `dtype`; int8 and fp8 need bf16
+    """The Quantizer of `quant` (None = "none") for a model in `dtype`; int8, int4 and fp8 need bf16
     (their kernels take bf16 activations). `quant_lm_head`: the LM head in int8 (see the
     module), in a bf16 or fp32 model."""
     name = parse_quant(quant)

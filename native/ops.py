@@ -12,12 +12,15 @@ from native import (
     _attention_ops,
     _fp8_ops,
     _gemm_ops,
+    _int4_ops,
     _moe_fp8_ops,
+    _moe_int4_ops,
     _moe_int8_ops,
     _quant_ops,
     _sampling_ops,
     _small_ops,
     reference,
+    reference_int4,
 )
 from native.switch import native_available, set_native_enabled, set_num_threads  # noqa: F401
 
@@ -32,6 +35,10 @@ prepack_linear_fp8_from = _fp8_ops.prepack_linear_fp8_from
 linear_fp8 = _fp8_ops.linear_fp8
 prepack_linear_int8 = _quant_ops.prepack_linear_int8
 linear_int8 = _quant_ops.linear_int8
+prepack_linear_int4 = _int4_ops.prepack_linear_int4  # twins in native/reference_int4.py
+linear_int4 = _int4_ops.linear_int4
+PackedLinearInt4 = _int4_ops.PackedLinearInt4  # what prepack_linear_int4 returns (kernel on)
+Int4Weight = reference_int4.Int4Weight  # (kernel off)
 silu_and_mul = _small_ops.silu_and_mul
 bmm = _gemm_ops.bmm
 prepack_bmm = _gemm_ops.prepack_bmm
@@ -40,6 +47,8 @@ prepack_experts = _gemm_ops.prepack_experts
 fused_moe = _gemm_ops.fused_moe
 prepack_experts_int8 = _moe_int8_ops.prepack_experts_int8
 fused_moe_int8 = _moe_int8_ops.fused_moe_int8
+prepack_experts_int4 = _moe_int4_ops.prepack_experts_int4
+fused_moe_int4 = _moe_int4_ops.fused_moe_int4
 prepack_experts_fp8 = _moe_fp8_ops.prepack_experts_fp8
 prepack_experts_fp8_from = _moe_fp8_ops.prepack_experts_fp8_from
 fused_moe_fp8 = _moe_fp8_ops.fused_moe_fp8

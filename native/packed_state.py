@@ -18,9 +18,12 @@ import torch
 from native import reference
 from native._fp8_ops import PackedLinearFp8
 from native._gemm_ops import PackedLinear
+from native._int4_ops import PackedLinearInt4
 from native._moe_fp8_ops import PackedExpertsFp8
+from native._moe_int4_ops import PackedExpertsInt4
 from native._moe_int8_ops import PackedExpertsInt8
 from native._quant_ops import PackedLinearInt8
+from native.reference_int4 import Int4Weight
 
 Entry = dict[str, Any]
 _PACKED_CLASSES = {
@@ -28,8 +31,10 @@ _PACKED_CLASSES = {
     for cls in (
         PackedLinear,
         PackedLinearInt8,
+        PackedLinearInt4,
         PackedLinearFp8,
         PackedExpertsInt8,
+        PackedExpertsInt4,
         PackedExpertsFp8,
     )
 }
@@ -51,6 +56,9 @@ def to_state(obj: object, put: Callable[[torch.Tensor], Any]) -> Entry:
         return {"kind": "tensor", "ref": put(obj)}
     if isinstance(obj, reference.Int8Weight):
         return {"kind": "Int8Weight", "items": [to_state(t, put) for t in obj]}
+    if isinstance(obj, Int4Weight):
+        items = [to_state(t, put) for t in (obj.qweight, obj.scale)]
+        return {"kind": "Int4Weight", "items": items, "meta": {"group_size": obj.group_size}}
     if isinstance(obj, tuple):
         return {"kind": "tuple", "items": [to_state(item, put) for item in obj]}
     cls = _packed_class(obj, "to_state")
@@ -73,6 +81,9 @@ def from_state(entry: Entry, get: Callable[[Any], torch.Tensor]) -> object:
     kind = entry["kind"]
     if kind == "tensor":
         return get(entry["ref"])
+    if kind == "Int4Weight":
+        qweight, scale = (from_state(item, get) for item in entry["items"])
+        return Int4Weight(qweight, scale, int(entry["meta"]["group_size"]))
     if kind in ("tuple", "Int8Weight"):
         items = tuple(from_state(item, get) for item in entry["items"])
         return reference.Int8Weight(*items) if kind == "Int8Weight" else items
@@ -84,7 +95,7 @@ def from_state(entry: Entry, get: Callable[[Any], torch.Tensor]) -> object:
         setattr(obj, slot, get(ref))
     for slot, value in entry["meta"].items():
         setattr(obj, slot, torch.Size(value) if slot == "shape" else value)
-    if isinstance(obj, PackedLinearInt8):
+    if isinstance(obj, (PackedLinearInt8, PackedLinearInt4)):
         obj.bind_kernel_args()
     return obj
 
@@ -99,6 +110,8 @@ def select_experts(obj: object, experts: range) -> object:
         return obj[cut]
     if isinstance(obj, reference.Int8Weight):
         return reference.Int8Weight(*(select_experts(item, experts) for item in obj))
+    if isinstance(obj, Int4Weight):
+        return obj._replace(qweight=obj.qweight[cut], scale=obj.scale[cut])
     if isinstance(obj, tuple):
         return tuple(select_experts(item, experts) for item in obj)
     cls = _packed_class(obj, "select_experts")

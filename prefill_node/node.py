@@ -104,7 +104,7 @@ class PrefillNode(NodeLoop):
             "num_pages": self.pool.num_pages,
             "page_size": self.pool.page_size,
             "version": package_version(),
-            "quant": self.model.quant,  # the weights' scheme: "none" | "int8" | "fp8"
+            "quant": self.model.quant,  # the weights' scheme: "none" | "int8" | "fp8" | "int4"
             "lm_head": self.model.lm_head_quant,  # the LM head's: "none" | "int8"
             # Where the weights live: a mapped pack (file or shmem, which pages) or the heap.
             "weights_backing": self.model.weights_backing,

@@ -16,8 +16,10 @@ void register_peak_probe(py::module_& m);  // peak_probe.cpp (peak_rate)
 void register_gemm(py::module_& m);  // gemm.cpp (linear_bf16)
 void register_gemm_fp8(py::module_& m);  // gemm_fp8.cpp (linear_fp8)
 void register_gemm_int8(py::module_& m);  // gemm_int8.cpp (linear_int8)
+void register_gemm_int4(py::module_& m);  // gemm_int4.cpp (linear_int4)
 void register_moe(py::module_& m);   // moe.cpp (fused_moe_bf16)
 void register_moe_int8(py::module_& m);  // moe_int8.cpp (fused_moe_int8)
+void register_moe_int4(py::module_& m);  // moe_int4.cpp (fused_moe_int4)
 void register_moe_fp8(py::module_& m);  // moe_fp8.cpp (fused_moe_fp8)
 void register_bmm(py::module_& m);   // bmm.cpp (bmm_bf16)
 void register_extend_attention(py::module_& m);  // extend_attention.cpp
@@ -40,8 +42,10 @@ PYBIND11_MODULE(_C, m) {
   duet::register_gemm(m);
   duet::register_gemm_fp8(m);
   duet::register_gemm_int8(m);
+  duet::register_gemm_int4(m);
   duet::register_moe(m);
   duet::register_moe_int8(m);
+  duet::register_moe_int4(m);
   duet::register_moe_fp8(m);
   duet::register_bmm(m);
   duet::register_extend_attention(m);
