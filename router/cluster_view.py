@@ -8,7 +8,7 @@ not. Each joins three sources:
   - the router's own state: status, error, `last_heartbeat_s` (seconds since the node was last
     heard from: a heartbeat or its NodeReady), `active` (the router's unfinished requests on it).
 
-`quantization`: what the node's weights run in: its `quant` scheme ("int8", "fp8"; from its
+`quantization`: what the node's weights run in: its `quant` scheme ("int8", "fp8", "int4"; from its
 NodeReady, else the config), or with quant "none" the dtype ("bf16", "fp32"; FP8 checkpoints
 are then dequantized at load).
 `version` is the router's package version at the top, each node's own (from its NodeReady) per

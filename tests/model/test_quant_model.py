@@ -25,8 +25,10 @@ STEPS = 32
 # not the max: a perturbation that flips a near-tie expert choice changes one position's logits
 # a lot (fp8 flips one route here, 0.57 at that position), which is quantization, not a bug. A
 # wrong scale or layout gives errors near 1 everywhere and agreement near chance.
-MEDIAN_REL_ERR = {"int8": 0.06, "fp8": 0.12}
-MEAN_KL = {"int8": 0.01, "fp8": 0.05}
+# int4 (4-bit MLPs and experts, int8 attention): 0.175, 0.13, 0.97: every group of this model
+# is a whole 64-input row, and random weights have no outliers to spare.
+MEDIAN_REL_ERR = {"int8": 0.06, "fp8": 0.12, "int4": 0.3}
+MEAN_KL = {"int8": 0.01, "fp8": 0.05, "int4": 0.3}
 AGREEMENT = 0.9
 
 needs_native = pytest.mark.skipif(not ops.native_available(), reason="packing needs the kernels")
@@ -68,7 +70,7 @@ def bf16_run(tiny_dir):
     return prompt, result.token_ids, _teacher_forced_logits(model, prompt, result.token_ids)
 
 
-@pytest.mark.parametrize("quant", ["int8", "fp8"])
+@pytest.mark.parametrize("quant", ["int8", "fp8", "int4"])
 def test_quantized_logits_follow_bf16(tiny_dir, bf16_run, quant):
     prompt, forced, want = bf16_run
     model = _load(tiny_dir, quant)
@@ -149,14 +151,14 @@ def test_fp8_blocks_other_than_128_are_refused_for_fp8(tmp_path):
 def test_bad_quant_names_and_dtypes(tiny_dir):
     from control.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="quant must be one of none, int8, fp8, got 'int4'"):
-        _load(tiny_dir, "int4")
+    with pytest.raises(ConfigError, match="quant must be one of none, int8, fp8, int4, got 'int3'"):
+        _load(tiny_dir, "int3")
     with pytest.raises(QuantizationError, match='quant = "int8" needs dtype bfloat16'):
         _load(tiny_dir, "int8", dtype=torch.float32)
 
 
 @needs_native
-@pytest.mark.parametrize("quant", [None, "int8", "fp8"])
+@pytest.mark.parametrize("quant", [None, "int8", "fp8", "int4"])
 def test_loading_holds_one_matrix_in_flight(tiny_dir, quant, monkeypatch):
     """Every tensor the model pops is freed once packed: when each tensor is read, at most three
     earlier popped tensors (one MLP's gate, up and down, or an expert's) are still alive.

@@ -44,7 +44,7 @@ def test_each_node_has_its_own_quant():
 
 def test_misspelled_quant_names_the_node_and_the_key():
     with pytest.raises(
-        ConfigError, match=r"node d0: quant must be one of none, int8, fp8, got 'in8'"
+        ConfigError, match=r"node d0: quant must be one of none, int8, fp8, int4, got 'in8'"
     ):
         _cluster(decode={"quant": "in8"})
     with pytest.raises(ConfigError, match=r"\[prefill.p0\] quant must be str"):
@@ -159,8 +159,8 @@ def test_generate_per_role_quant_is_prefill_then_decode_models():
 
 
 def test_generate_bad_quant_is_one_line(tmp_path):
-    r = _duet("generate", "--prompt", "hi", "--quant", "int4")
-    assert r.returncode == 2 and "invalid choice: 'int4'" in r.stderr
+    r = _duet("generate", "--prompt", "hi", "--quant", "int3")
+    assert r.returncode == 2 and "invalid choice: 'int3'" in r.stderr
     assert "Traceback" not in r.stderr
     r = _duet("generate", "--model", _fp8_64_blocks(tmp_path), "--prompt", "hi", "--quant", "fp8")
     lines = [line for line in r.stderr.splitlines() if line.strip()]

@@ -12,7 +12,7 @@ from native import ops, reference
 from runtime.generate import OfflineGenerator
 from tinymodel.make import make_tiny_model
 
-SCHEMES = ("none", "int8", "fp8")
+SCHEMES = ("none", "int8", "fp8", "int4")
 
 
 @pytest.fixture(scope="module")
