@@ -14,9 +14,9 @@ Tolerances:
 
 import pytest
 import torch
+from test_gemm_int8 import PORTABLE_MAX_MACS, _weight, _x
 
 from native import _C, _int4_ops, ops, reference, reference_int4
-from test_gemm_int8 import PORTABLE_MAX_MACS, _weight, _x
 
 FP32_TOL = 1e-5
 SHAPES = [(1, 8), (16, 64), (33, 100), (130, 1030), (257, 520)]  # (N, K): ragged blocks, groups
