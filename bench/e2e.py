@@ -2,8 +2,8 @@
 
 Each quantization of `--quant` runs in a fresh subprocess (`bench/e2e_worker.py`), one after the
 other, so each load's peak memory is its own and no two share the cores:
-- load s: `model.pack_cache.load_model` (bf16; `quant=` for int8 / fp8; a `Q@pack` row maps
-  its weights from a pack);
+- load s: `model.pack_cache.load_model` (bf16; `quant=` for int8 / fp8 / int4; a `Q@pack` row
+  maps its weights from a pack);
 - weights: bytes of every tensor storage reachable from the model (packed weights included, each
   storage once, RoPE tables not counted); resident: RssAnon + RssFile right after the load
   (after a gc); peak: VmHWM read then, i.e. the load's peak; base: RSS before the load;
@@ -33,7 +33,9 @@ from statistics import median
 
 import torch
 
-QUANTS = ("none", "int8", "fp8")
+from control.quant_schemes import QUANT_SCHEMES
+
+QUANTS = QUANT_SCHEMES  # none, int8, fp8, int4 (model.quant)
 # "Q+head": scheme Q with the LM head in int8 (`quant_lm_head`); "Q@pack": scheme Q mapped from
 # a packed weight store (--pack, else the weights cache's)
 _HEADS = (*QUANTS, *(f"{q}+head" for q in QUANTS))
@@ -47,9 +49,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument(
         "--quant",
         default="none",
-        help="comma list of none, int8, fp8; Q+head: with the LM head in int8 (quant_lm_head); "
-        "Q@pack maps Q's weights from a pack (--pack, else the weights cache's, built once), "
-        "e.g. int8,int8+head,int8@pack",
+        help=f"comma list of {', '.join(QUANTS)}; Q+head: with the LM head in int8 "
+        "(quant_lm_head); Q@pack maps Q's weights from a pack (--pack, else the weights cache's, "
+        "built once), e.g. int8,int4,int8+head,int8@pack",
     )
     p.add_argument("--pack", help="the pack the @pack row maps (made by duet pack)")
     p.add_argument(

@@ -1,5 +1,5 @@
 """The timing phase of `duet bench-e2e`: every quantization loaded in ONE process and timed in
-interleaved rounds (none, int8, fp8, none, int8, ...), so that each round's ratios compare runs
+interleaved rounds (none, int8, int4, none, int8, ...), so that each round's ratios compare runs
 made within seconds of each other. This machine's DRAM rate swings by up to ~1.7x within
 minutes: timing each quantization in its own process, one after the other, measures those
 swings as much as the quantization. The memory figures stay the per-process ones.

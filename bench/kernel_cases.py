@@ -5,9 +5,10 @@ prepacked by ops.prepack_* before timing), `reference` through `native.reference
 correctness twin), and `others` holds the baselines a user would pick (bench/kernel_comparators:
 torch's matmul for GEMM, SDPA for extend attention), each as named variants. `num_bytes` counts
 weights and activations read and written once (for MoE only the experts the routing selected;
-for mla_decode the KV rows read); `flops` counts multiply-adds as 2. `compute` names the
-instruction family of the compute roof and `level` the memory the inputs stream from
-(bench/roofline.py, bench/cache_defeat.py).
+for mla_decode the KV rows read; quantized weights as stored, scales included: for int4 the
+packed nibbles and group scales, `int4_stored_bytes`); `flops` counts multiply-adds as 2.
+`compute` names the instruction family of the compute roof and `level` the memory the inputs
+stream from (bench/roofline.py, bench/cache_defeat.py).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from dataclasses import dataclass, field
 import torch
 
 from bench.cache_defeat import copies_to_defeat, cycling, memory_level
-from bench.kernel_comparators import Variants, int8_mm, sdpa, torch_linear_variants
-from native import ops, reference
+from bench.kernel_comparators import Variants, int4_mm, int8_mm, sdpa, torch_linear_variants
+from control.quant_schemes import INT4_GROUP_SIZE
+from native import ops, reference, reference_int4
 
 BF16 = torch.bfloat16
 ELEM = 2  # bytes of a bf16 element
@@ -73,7 +75,8 @@ class Dims:
 
     @property
     def with_head(self) -> dict[str, tuple[int, int]]:
-        """The projections and the LM head (bf16, or int8 with `quant_lm_head`; never fp8)."""
+        """The projections and the LM head (bf16, or int8 with `quant_lm_head`; never fp8 or
+        int4)."""
         return {**self.projections, "lm_head": (self.hidden, self.vocab)}
 
 
@@ -248,6 +251,41 @@ def moe_fp8_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
         )
 
 
+def moe_int4_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
+    """ops.fused_moe_int4 (W4A8: int4 weights with an fp32 scale per INT4_GROUP_SIZE inputs,
+    per-token and per-row activation quantization fused in, the "int4" scheme's experts) on the
+    shapes and routings of moe_cases, an expert's bytes as stored (`int4_stored_bytes`); compared
+    with ops.fused_moe_int8 on the same experts (the scheme int4 replaces, timed beside it)."""
+    token_counts = _moe_token_counts(d, "moe_int4", wanted)
+    if not token_counts:
+        return
+    w13, w2 = (
+        _weight(d.num_experts, 2 * d.moe_inter, d.hidden),
+        _weight(d.num_experts, d.hidden, d.moe_inter),
+    )
+    ref_packed = reference_int4.prepack_experts_int4(w13, w2, INT4_GROUP_SIZE)
+    # (the prepacks consume the lists they are given: one pair each)
+    packed = ops.prepack_experts_int4(list(w13.unbind(0)), list(w2.unbind(0)), INT4_GROUP_SIZE)
+    int8_packed = ops.prepack_experts_int8(list(w13.unbind(0)), list(w2.unbind(0)))
+    del w13, w2
+    expert_bytes = int4_stored_bytes(*packed) // d.num_experts  # every expert the same size
+    for name, tokens in token_counts:
+        yield _moe_case(
+            d,
+            name,
+            tokens,
+            expert_bytes,
+            run=lambda x, w, ids: ops.fused_moe_int4(x, *packed, w, ids),
+            reference=lambda x, w, ids: reference_int4.fused_moe_int4(x, *ref_packed, w, ids),
+            others={
+                "int8": {
+                    "fused_moe_int8": lambda x, w, ids: ops.fused_moe_int8(x, *int8_packed, w, ids)
+                }
+            },
+            compute="int8",
+        )
+
+
 def _routing(d: Dims, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(top-k weights, expert ids) of random router logits."""
     logits = torch.randn(tokens, d.num_experts)
@@ -344,6 +382,64 @@ def int8_linear_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
                 others=others,
                 compute="int8",
                 level=memory_level(copies * n * k),
+            )
+
+
+# ---- INT4 W4A8 dense projections ------------------------------------------------------------
+
+
+def int4_stored_bytes(*weights: object) -> int:
+    """Bytes int4 weights are held in, as stored: the uint8 nibbles and fp32 scales of a
+    PackedLinearInt4 / PackedExpertsInt4 (`packed.numel() + 4 * scales.numel()`, their padding
+    to 16 rows and to whole groups included), or the int8 values and fp32 scales of the twin's
+    Int4Weight where the kernel is off. The weight bytes of every int4 row."""
+    total = 0
+    for w in weights:
+        is_twin = isinstance(w, reference_int4.Int4Weight)
+        for t in (w.qweight, w.scale) if is_twin else (w.packed, w.scales):
+            total += t.numel() * t.element_size()
+    return total
+
+
+def int4_linear_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
+    """ops.linear_int4 (W4A8: int4 weights with an fp32 scale per INT4_GROUP_SIZE inputs of a
+    row, per-token activation quantization fused in) on the projection shapes, the weight's
+    bytes as stored (`int4_stored_bytes`). The "int4" scheme holds only the MLPs (dense_*) in
+    int4 and keeps attention in int8; the attention shapes are here to compare the two kernels
+    on every shape (the LM head is never int4: no row). Baselines:
+    ops.linear_int8 on the same weight (the scheme int4 replaces, timed beside it) and, where
+    this torch has it, torch's int4 weight-only GEMM on the same int4 values."""
+    for proj, (k, n) in d.projections.items():
+        rows = [(f"{fam}_int4_{proj}", m) for fam, m in (("gemv", 1), ("gemm", d.gemm_tokens))]
+        rows = [(name, m) for name, m in rows if wanted(name)]
+        if not rows:
+            continue
+        weights = [_weight(n, k)]
+        packed = [ops.prepack_linear_int4(weights[0], INT4_GROUP_SIZE)]
+        weight_bytes = int4_stored_bytes(packed[0])
+        copies = copies_to_defeat(weight_bytes)
+        weights += [_weight(n, k) for _ in range(copies - 1)]
+        packed += [ops.prepack_linear_int4(w, INT4_GROUP_SIZE) for w in weights[1:]]
+        quantized = [reference_int4.prepack_linear_int4(w, INT4_GROUP_SIZE) for w in weights]
+        int8_packed = [ops.prepack_linear_int8(w) for w in weights]
+        del weights
+        next_packed, next_ref, next_int8 = cycling(packed), cycling(quantized), cycling(int8_packed)
+        for name, m in rows:
+            x = _act(m, k)
+            others = {"int8": {"linear_int8": lambda x=x, w=next_int8: ops.linear_int8(x, w())}}
+            torch_int4 = [int4_mm(x, q) for q in quantized]
+            if None not in torch_int4:
+                others["torch"] = {"_weight_int4pack_mm": lambda c=cycling(torch_int4): c()()}
+            yield Case(
+                kernel=name,
+                shape=f"M={m} K={k} N={n}",
+                num_bytes=weight_bytes + (m * k + m * n) * ELEM,
+                flops=2 * m * n * k,
+                run=lambda x=x, w=next_packed: ops.linear_int4(x, w()),
+                reference=lambda x=x, w=next_ref: reference_int4.linear_int4(x, w()),
+                others=others,
+                compute="int8",
+                level=memory_level(copies * weight_bytes),
             )
 
 
@@ -488,9 +584,11 @@ def small_op_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
 FAMILIES = (
     moe_cases,
     moe_int8_cases,
+    moe_int4_cases,
     moe_fp8_cases,
     linear_cases,
     int8_linear_cases,
+    int4_linear_cases,
     fp8_linear_cases,
     mla_decode_cases,
     extend_attention_cases,

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.cache_defeat import cycling
+from native.reference_int4 import Int4Weight
 
 Variants = dict[str, Callable[[], object]]
 
@@ -43,6 +44,31 @@ def int8_mm(a: torch.Tensor, b: torch.Tensor) -> Callable[[], torch.Tensor] | No
     except (RuntimeError, NotImplementedError):
         return None
     return lambda: int_mm(a, b)
+
+
+def int4_mm(x: torch.Tensor, weight: Int4Weight) -> Callable[[], torch.Tensor] | None:
+    """torch's int4 weight-only GEMM (`aten._weight_int4pack_mm_for_cpu`, torchao's CPU path:
+    bf16 activations, the weight dequantized per group inside the kernel) on the values of an
+    Int4Weight [N, K]: q + 8 as its unsigned nibbles, its scales (in bf16, as the op takes them)
+    with zero points 0, so y ~= x @ dequantize_int4(weight).T. x [M, K] and the weight are
+    zero-padded to whole groups before timing. None where this torch lacks the op or refuses
+    the shapes."""
+    aten = torch.ops.aten
+    convert = getattr(aten, "_convert_weight_to_int4pack_for_cpu", None)
+    mm = getattr(aten, "_weight_int4pack_mm_for_cpu", None)
+    if convert is None or mm is None:
+        return None
+    q, scale, group = weight
+    pad = scale.shape[-1] * group - q.shape[-1]
+    try:
+        packed = convert(F.pad(q, (0, pad)).to(torch.int32) + 8, 1)
+        scales_zeros = torch.stack((scale.t(), torch.zeros_like(scale.t())), -1)
+        scales_zeros = scales_zeros.to(torch.bfloat16).contiguous()  # [K / group, N, 2]
+        x_padded = F.pad(x, (0, pad)).to(torch.bfloat16).contiguous()
+        mm(x_padded, packed, group, scales_zeros)
+    except (RuntimeError, NotImplementedError):
+        return None
+    return lambda: mm(x_padded, packed, group, scales_zeros)
 
 
 def sdpa(

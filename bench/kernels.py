@@ -5,8 +5,10 @@ Per kernel and shape it reports the median time, bytes moved, flops, and the roo
 instruction family the kernel is built on (vdpbf16ps for the bf16 kernels), BW the streaming
 read of the memory the case's inputs stream from: DRAM (huge pages, probed again just before
 each case) or, for cache-resident cases, L2/L3. Speed-ups are over the baselines a user would
-pick (the fastest of torch's matmul forms for GEMM/GEMV, torch SDPA for extend attention), and
-over the `native.reference` twin (a plain-torch correctness oracle, not a speed baseline).
+pick (the fastest of torch's matmul forms for GEMM/GEMV, torch SDPA for extend attention,
+torch's int4 weight-only GEMM for the int4 ones), over the scheme a quantized row replaces,
+timed beside it (int8 for int4, bf16 for fp8 MoE), and over the `native.reference` twin (a
+plain-torch correctness oracle, not a speed baseline).
 
     duet bench-kernels [--json] [--repeats N] [--filter SUBSTR] [--quick] [--threads N]
 
@@ -14,8 +16,8 @@ A roofline above ROOFLINE_LIMIT (1.05) is a measurement error: the row is marked
 stderr names the case and both figures, and the run exits non-zero. With --json, stdout holds
 only a JSON list of rows {"kernel", "shape", "time_ms", "bytes", "flops", "roofline", "bound",
 "compute", "peak_family", "peak_tflops", "level", "bandwidth_gbs", "dram_gbs_beside", "flags",
-"speedup_vs_reference_twin"} (+ "speedup_vs_torch" / "torch_variant", "speedup_vs_sdpa"); the
-rest goes to stderr.
+"speedup_vs_reference_twin"} (+ "speedup_vs_torch" / "torch_variant", "speedup_vs_sdpa",
+"speedup_vs_int8", "speedup_vs_bf16"); the rest goes to stderr.
 """
 
 from __future__ import annotations

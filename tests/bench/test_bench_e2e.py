@@ -11,8 +11,15 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from bench.e2e import apply_interleaved, check_args, kl_and_agreement, parse_args
-from bench.e2e_worker import decode_step, held_tensor_bytes, prefill_batch, teacher_forced_logprobs
+from bench.e2e import ROWS, apply_interleaved, check_args, kl_and_agreement, parse_args
+from bench.e2e_worker import (
+    decode_step,
+    held_tensor_bytes,
+    load_model,
+    prefill_batch,
+    teacher_forced_logprobs,
+)
+from control.quant_schemes import QUANT_SCHEMES
 from control.sampling_params import SamplingParams
 from deploy.cli import main as duet_main
 from model.weight_names import keeps_fp32
@@ -180,7 +187,7 @@ def test_bench_e2e_table_and_a_failing_worker(tiny_dir, tmp_path, capsys):
 
 
 def test_bad_arguments_are_refused(tiny_dir, capsys):
-    cases = {"--quant": ["int4"], "--prompt-len": ["600"], "--batch": ["0"]}
+    cases = {"--quant": ["int3"], "--prompt-len": ["600"], "--batch": ["0"]}
     for flag, value in cases.items():
         p, args = parse_args(["--model", str(tiny_dir), "--prompt-len", "100", flag, *value])
         with pytest.raises(SystemExit):
@@ -188,6 +195,11 @@ def test_bad_arguments_are_refused(tiny_dir, capsys):
         assert flag in capsys.readouterr().err.splitlines()[-1]
     p, args = parse_args(["--model", str(tiny_dir), "--prompt-len", "100", "--quant", "int8"])
     assert check_args(p, args) == ["none", "int8"]  # the reference is added
+    # every scheme of the config (control.quant_schemes), and its +head / @pack rows
+    assert set(QUANT_SCHEMES) <= set(ROWS) and {"int4+head", "int4@pack"} <= set(ROWS)
+    argv = ["--model", str(tiny_dir), "--prompt-len", "100", "--quant", "int8,int4,int4+head"]
+    p, args = parse_args(argv)
+    assert check_args(p, args) == ["none", "int8", "int4", "int4+head"]
 
 
 def test_interleaved_rounds_give_medians_and_per_round_ratios():
@@ -223,3 +235,24 @@ def test_a_head_row_holds_the_int8_head(tiny_dir, capsys):
     # the packed head: int8 rows plus an fp32 scale and an int32 sum per row, vs bf16 rows
     saved = ref["weights_bytes"] - head["weights_bytes"]
     assert saved == pytest.approx(vocab * hidden * 2 - (vocab * hidden + 8 * vocab), rel=0.05)
+
+
+def test_bench_e2e_reports_bf16_int8_and_int4_in_one_run(tiny_dir, capsys):
+    """none, int8 and int4 in one run, timed in the same interleaved rounds: the int4 row holds
+    what an int4 load holds (MLPs and experts in 4 bits, attention in int8): fewer bytes than
+    int8's, and a larger KL against bf16 than int8's (4 bits are coarser than 8)."""
+    rc = duet_main(
+        ["bench-e2e", "--model", str(tiny_dir), "--quant", "none,int8,int4", "--json"] + SMALL
+    )
+    assert rc == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["quant"] for r in rows] == ["none", "int8", "int4"]
+    none, int8, int4 = rows
+    for r in rows:
+        assert "error" not in r and r["rounds"] == 1  # the interleaved timing ran every row
+        assert r["ttft_s"] > 0 and r["tpot_s"] > 0 and r["tpot_ratio"] > 0
+    assert int4["weights_bytes"] == held_tensor_bytes(load_model(str(tiny_dir), "int4"))
+    assert none["weights_bytes"] > int8["weights_bytes"] > int4["weights_bytes"]
+    assert int4["weights_ratio"] == int4["weights_bytes"] / none["weights_bytes"]
+    assert math.isfinite(int4["kl"]) and int4["kl"] > int8["kl"] > 0
+    assert 0 < int4["top1_agreement"] <= 1

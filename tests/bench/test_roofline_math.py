@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from bench import cache_defeat, kernel_comparators, roofline
+from native import reference_int4
 
 PEAKS = {"bf16_dot": 2.0, "int8_dot": 4.0, "fp32_fma_zmm": 1.0, "fp32_fma_ymm": 0.5}  # 1e12/s
 ROOF = roofline.Roofline(
@@ -98,6 +99,20 @@ def test_int8_mm_matches_int32_matmul():
     assert out.dtype == torch.int32
     assert torch.equal(out, a.to(torch.int32) @ b.to(torch.int32))
     assert kernel_comparators.int8_mm(a.float(), b.float()) is None  # not int8: no comparator
+
+
+def test_int4_mm_matches_the_dequantized_matmul():
+    """torch's int4 weight-only GEMM on an Int4Weight's values: x @ dequantize(W).T to within
+    its bf16 activations and scales (K = 96: padded to two groups of 64)."""
+    weight = reference_int4.quantize_weight_int4(torch.randn(48, 96), 64)
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    fn = kernel_comparators.int4_mm(x, weight)
+    if fn is None:  # the documented answer where this torch has no CPU int4 GEMM
+        pytest.skip("aten._weight_int4pack_mm_for_cpu does not run on this torch")
+    out = fn()
+    assert out.shape == (3, 48) and out.dtype == torch.bfloat16
+    expected = x.float() @ reference_int4.dequantize_int4(weight).T
+    torch.testing.assert_close(out.float(), expected, atol=0.05, rtol=0.02)
 
 
 def test_sdpa_comparator_matches_causal_attention_with_prefix():

@@ -6,15 +6,17 @@ import json
 import math
 
 import pytest
+import torch
 
-from bench import kernels, roof_probes, roofline
+from bench import kernel_comparators, kernels, roof_probes, roofline
+from native import reference_int4
 
 ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3, "amx": 4}
 
 FAMILIES = (
-    "moe_decode", "moe_prefill", "moe_int8_decode", "moe_int8_prefill", "moe_fp8_decode",
-    "moe_fp8_prefill", "gemv", "gemm", "mla_decode", "extend_attention", "rmsnorm", "rope",
-    "topk",
+    "moe_decode", "moe_prefill", "moe_int8_decode", "moe_int8_prefill", "moe_int4_decode",
+    "moe_int4_prefill", "moe_fp8_decode", "moe_fp8_prefill", "gemv", "gemm", "mla_decode",
+    "extend_attention", "rmsnorm", "rope", "topk",
 )  # fmt: skip
 ROW_KEYS = {
     "kernel", "shape", "time_ms", "bytes", "flops", "roofline", "bound", "bound_ms", "compute",
@@ -50,10 +52,31 @@ def test_bench_kernels_quick_json(capsys):
     assert all(row["speedup_vs_sdpa"] > 0 for row in extend_rows)
     int8_rows = [row for row in rows if "_int8_" in row["kernel"]]
     assert int8_rows and all(row["compute"] == "int8" for row in int8_rows)
+    int4_rows = [row for row in rows if "_int4_" in row["kernel"]]
+    _check_int4_rows(int4_rows, int8_rows)
     linear_rows = [
-        row for row in rows if row["kernel"].startswith(("gemv", "gemm")) and row not in int8_rows
+        row
+        for row in rows
+        if row["kernel"].startswith(("gemv", "gemm")) and row not in int8_rows + int4_rows
     ]  # bf16 and fp8 weights: against torch's bf16 matmuls
     assert linear_rows and all(row["speedup_vs_torch"] > 0 for row in linear_rows)
+
+
+def _check_int4_rows(int4_rows: list[dict], int8_rows: list[dict]) -> None:
+    """The int4 rows: one beside every int8 GEMV / GEMM row but the LM head's (no scheme holds
+    the head in int4) and every int8 fused-MoE row, on vpdpbusd, each timed against the int8
+    kernel on the same weights (and torch's int4 GEMM where this torch runs it)."""
+    int4_names = {row["kernel"] for row in int4_rows}
+    int8_names = {row["kernel"] for row in int8_rows if not row["kernel"].endswith("lm_head")}
+    assert int4_names == {name.replace("_int8_", "_int4_") for name in int8_names}
+    assert {"moe_int4_decode", "gemv_int4_dense_up", "gemm_int4_dense_down"} <= int4_names
+    int4 = reference_int4.quantize_weight_int4(torch.ones(16, 64), 64)
+    torch_int4 = kernel_comparators.int4_mm(torch.ones(1, 64), int4) is not None
+    for row in int4_rows:
+        assert row["compute"] == "int8" and row["speedup_vs_int8"] > 0, row
+        assert 0 < row["roofline"] <= roofline.ROOFLINE_LIMIT, row
+        if torch_int4 and not row["kernel"].startswith("moe"):
+            assert row["speedup_vs_torch"] > 0, row
 
 
 def test_bench_kernels_filter(capsys):
