@@ -61,11 +61,15 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """Checkpoint weight quantization (only FP8 e4m3 with square blocks is supported)."""
+    """Checkpoint weight quantization: FP8 e4m3 with blocks (DeepSeek-V3), or GPTQ 4-bit
+    (`model.gptq`: its group size, and whether its zeros are stored minus one, the "gptq" v1
+    format, or as they are, "gptq_v2")."""
 
-    method: str  # "fp8"
-    fmt: str  # "e4m3"
-    weight_block_size: tuple[int, int]
+    method: str  # "fp8" | "gptq"
+    fmt: str  # "e4m3" | "int4"
+    weight_block_size: tuple[int, int] | None = None  # fp8
+    group_size: int = 0  # gptq
+    zeros_minus_one: bool = True  # gptq
 
 
 @dataclass(frozen=True)
@@ -222,8 +226,10 @@ def _parse_quant(raw: dict[str, Any]) -> QuantConfig | None:
     if not isinstance(q, dict):
         raise ConfigError("field 'quantization_config' must be an object")
     method = q.get("quant_method")
+    if method == "gptq":
+        return _parse_gptq(q)
     if method != "fp8":
-        raise ConfigError(f"unsupported quantization method {method!r} (supported: fp8)")
+        raise ConfigError(f"unsupported quantization method {method!r} (supported: fp8, gptq)")
     fmt = q.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ConfigError(f"unsupported fp8 format {fmt!r} (supported: e4m3)")
@@ -231,6 +237,19 @@ def _parse_quant(raw: dict[str, Any]) -> QuantConfig | None:
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) for b in block)):
         raise ConfigError("fp8 quantization needs 'weight_block_size' as [rows, cols]")
     return QuantConfig(method="fp8", fmt="e4m3", weight_block_size=(block[0], block[1]))
+
+
+def _parse_gptq(q: dict[str, Any]) -> QuantConfig:
+    bits, group = q.get("bits"), q.get("group_size")
+    if bits != 4:
+        raise ConfigError(f"unsupported gptq bits {bits!r} (supported: 4)")
+    if not isinstance(group, int) or group <= 0:
+        # group_size -1 (one group per column) has no per-group scales to map
+        raise ConfigError(f"gptq quantization needs a positive 'group_size', got {group!r}")
+    fmt = q.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ConfigError(f"unsupported gptq checkpoint_format {fmt!r} (supported: gptq, gptq_v2)")
+    return QuantConfig(method="gptq", fmt="int4", group_size=group, zeros_minus_one=fmt == "gptq")
 
 
 def _parse_eos(raw: dict[str, Any]) -> tuple[int, ...]:

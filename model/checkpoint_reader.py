@@ -9,9 +9,10 @@ flight, never the checkpoint's pages or a second copy of the weights. The model 
 experts to their packers as loaders that pop each expert when it is packed
 (`native._gemm_ops.take_expert`).
 
-FP8 e4m3 block-quantized weights (`X` + `X_scale_inv`, DeepSeek-V3 style) are dequantized to
-the model dtype, or with `keep_fp8` handed over as stored (`Fp8Weight`) for a quantizer to keep
-or re-quantize. Every failure is a `WeightLoadError` whose one-line message names the tensor and
+FP8 e4m3 block-quantized weights (`X` + `X_scale_inv`, DeepSeek-V3 style) and GPTQ 4-bit
+linears (`X.qweight`, `X.qzeros`, `X.scales` in place of `X.weight`: `model.gptq`) are
+dequantized to the model dtype, or with `keep_stored` handed over as stored (`Fp8Weight`,
+`GptqWeight`) for a quantizer to keep or re-quantize. Every failure is a `WeightLoadError` whose one-line message names the tensor and
 the file.
 """
 
@@ -28,7 +29,9 @@ import torch
 from tqdm import tqdm
 
 from control.errors import WeightLoadError
+from control.model_config import QuantConfig
 from model.fp8_blocks import dequantize_fp8_blockwise
+from model.gptq import G_IDX, SUFFIXES, GptqWeight
 from model.safetensors_reader import SafetensorsFile
 from model.weight_names import keeps_fp32
 
@@ -64,7 +67,10 @@ class CheckpointReader:
         dtype: dtype of the tensors handed out, except router tensors (`keeps_fp32`) in float32.
         fp8_block: (rows, cols) of the FP8 scale blocks, from the config's
             `quantization_config.weight_block_size`; needed only if FP8 tensors are present.
-        keep_fp8: `pop` hands FP8 tensors over as `Fp8Weight` instead of dequantizing them.
+        keep_stored: `pop` hands FP8 and GPTQ weights over as stored (`Fp8Weight`,
+            `GptqWeight`) instead of dequantizing them.
+        gptq: the config's GPTQ quantization (`QuantConfig` of method "gptq"), if any: an
+            expected `X.weight` the checkpoint does not have is then read from `X.qweight`...
         progress: a tqdm bar on stderr of the bytes read and their rate (only on a tty).
 
     `reader[name]` reads once and keeps the tensor (norms, the embedding: what the model holds
@@ -79,18 +85,20 @@ class CheckpointReader:
         expected: dict[str, tuple[int, ...]],
         dtype: torch.dtype,
         fp8_block: tuple[int, int] | None = None,
-        keep_fp8: bool = False,
+        keep_stored: bool = False,
         progress: bool = True,
+        gptq: QuantConfig | None = None,
     ):
         self.model_dir = Path(model_dir)
         self.expected = expected
         self.dtype = dtype
         self.fp8_block = fp8_block
-        self.keep_fp8 = keep_fp8
+        self.keep_stored = keep_stored
+        self.gptq = gptq
         weight_map = _weight_map(self.model_dir)
         if weight_map is not None:
             for name in expected:
-                if name not in weight_map:
+                if name not in weight_map and _gptq_name(name, "qweight") not in weight_map:
                     raise WeightLoadError(
                         f"tensor '{name}' is missing from {self.model_dir / INDEX_FILE}"
                     )
@@ -124,13 +132,13 @@ class CheckpointReader:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._kept:
-            self._kept[name] = self._take(name, keep_fp8=False)
+            self._kept[name] = self._take(name, keep_stored=False)
         return self._kept[name]
 
     def pop(self, name: str) -> torch.Tensor | Fp8Weight:
         if name in self._kept:
             return self._kept.pop(name)
-        return self._take(name, keep_fp8=self.keep_fp8)
+        return self._take(name, keep_stored=self.keep_stored)
 
     def unread(self) -> list[str]:
         """Expected tensors nobody asked for (a model that skips one has a bug)."""
@@ -143,12 +151,17 @@ class CheckpointReader:
         out = {name: self.pop(name) for name in order}
         return {name: out[name] for name in self.expected}
 
-    def _take(self, name: str, keep_fp8: bool) -> torch.Tensor | Fp8Weight:
+    def _take(self, name: str, keep_stored: bool) -> torch.Tensor | Fp8Weight | GptqWeight:
         if name not in self.expected:
             raise KeyError(name)
-        tensor = _load_one(
-            self._files, name, self.expected[name], self.dtype, self.fp8_block, keep_fp8
-        )
+        if self.gptq is not None and not self._files.has(name):
+            tensor = _load_gptq(
+                self._files, name, self.expected[name], self.dtype, self.gptq, keep_stored
+            )
+        else:
+            tensor = _load_one(
+                self._files, name, self.expected[name], self.dtype, self.fp8_block, keep_stored
+            )
         self._read_names.add(name)
         self._bar.update(self._files.bytes_read - self._bar.n)
         return tensor
@@ -209,11 +222,26 @@ class _FileCache:
             finally:
                 os.close(fd)
 
+    def has(self, tensor: str) -> bool:
+        """Whether the checkpoint holds `tensor` (its file is opened to know)."""
+        if self._map is not None:
+            return tensor in self._map
+        self.handle_of_file(SINGLE_FILE, tensor)
+        return tensor in self._names[SINGLE_FILE]
+
     def handle(self, tensor: str):
         """The open SafetensorsFile holding `tensor` (WeightLoadError if it has none)."""
         file_name, path = self.file_of(tensor), self.path_of(tensor)
         if not file_name:
             raise WeightLoadError(f"tensor '{tensor}' is missing from {self._dir / INDEX_FILE}")
+        self.handle_of_file(file_name, tensor)
+        if tensor not in self._names[file_name]:
+            raise WeightLoadError(f"tensor '{tensor}' is missing from {path}")
+        return self._open[file_name]
+
+    def handle_of_file(self, file_name: str, tensor: str):
+        """The open SafetensorsFile `file_name` (opened on first use), asked for `tensor`."""
+        path = self._dir / file_name
         if file_name not in self._open:
             if not path.is_file():
                 raise WeightLoadError(
@@ -228,18 +256,23 @@ class _FileCache:
                     f"tensor '{tensor}': {path} is a corrupt or unreadable safetensors file ({exc})"
                 ) from None
             self._open[file_name], self._names[file_name] = handle, names
-        if tensor not in self._names[file_name]:
-            raise WeightLoadError(f"tensor '{tensor}' is missing from {path}")
         return self._open[file_name]
 
 
 def _read(files: _FileCache, name: str) -> tuple[torch.Tensor, Path]:
-    """The raw tensor `name` and the path of its file (for messages)."""
+    """The raw tensor `name` and the path of its file (for messages): a float or FP8 one."""
+    return _read_raw(files, name, _FLOAT_DTYPES | {_FP8_DTYPE})
+
+
+def _read_raw(
+    files: _FileCache, name: str, dtypes: set[str] | None = None
+) -> tuple[torch.Tensor, Path]:
+    """The raw tensor `name` and the path of its file, of one of `dtypes` (None: any)."""
     handle = files.handle(name)
     path = files.path_of(name)
     try:
         dtype = handle.dtype_of(name)
-        if dtype not in _FLOAT_DTYPES and dtype != _FP8_DTYPE:
+        if dtypes is not None and dtype not in dtypes:
             raise WeightLoadError(
                 f"tensor '{name}' in {path}: unsupported dtype {dtype} "
                 "(supported: BF16, F16, F32, F8_E4M3 with a scale)"
@@ -259,7 +292,7 @@ def _load_one(
     shape: tuple[int, ...],
     dtype: torch.dtype,
     fp8_block: tuple[int, int] | None,
-    keep_fp8: bool = False,
+    keep_stored: bool = False,
 ) -> torch.Tensor | Fp8Weight:
     raw, path = _read(files, name)
     if tuple(raw.shape) != tuple(shape):
@@ -285,6 +318,55 @@ def _load_one(
             f"tensor '{scale_name}' in {scale_path}: expected shape {list(blocks)} for "
             f"block {list(fp8_block)}, got {list(scale.shape)}"
         )
-    if keep_fp8:
+    if keep_stored:
         return Fp8Weight(raw, scale.float(), tuple(fp8_block), name)
     return dequantize_fp8_blockwise(raw, scale, fp8_block).to(target).contiguous()
+
+
+def _gptq_name(weight_name: str, suffix: str) -> str:
+    """The GPTQ tensor `suffix` of the linear whose weight is `weight_name` (X.weight -> X.suffix)."""
+    return weight_name.removesuffix(".weight") + "." + suffix
+
+
+def _load_gptq(
+    files: _FileCache,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    gptq: QuantConfig,
+    keep_stored: bool,
+) -> torch.Tensor | GptqWeight:
+    """The GPTQ linear standing for `name` (`model.gptq`), checked against `shape` [N, K]."""
+    if not name.endswith(".weight") or len(shape) != 2:
+        raise WeightLoadError(f"tensor '{name}' is missing from the checkpoint")
+    parts = {}
+    for suffix in SUFFIXES:
+        stored = _gptq_name(name, suffix)
+        if not files.has(stored):
+            raise WeightLoadError(f"tensor '{name}' is missing (and so is its GPTQ '{stored}')")
+        parts[suffix], path = _read_raw(files, stored)
+    g_idx_name = _gptq_name(name, G_IDX)
+    g_idx = _read_raw(files, g_idx_name)[0] if files.has(g_idx_name) else None
+    n, k = shape
+    group = gptq.group_size
+    want = {
+        "qweight": ((k // 8, n), torch.int32),
+        "qzeros": ((-(-k // group), -(-n // 8)), torch.int32),
+        "scales": ((-(-k // group), n), None),
+    }
+    for suffix, (want_shape, want_dtype) in want.items():
+        tensor = parts[suffix]
+        if tuple(tensor.shape) != want_shape or (want_dtype and tensor.dtype != want_dtype):
+            raise WeightLoadError(
+                f"tensor '{_gptq_name(name, suffix)}' in {path}: expected {list(want_shape)} "
+                f"{want_dtype or 'float'} for a GPTQ [{n}, {k}] weight with group size {group}, "
+                f"got {list(tensor.shape)} {tensor.dtype}"
+            )
+    if k % 8 or (g_idx is not None and tuple(g_idx.shape) != (k,)):
+        raise WeightLoadError(f"tensor '{name}': a GPTQ weight needs K % 8 == 0 and g_idx [K]")
+    weight = GptqWeight(
+        parts["qweight"], parts["qzeros"], parts["scales"], g_idx, group, gptq.zeros_minus_one, name
+    )
+    if keep_stored:
+        return weight
+    return weight.dequantize(torch.float32 if keeps_fp32(name) else dtype)

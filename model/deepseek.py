@@ -176,8 +176,11 @@ class DeepseekModel:
             check_has_mtp(cfg)
             shapes.update(mtp_shapes(cfg, keep))
         block = cfg.quant.weight_block_size if cfg.quant else None
-        keep_fp8 = quantizer(quant, dtype).keeps_fp8
-        with CheckpointReader(model_dir, shapes, dtype, block, keep_fp8, progress) as weights:
+        gptq = cfg.quant if cfg.quant and cfg.quant.method == "gptq" else None
+        keep_stored = quantizer(quant, dtype).keeps_stored
+        with CheckpointReader(
+            model_dir, shapes, dtype, block, keep_stored, progress, gptq
+        ) as weights:
             yield cfg, weights, expert_range
             unread = weights.unread()
         if unread:  # checkpoint_shapes and the model disagree: a bug, not the user's input

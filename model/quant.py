@@ -20,7 +20,9 @@ bf16 and fp32 activations, so the head goes int8 in either model dtype (not floa
   per decoded token): 4-bit weights with an fp32 scale per group of INT4_GROUP_SIZE inputs of a
   row, activations quantized per token to int8 (`ops.linear_int4`, `ops.fused_moe_int4`); the
   attention projections run the "int8" scheme (their error feeds the KV cache and every later
-  token). An FP8 checkpoint is dequantized to fp32 first, as for int8.
+  token). An FP8 checkpoint is dequantized to fp32 first, as for int8. A GPTQ 4-bit checkpoint's
+  MLP and expert weights are kept as stored when symmetric (`model.gptq`: bit for bit, at the
+  checkpoint's group size); other GPTQ forms, and every other scheme, dequantize it.
 - "fp8": weight-only e4m3 with 128x128 block scales, converted to bf16 in registers
   (`ops.linear_fp8`, `ops.fused_moe_fp8`). An FP8 checkpoint's weights are kept as stored (its
   blocks must be 128x128; a fused gate|up projection whose gate rows are not whole blocks is
@@ -40,12 +42,13 @@ import torch
 from control.errors import ConfigError
 from control.quant_schemes import INT4_GROUP_SIZE, QUANT_SCHEMES, lm_head_scheme, parse_quant
 from model.checkpoint_reader import Fp8Weight
+from model.gptq import GptqWeight
 from native import ops
 
 __all__ = ["QUANT_SCHEMES", "Experts", "Linear", "QuantizationError", "Quantizer", "quantizer"]
 FP8_KERNEL_BLOCK = (128, 128)  # the fp8 kernels' scale blocks (native/reference.py FP8_BLOCK)
 
-Source = torch.Tensor | Fp8Weight  # one matrix as the loader hands it over
+Source = torch.Tensor | Fp8Weight | GptqWeight  # one matrix as the loader hands it over
 Loader = Callable[[], Source]  # a matrix read when called (one expert at a time)
 
 
@@ -80,16 +83,18 @@ class Experts:
 
 def as_tensor(source: Source, dtype: torch.dtype) -> torch.Tensor:
     """A matrix in `dtype` whatever the loader handed over."""
-    return source.dequantize(dtype) if isinstance(source, Fp8Weight) else source.to(dtype)
+    if isinstance(source, (Fp8Weight, GptqWeight)):
+        return source.dequantize(dtype)
+    return source.to(dtype)
 
 
 class Quantizer:
     """Scheme "none": the model dtype's kernels. Subclasses override `_pack_linear`,
-    `_pack_experts` and their ops; `keeps_fp8` asks the loader for FP8 weights as stored.
+    `_pack_experts` and their ops; `keeps_stored` asks the loader for FP8 weights as stored.
     `head_scheme` is the LM head's ("none": the model dtype, "int8"; see the module)."""
 
     name = "none"
-    keeps_fp8 = False
+    keeps_stored = False
 
     def __init__(self, dtype: torch.dtype, quant_lm_head: bool = False):
         self.dtype = dtype
@@ -165,7 +170,7 @@ class Int8Quantizer(Quantizer):
     loses no more than its own rounding), per-token int8 activations."""
 
     name = "int8"
-    keeps_fp8 = True
+    keeps_stored = True
     _linear_op = staticmethod(ops.linear_int8)
     _moe_op = staticmethod(ops.fused_moe_int8)
 
@@ -185,8 +190,8 @@ class Int4Quantizer(Int8Quantizer):
     name = "int4"
 
     def gated_mlp(self, gate: Source, up: Source, down: Source) -> tuple[Linear, Linear]:
-        w13 = ops.prepack_linear_int4(_stacked([gate, up]), INT4_GROUP_SIZE)
-        w2 = ops.prepack_linear_int4(_stacked([down]), INT4_GROUP_SIZE)
+        w13 = ops.prepack_linear_int4(_int4_or_float([gate, up]), INT4_GROUP_SIZE)
+        w2 = ops.prepack_linear_int4(_int4_or_float([down]), INT4_GROUP_SIZE)
         return Linear(w13, ops.linear_int4), Linear(w2, ops.linear_int4)
 
     def wrap_linear(self, packed) -> Linear:
@@ -197,8 +202,11 @@ class Int4Quantizer(Int8Quantizer):
     _moe_op = staticmethod(ops.fused_moe_int4)
 
     def _pack_experts(self, w13, w2):
+        def expert(load: Loader) -> Callable[[], torch.Tensor | ops.Int4Weight]:
+            return lambda: _int4_or_float(_parts(load()))
+
         return ops.prepack_experts_int4(
-            [_matrix_loader(f) for f in w13], [_matrix_loader(f) for f in w2], INT4_GROUP_SIZE
+            [expert(f) for f in w13], [expert(f) for f in w2], INT4_GROUP_SIZE
         )
 
 
@@ -206,7 +214,7 @@ class Fp8Quantizer(Quantizer):
     """Weight-only FP8 e4m3, 128x128 block scales; an FP8 checkpoint's weights kept as stored."""
 
     name = "fp8"
-    keeps_fp8 = True
+    keeps_stored = True
     _linear_op = staticmethod(ops.linear_fp8)
     _moe_op = staticmethod(ops.fused_moe_fp8)
 
@@ -259,11 +267,24 @@ def _matrix_loader(load: Loader, dtype: torch.dtype | None = None) -> Loader:
     return lambda: _stacked(_parts(load()), dtype)
 
 
+def _int4_or_float(parts: list[Source]) -> torch.Tensor | ops.Int4Weight:
+    """The parts stacked by rows: in our int4 form as stored when every part is a GPTQ weight
+    that has one (`GptqWeight.as_int4`: symmetric, inputs in group order) of one group size, so
+    the checkpoint's 4 bits are kept exactly; else as floats (`_stacked`), to quantize."""
+    forms = [p.as_int4() if isinstance(p, GptqWeight) else None for p in parts]
+    if any(f is None for f in forms) or len({f.group_size for f in forms}) != 1:
+        return _stacked(parts)
+    if len(forms) == 1:
+        return forms[0]
+    qweight = torch.cat([f.qweight for f in forms])
+    return ops.Int4Weight(qweight, torch.cat([f.scale for f in forms]), forms[0].group_size)
+
+
 def _float_dtype(parts: list[Source]) -> torch.dtype:
     """What int8 (or fp8 from a float checkpoint) quantizes from: a float checkpoint's own
     dtype (no fp32 copy of a whole matrix while loading: the quantizers upcast a block of rows at
     a time), an FP8 checkpoint dequantized to fp32."""
-    if any(isinstance(p, Fp8Weight) for p in parts):
+    if any(isinstance(p, (Fp8Weight, GptqWeight)) for p in parts):
         return torch.float32
     return parts[0].dtype
 

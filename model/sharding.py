@@ -126,6 +126,8 @@ class ShardedWeights:
         split = _split_of(name, self._scheme)
         if split is None:
             return tensor
+        if hasattr(tensor, "qweight"):  # GPTQ (model.gptq): its packed words do not split by
+            tensor = tensor.dequantize()  # heads or rows, its fp32 values do
         if not hasattr(tensor, "view"):  # kept FP8 blocks: their scales would not line up
             raise ConfigError(
                 f"tensor parallelism cannot split {name} as stored (quant = fp8 keeps the "

@@ -84,9 +84,15 @@ class PackedLinearInt4:
 
 
 def prepack_linear_int4(
-    weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE
+    weight: torch.Tensor | Int4Weight, group_size: int = DEFAULT_GROUP_SIZE
 ) -> PackedLinearInt4 | Int4Weight:
-    """Quantizes a float weight [N, K] per group; packs it when the kernel is on."""
+    """Quantizes a float weight [N, K] per group (or takes one quantized already: an Int4Weight
+    keeps its own group size); packs it when the kernel is on."""
+    if isinstance(weight, Int4Weight):
+        check_group_size(weight.group_size)
+        if weight.qweight.device.type != "cpu" or not _native_on():
+            return weight
+        return PackedLinearInt4(weight)
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(
             f"prepack_linear_int4: expected a float [N, K] weight, got {weight.dtype} "

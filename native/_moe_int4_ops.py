@@ -15,13 +15,7 @@ from __future__ import annotations
 import torch
 
 from native import reference_int4
-from native._gemm_ops import (
-    check_moe_inputs,
-    checked_experts,
-    list_of,
-    peek_expert,
-    routing_tensors,
-)
+from native._gemm_ops import check_moe_inputs, list_of, peek_expert, routing_tensors, take_expert
 from native._int4_ops import pack_int4, unpack_int4
 from native._tags import tags
 from native.reference_int4 import DEFAULT_GROUP_SIZE, Int4Weight, check_group_size
@@ -43,10 +37,20 @@ class PackedExpertsInt4:
                                   dtype=torch.uint8)  # fmt: skip
         self.scales = torch.empty(num_experts, parts, blocks, groups, 16, dtype=torch.float32)
 
-    def store(self, e: int, weight: torch.Tensor) -> None:
-        """Quantizes and packs expert e's float weight [parts * n, k] in place."""
-        for part, rows in enumerate(weight.detach().chunk(self.parts, 0)):
-            quantized = reference_int4.quantize_weight_int4(rows, self.group_size)
+    def store(self, e: int, weight: torch.Tensor | Int4Weight) -> None:
+        """Packs expert e's weight [parts * n, k] in place: a float one quantized, an
+        Int4Weight of this group size as it is (of another, quantized again from its values)."""
+        if isinstance(weight, Int4Weight) and weight.group_size != self.group_size:
+            weight = reference_int4.dequantize_int4(weight)
+        if isinstance(weight, Int4Weight):
+            q, scale = weight.qweight.chunk(self.parts, 0), weight.scale.chunk(self.parts, 0)
+            parts = [Int4Weight(*pair, self.group_size) for pair in zip(q, scale, strict=True)]
+        else:
+            parts = [
+                reference_int4.quantize_weight_int4(rows, self.group_size)
+                for rows in weight.detach().chunk(self.parts, 0)
+            ]
+        for part, quantized in enumerate(parts):
             self.packed[e, part], self.scales[e, part] = pack_int4(quantized)
 
     def unpack(self) -> Int4Weight:
@@ -62,31 +66,70 @@ class PackedExpertsInt4:
         return f"PackedExpertsInt4(shape={tuple(self.shape)}, group_size={self.group_size})"
 
 
+def _shape(entry) -> torch.Size:
+    return entry.qweight.shape if isinstance(entry, Int4Weight) else entry.shape
+
+
+def _checked(parts: list):
+    """Takes every entry in turn (`take_expert`), each a float tensor or an Int4Weight of
+    expert 0's shape: a ValueError otherwise."""
+    shape = _shape(peek_expert(parts))
+    for i in range(len(parts)):
+        w = take_expert(parts, i)
+        ok = isinstance(w, Int4Weight) or (isinstance(w, torch.Tensor) and w.is_floating_point())
+        if not ok or _shape(w) != shape:
+            kind = "Int4Weight" if isinstance(w, Int4Weight) else w.dtype
+            raise ValueError(
+                f"prepack_experts_int4: expert {i} is {kind} {list(_shape(w))}; the experts must be"
+                f" E float tensors or Int4Weights of one shape ({list(shape)})"
+            )
+        yield w
+
+
+def _twin_experts(entries: list, group_size: int) -> Int4Weight:
+    """The twin's stacked Int4Weight of one projection's experts: Int4Weights of this group size
+    as they are (as `PackedExpertsInt4.store` keeps them), anything else quantized."""
+    if all(isinstance(w, Int4Weight) and w.group_size == group_size for w in entries):
+        stacked = (
+            torch.stack([w.qweight for w in entries]),
+            torch.stack([w.scale for w in entries]),
+        )
+        return Int4Weight(*stacked, group_size)
+    floats = [
+        reference_int4.dequantize_int4(w) if isinstance(w, Int4Weight) else w for w in entries
+    ]
+    return reference_int4.quantize_weight_int4(torch.stack(floats), group_size)
+
+
 def prepack_experts_int4(
     w13: torch.Tensor | list, w2: torch.Tensor | list, group_size: int = DEFAULT_GROUP_SIZE
 ):
     """Quantizes routed experts (w13 [E, 2I, D], w2 [E, D, I], or lists of the E experts'
-    tensors or of loaders of them, consumed one at a time) for `fused_moe_int4`. Returns
-    (PackedExpertsInt4, PackedExpertsInt4), or the twin's Int4Weight pair when the kernel is off
-    or the weights are not on the CPU."""
-    check_group_size(group_size)
+    tensors or of loaders of them, consumed one at a time) for `fused_moe_int4`. An entry may be
+    an Int4Weight, quantized already (a GPTQ checkpoint's, `model.gptq`): it is kept as it is
+    when expert 0 of w13 is one too, whose group size then rules (anything else is quantized
+    from its floats). Returns (PackedExpertsInt4, PackedExpertsInt4), or the twin's Int4Weight
+    pair when the kernel is off or the weights are not on the CPU."""
     parts13, parts2 = list_of(w13), list_of(w2)
     if len(parts13) != len(parts2):
         raise ValueError(f"prepack_experts_int4: {len(parts13)} w13 but {len(parts2)} w2 experts")
     first13, first2 = peek_expert(parts13), peek_expert(parts2)
-    ((two_inter, hidden), (hidden2, inter)) = first13.shape, first2.shape
+    if isinstance(first13, Int4Weight):
+        group_size = first13.group_size
+    check_group_size(group_size)
+    ((two_inter, hidden), (hidden2, inter)) = _shape(first13), _shape(first2)
     if two_inter != 2 * inter or hidden2 != hidden:
         raise ValueError(
             f"prepack_experts_int4: w13 {(len(parts13), two_inter, hidden)} and w2 "
             f"{(len(parts2), hidden2, inter)} disagree"
         )
     num_experts = len(parts13)
-    on_cpu = first13.device.type == first2.device.type == "cpu"
+    device = lambda w: (w.qweight if isinstance(w, Int4Weight) else w).device.type  # noqa: E731
+    on_cpu = device(first13) == device(first2) == "cpu"
     del first13, first2
-    experts13 = checked_experts("prepack_experts_int4", parts13)
-    experts2 = checked_experts("prepack_experts_int4", parts2)
+    experts13, experts2 = _checked(parts13), _checked(parts2)
     if not (on_cpu and _native_on()):
-        return reference_int4.prepack_experts_int4(list(experts13), list(experts2), group_size)
+        return _twin_experts(list(experts13), group_size), _twin_experts(list(experts2), group_size)
     p13 = PackedExpertsInt4(num_experts, 2, inter, hidden, group_size)
     p2 = PackedExpertsInt4(num_experts, 1, hidden, inter, group_size)
     for e, (one13, one2) in enumerate(zip(experts13, experts2, strict=True)):

@@ -98,7 +98,7 @@ def test_fp8_checkpoint_is_kept_as_stored(fp8_dir):
     cfg = ModelConfig.from_model_dir(fp8_dir)
     name = "model.layers.1.self_attn.q_a_proj.weight"
     shapes = checkpoint_shapes(cfg)
-    with CheckpointReader(fp8_dir, shapes, torch.bfloat16, (128, 128), keep_fp8=True) as reader:
+    with CheckpointReader(fp8_dir, shapes, torch.bfloat16, (128, 128), keep_stored=True) as reader:
         raw = reader.pop(name)
     model = _load(fp8_dir, "fp8")
     weight, scale = model.layers[1].attn.q_a_proj.weight.unpack()
