@@ -17,7 +17,7 @@ With `--overlap on|both` the node's side work runs on its helper thread beside t
 thread).
 
     python -m bench.decode_step --model DIR [--batches 1,8,32 --context 256 --threads 2]
-        [--overlap off|on|both]
+        [--quant none|int8|fp8|int4] [--quant-lm-head] [--overlap off|on|both]
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch
 import decode_node.speculative_step as speculative_step
 from control.cluster_config import DecodeNodeConfig, TimeoutConfig
 from control.messaging import QueueInbox, QueueOutbox
+from control.quant_schemes import QUANT_SCHEMES
 from control.sampling_params import SamplingParams
 from decode_node.node import DecodeNode
 from decode_node.scheduler import DecodeState
@@ -55,6 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mtp-tokens", type=int, default=0, help="speculate with K drafts (0: off)")
     p.add_argument("--accept", type=float, default=None, help="forced draft acceptance in [0, 1]")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--quant", choices=QUANT_SCHEMES, default="none", help="the weights' scheme")
+    p.add_argument("--quant-lm-head", action="store_true", help="the LM head in int8")
     p.add_argument(
         "--overlap",
         choices=("off", "on", "both"),
@@ -190,7 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     ops.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = DeepseekModel.from_pretrained(
-        args.model, torch.bfloat16, progress=False, mtp=args.mtp_tokens > 0
+        args.model,
+        torch.bfloat16,
+        progress=False,
+        mtp=args.mtp_tokens > 0,
+        quant=args.quant,
+        quant_lm_head=args.quant_lm_head,
     )
     if args.accept is not None:
         force_acceptance(args.accept, model.cfg.vocab_size)
@@ -200,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"args": vars(args), "rows": rows}))
         return 0
     print(
-        f"context {args.context}, {args.threads} threads, mtp_tokens {args.mtp_tokens}, "
+        f"context {args.context}, {args.threads} threads, quant {args.quant}"
+        f"{' + int8 head' if args.quant_lm_head else ''}, mtp_tokens {args.mtp_tokens}, "
         f"accept {args.accept}"
     )
     print("batch  overlap  step ms  TPOT ms  tok/step  python  kernels  torch-C  acceptance")
