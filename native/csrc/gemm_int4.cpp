@@ -132,22 +132,51 @@ void linear_small_m(Isa isa, const Args& p, const ActRows& a) {
   });
 }
 
-// One (M chunk, panel) task: every tile of the chunk over each K chunk in turn.
+// One (M chunk, panel) task: every tile of the chunk over each K chunk in turn. On AVX-512 the
+// panel's K chunk is unpacked once into a per-thread copy the tiles read (gemm_int4.h).
 void gemm_task(Isa isa, const Args& p, const ActRows& a, int64_t row0, int64_t rows,
                int64_t block, int num_blocks) {
   static thread_local std::vector<float> acc_buffer;
+  static thread_local std::vector<uint8_t> unpacked_buffer;
   const int64_t ldt = num_blocks * kInt4BlockN;
   float* acc = thread_buffer(acc_buffer, rows * ldt);
   std::fill(acc, acc + rows * ldt, 0.f);
   const int64_t chunk_groups = std::max<int64_t>(1, kChunkInputs / p.group);
   const int64_t tiles = (rows + kInt4TileMaxRows - 1) / kInt4TileMaxRows;
+  const bool unpack = int4_unpacked_tiles(isa);
+  const int64_t block_bytes = int4_block_bytes(p.num_groups, p.group);
   for (int64_t g0 = 0; g0 < p.num_groups; g0 += chunk_groups) {
     const int64_t groups = std::min(chunk_groups, p.num_groups - g0);
+    const uint8_t* unpacked[kInt4TileMaxBlocks];
+    if (unpack) {
+      const int64_t chunk_rows = groups * p.group / 8;  // 64-byte rows of a block in the chunk
+      uint8_t* copy = thread_buffer(unpacked_buffer, num_blocks * chunk_rows * 128);
+      for (int i = 0; i < num_blocks; ++i) {
+        const uint8_t* src = p.w + (block + i) * block_bytes + g0 * p.group / 8 * 64;
+        unpack_int4_rows(src, chunk_rows, copy + i * chunk_rows * 128);
+        unpacked[i] = copy + i * chunk_rows * 128;
+      }
+    }
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t r0 = t * rows / tiles;  // near-equal tile heights
       const int tile_rows = static_cast<int>((t + 1) * rows / tiles - r0);
-      run_tile(isa, p, a, row0 + r0, tile_rows, block, num_blocks, g0, groups, acc + r0 * ldt,
-               ldt);
+      if (!unpack) {
+        run_tile(isa, p, a, row0 + r0, tile_rows, block, num_blocks, g0, groups, acc + r0 * ldt,
+                 ldt);
+        continue;
+      }
+      const int8_t* a_rows[kInt4TileMaxRows];
+      const int32_t* a_sums[kInt4TileMaxRows];
+      const float* b_scales[kInt4TileMaxBlocks];
+      for (int r = 0; r < tile_rows; ++r) {
+        a_rows[r] = a.q + (row0 + r0 + r) * a.ld + g0 * p.group;
+        a_sums[r] = a.sums + (row0 + r0 + r) * a.num_groups + g0;
+      }
+      for (int i = 0; i < num_blocks; ++i) {
+        b_scales[i] = p.scales + ((block + i) * p.num_groups + g0) * kInt4BlockN;
+      }
+      tile_int4_unpacked(isa, tile_rows, num_blocks, a_rows, a_sums, unpacked, b_scales, groups,
+                         p.group, acc + r0 * ldt, ldt);
     }
   }
   const int64_t col0 = block * kInt4BlockN;

@@ -63,4 +63,16 @@ void tile_int4(Isa isa, int rows, int num_blocks, const int8_t* const* a_rows,
                const float* const* b_scales, int64_t num_groups, int64_t group, float* c,
                int64_t ldc);
 
+// The prefill GEMM's path (AVX-512 CPUs, `int4_unpacked_tiles`): a task unpacks its panel's
+// K chunk once (`unpack_int4_rows`: each 64-byte row of packed nibbles becomes a row of the low
+// nibbles and a row of the high ones, as bytes), then runs every 6-row tile of its rows over the
+// unpacked copy (`tile_int4_unpacked`, the pointers at that copy): the unpacking is paid once
+// per 240 rows, not per tile. The same integers and FMAs as tile_int4, so the same bits.
+bool int4_unpacked_tiles(Isa isa);
+void unpack_int4_rows(const uint8_t* src, int64_t rows, uint8_t* dst);
+void tile_int4_unpacked(Isa isa, int rows, int num_blocks, const int8_t* const* a_rows,
+                        const int32_t* const* a_sums, const uint8_t* const* b_blocks,
+                        const float* const* b_scales, int64_t num_groups, int64_t group, float* c,
+                        int64_t ldc);
+
 }  // namespace duet

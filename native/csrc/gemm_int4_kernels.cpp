@@ -71,8 +71,10 @@ DUET_TARGET_AVX512 inline __m512i dot4_avx512(__m512i acc, __m512i u, __m512i s)
 // their value: the sum is 16 x theirs, exact in int32, shifted back once per group), one
 // instruction less per row (with VNNI only: 16 x 15 x 127 x 2 would saturate vpmaddubsw's
 // 16-bit pair sums). Weights are prefetched 16 rows (1 KB) ahead per block.
+// UNPACKED: the blocks come as `unpack_int4_rows` wrote them (a 64-byte row of low nibbles,
+// then one of high nibbles, as bytes), read as they are.
 #define DUET_INT4_TILE_BODY(DOT, HIGH_IN_PLACE)                                                \
-  constexpr bool kSplit = ROWS * BLOCKS <= 8;                                                  \
+  constexpr bool kSplit = ROWS * BLOCKS <= 8 && !UNPACKED;                                     \
   constexpr bool kInPlace = kSplit && HIGH_IN_PLACE;                                           \
   constexpr int kHi = kSplit ? 1 : 0;                                                          \
   const int64_t rows_per_group = group / 8;                                                    \
@@ -88,12 +90,18 @@ DUET_TARGET_AVX512 inline __m512i dot4_avx512(__m512i acc, __m512i u, __m512i s)
     for (int64_t kk = 0; kk < rows_per_group; ++kk) {                                          \
       const int64_t row = g * rows_per_group + kk;                                             \
       _Pragma("GCC unroll 4") for (int i = 0; i < BLOCKS; ++i) {                               \
-        const uint8_t* b = b_blocks[i] + row * 64;                                             \
-        _mm_prefetch(reinterpret_cast<const char*>(b + 16 * 64), _MM_HINT_T0);                 \
-        const __m512i w = _mm512_loadu_si512(b);                                               \
-        const __m512i lo = _mm512_and_si512(w, nibble);                                        \
-        const __m512i hi = kInPlace ? _mm512_andnot_si512(nibble, w)                           \
-                                  : _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);         \
+        __m512i lo, hi;                                                                        \
+        if (UNPACKED) {                                                                        \
+          lo = _mm512_loadu_si512(b_blocks[i] + row * 128);                                    \
+          hi = _mm512_loadu_si512(b_blocks[i] + row * 128 + 64);                               \
+        } else {                                                                               \
+          const uint8_t* b = b_blocks[i] + row * 64;                                           \
+          _mm_prefetch(reinterpret_cast<const char*>(b + 16 * 64), _MM_HINT_T0);               \
+          const __m512i w = _mm512_loadu_si512(b);                                             \
+          lo = _mm512_and_si512(w, nibble);                                                    \
+          hi = kInPlace ? _mm512_andnot_si512(nibble, w)                                       \
+                        : _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);                   \
+        }                                                                                      \
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) {                               \
           const int8_t* a = a_rows[r] + 8 * row;                                               \
           acc[0][r][i] = DOT(acc[0][r][i], lo, _mm512_set1_epi32(load_i32(a)));                \
@@ -115,7 +123,7 @@ DUET_TARGET_AVX512 inline __m512i dot4_avx512(__m512i acc, __m512i u, __m512i s)
     }                                                                                          \
   }
 
-template <int ROWS, int BLOCKS>
+template <int ROWS, int BLOCKS, bool UNPACKED>
 DUET_TARGET_AVX512_BF16 void tile_vnni(const int8_t* const* a_rows, const int32_t* const* a_sums,
                                        const uint8_t* const* b_blocks,
                                        const float* const* b_scales, int64_t num_groups,
@@ -123,7 +131,7 @@ DUET_TARGET_AVX512_BF16 void tile_vnni(const int8_t* const* a_rows, const int32_
   DUET_INT4_TILE_BODY(dot4_vnni, true)
 }
 
-template <int ROWS, int BLOCKS>
+template <int ROWS, int BLOCKS, bool UNPACKED>
 DUET_TARGET_AVX512 void tile_avx512(const int8_t* const* a_rows, const int32_t* const* a_sums,
                                     const uint8_t* const* b_blocks, const float* const* b_scales,
                                     int64_t num_groups, int64_t group, float* c, int64_t ldc) {
@@ -182,30 +190,40 @@ using TileFn = void (*)(const int8_t* const*, const int32_t* const*, const uint8
 using BlockFn = void (*)(const int8_t* const*, const int32_t* const*, const uint8_t*,
                          const float*, int64_t, int64_t, float*, int64_t);
 
-#define DUET_INT4_TILE_ROW(KERNEL, R) \
-  case R * 8 + 1: return KERNEL<R, 1>; \
-  case R * 8 + 2: return KERNEL<R, 2>; \
-  case R * 8 + 3: return KERNEL<R, 3>; \
-  case R * 8 + 4: return KERNEL<R, 4>;
-#define DUET_INT4_TILE_SWITCH(KERNEL, ROWS, BLOCKS) \
-  switch ((ROWS) * 8 + (BLOCKS)) {                  \
-    DUET_INT4_TILE_ROW(KERNEL, 1)                   \
-    DUET_INT4_TILE_ROW(KERNEL, 2)                   \
-    DUET_INT4_TILE_ROW(KERNEL, 3)                   \
-    DUET_INT4_TILE_ROW(KERNEL, 4)                   \
-    DUET_INT4_TILE_ROW(KERNEL, 5)                   \
-    DUET_INT4_TILE_ROW(KERNEL, 6)                   \
-    default: return nullptr;                        \
+#define DUET_INT4_TILE_ROW(KERNEL, R, U)    \
+  case R * 8 + 1: return KERNEL<R, 1, U>; \
+  case R * 8 + 2: return KERNEL<R, 2, U>; \
+  case R * 8 + 3: return KERNEL<R, 3, U>; \
+  case R * 8 + 4: return KERNEL<R, 4, U>;
+#define DUET_INT4_TILE_SWITCH(KERNEL, ROWS, BLOCKS, U) \
+  switch ((ROWS) * 8 + (BLOCKS)) {                     \
+    DUET_INT4_TILE_ROW(KERNEL, 1, U)                   \
+    DUET_INT4_TILE_ROW(KERNEL, 2, U)                   \
+    DUET_INT4_TILE_ROW(KERNEL, 3, U)                   \
+    DUET_INT4_TILE_ROW(KERNEL, 4, U)                   \
+    DUET_INT4_TILE_ROW(KERNEL, 5, U)                   \
+    DUET_INT4_TILE_ROW(KERNEL, 6, U)                   \
+    default: return nullptr;                           \
   }
 
+template <bool UNPACKED>
 TileFn tile_fn(Isa isa, int rows, int blocks) {
   if (isa >= Isa::kAvx512Bf16) {
-    DUET_INT4_TILE_SWITCH(tile_vnni, rows, blocks)
+    DUET_INT4_TILE_SWITCH(tile_vnni, rows, blocks, UNPACKED)
   }
   if (isa >= Isa::kAvx512) {
-    DUET_INT4_TILE_SWITCH(tile_avx512, rows, blocks)
+    DUET_INT4_TILE_SWITCH(tile_avx512, rows, blocks, UNPACKED)
   }
   return nullptr;
+}
+
+DUET_TARGET_AVX512 void unpack_rows_avx512(const uint8_t* src, int64_t rows, uint8_t* dst) {
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  for (int64_t row = 0; row < rows; ++row) {
+    const __m512i w = _mm512_loadu_si512(src + row * 64);
+    _mm512_storeu_si512(dst + row * 128, _mm512_and_si512(w, nibble));
+    _mm512_storeu_si512(dst + row * 128 + 64, _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble));
+  }
 }
 
 BlockFn block_avx2_fn(int rows) {
@@ -243,11 +261,34 @@ void quantize_rows_int4act(Isa isa, const void* x, DType dtype, int64_t ldx, int
   }
 }
 
+// The AVX-512 tiles of more than two rows run two blocks at a time: 3-6 rows x 2 blocks of sums,
+// the rows' broadcast activations and the weight rows fit the 32 registers, where 6 x 4 spilled
+// every sum to the stack on each 64-byte row (prefill int4 GEMM at 0.55x of int8's rate, then
+// 0.6-0.7x). The weights are read once per pair either way; only the broadcasts repeat.
+template <bool UNPACKED>
+bool in_pairs(Isa isa, int rows, int num_blocks, const int8_t* const* a_rows,
+              const int32_t* const* a_sums, const uint8_t* const* b_blocks,
+              const float* const* b_scales, int64_t num_groups, int64_t group, float* c,
+              int64_t ldc) {
+  if (rows <= 2 || num_blocks <= 2 || isa < Isa::kAvx512) return false;
+  for (int i = 0; i < num_blocks; i += 2) {
+    const int pair = std::min(2, num_blocks - i);
+    tile_fn<UNPACKED>(isa, rows, pair)(a_rows, a_sums, b_blocks + i, b_scales + i, num_groups,
+                                       group, c + i * kInt4BlockN, ldc);
+  }
+  return true;
+}
+
+
 void tile_int4(Isa isa, int rows, int num_blocks, const int8_t* const* a_rows,
                const int32_t* const* a_sums, const uint8_t* const* b_blocks,
                const float* const* b_scales, int64_t num_groups, int64_t group, float* c,
                int64_t ldc) {
-  const TileFn fn = tile_fn(isa, rows, num_blocks);
+  if (in_pairs<false>(isa, rows, num_blocks, a_rows, a_sums, b_blocks, b_scales, num_groups,
+                      group, c, ldc)) {
+    return;
+  }
+  const TileFn fn = tile_fn<false>(isa, rows, num_blocks);
   const BlockFn block_fn = isa >= Isa::kAvx2 ? block_avx2_fn(rows) : nullptr;
   if (fn != nullptr) {
     fn(a_rows, a_sums, b_blocks, b_scales, num_groups, group, c, ldc);
@@ -259,6 +300,23 @@ void tile_int4(Isa isa, int rows, int num_blocks, const int8_t* const* a_rows,
   } else {
     tile_portable(rows, num_blocks, a_rows, a_sums, b_blocks, b_scales, num_groups, group, c,
                   ldc);
+  }
+}
+
+bool int4_unpacked_tiles(Isa isa) { return isa >= Isa::kAvx512; }
+
+void unpack_int4_rows(const uint8_t* src, int64_t rows, uint8_t* dst) {
+  unpack_rows_avx512(src, rows, dst);
+}
+
+void tile_int4_unpacked(Isa isa, int rows, int num_blocks, const int8_t* const* a_rows,
+                        const int32_t* const* a_sums, const uint8_t* const* b_blocks,
+                        const float* const* b_scales, int64_t num_groups, int64_t group, float* c,
+                        int64_t ldc) {
+  if (!in_pairs<true>(isa, rows, num_blocks, a_rows, a_sums, b_blocks, b_scales, num_groups,
+                      group, c, ldc)) {
+    tile_fn<true>(isa, rows, num_blocks)(a_rows, a_sums, b_blocks, b_scales, num_groups, group,
+                                         c, ldc);
   }
 }
 
