@@ -22,6 +22,7 @@ import zmq
 
 from control.security import CurveKeys, CurveSecurity
 from kvtransfer import Rendezvous, ZmqReceiver, ZmqSender, make_fingerprint
+from kvtransfer.sealing import new_key
 from model.kv_pool import KVPool
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -42,10 +43,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument(
         "--security",
-        choices=("off", "curve"),
+        choices=("off", "curve", "aead"),
         default="off",
-        help="curve: both transfers over CURVE sockets (a fresh cluster key), as a cluster "
-        "with security on moves its KV",
+        help="curve: both transfers over CURVE sockets (a fresh cluster key), as a cluster with "
+        "kv_security = curve moves its KV; aead: ours on plain sockets with every message "
+        "sealed by AES-256-GCM under a key per request (kv_security = aead), raw plain",
     )
     args = p.parse_args(argv)
     positive = ("layers", "width", "prompt_len", "chunk_len", "requests", "inflight", "repeats")
@@ -98,10 +100,11 @@ def run_ours(args: argparse.Namespace, chunks) -> dict:
             rdv = Rendezvous(f"bench-{i}", i)
             tables[rdv] = table = pool.new_table()
             pool.reserve(table, args.prompt_len)
-            receiver.expect(rdv, table, args.prompt_len, time.monotonic() + TIMEOUT)
+            key = new_key() if args.security == "aead" else None  # one per transfer
+            receiver.expect(rdv, table, args.prompt_len, time.monotonic() + TIMEOUT, key)
             for token_start, rows in chunks:
-                sender.send_chunk(rdv, 0, token_start, rows)
-            sender.send_done(rdv, args.prompt_len, 1)
+                sender.send_chunk(rdv, 0, token_start, rows, key)
+            sender.send_done(rdv, args.prompt_len, 1, key=key)
         while num_ready < args.requests:
             handle(receiver.poll(TIMEOUT) or _fail("no transfer finished in time"))
         seconds = time.perf_counter() - start
@@ -168,7 +171,8 @@ def run_raw(args: argparse.Namespace, chunks) -> dict:
 
 
 def _security(args: argparse.Namespace) -> CurveSecurity | None:
-    """A fresh cluster key's CurveSecurity with `--security curve`, else None (plain sockets)."""
+    """A fresh cluster key's CurveSecurity with `--security curve`, else None (plain sockets:
+    off, and aead, whose messages are sealed instead)."""
     if args.security != "curve":
         return None
     public, secret = zmq.curve_keypair()

@@ -7,7 +7,7 @@
     [router]    host, bind_host, port (HTTP), control_port (ZeroMQ PULL for node messages), limits
     [timeouts]  reserve_s, prefill_queue_s, transfer_s, decode_s, heartbeat_s, node_timeout_s,
                 drain_s, lease_s
-    [security]  curve_key_file (ZeroMQ CURVE on every inter-node socket), insecure,
+    [security]  curve_key_file (ZeroMQ CURVE on every inter-node socket), insecure, kv_security,
                 api_key_file / api_keys (HTTP Bearer keys), metrics_need_key
     [[prefill]] name, host, bind_host, control_port, threads, page_size, chunk_size, replicas,
                 device, prefix_cache, quant, quant_lm_head, pack, weights_cache
@@ -260,6 +260,11 @@ class SecurityConfig:
     api_key_file: str = ""  # HTTP API keys, one per line ('#' comments)
     api_keys: tuple[str, ...] = ()  # the same inline (prefer the file: keys stay out of the TOML)
     metrics_need_key: bool = False  # /metrics asks for a key too (/health never does)
+    # The KV links (prefill -> decode) of a CURVE cluster: "curve" (the sockets run CURVE, as the
+    # control links), or "aead" (plain sockets, every KV message sealed with AES-256-GCM under a
+    # key per transfer handed over the CURVE control links: kvtransfer.sealing). No effect with
+    # insecure = true.
+    kv_security: str = "curve"
 
 
 @dataclass(frozen=True)
@@ -388,6 +393,7 @@ def _nodes(cls, role: str, raw: Any) -> tuple:
 def _validate(cfg: ClusterConfig) -> None:
     if cfg.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"dtype must be float32 or bfloat16, got {cfg.dtype!r}")
+    _validate_security(cfg.security)
     if not cfg.prefill or not cfg.decode:
         raise ConfigError("a cluster needs at least one [[prefill]] and one [[decode]] node")
     names = [n.name for n in (*cfg.prefill, *cfg.decode)]
@@ -532,6 +538,17 @@ def _validate_mtp(node: DecodeNodeConfig, uses_mtp: bool) -> None:
 
 
 ADMISSION_POLICIES = ("reject", "queue", "none")
+
+
+KV_SECURITY_MODES = ("curve", "aead")
+
+
+def _validate_security(security: SecurityConfig) -> None:
+    if security.kv_security not in KV_SECURITY_MODES:
+        raise ConfigError(
+            f"[security] kv_security must be one of {', '.join(KV_SECURITY_MODES)}, "
+            f"got {security.kv_security!r}"
+        )
 
 
 def _validate_admission(sla: SlaConfig) -> None:

@@ -134,6 +134,9 @@ class ReserveReply:
     kv_endpoint: str = ""
     rank: int = 0
     reason: str = ""  # why it was refused (no pages, too many requests, shutting down)
+    # kv_security = "aead": the key the decode node will open this transfer's KV frames with
+    # (kvtransfer.sealing), for the prefill node to seal them; b"" for a CURVE or plain link.
+    kv_key: bytes = field(default=b"", repr=False)
     draining: bool = False  # refused because the node is draining: ask another, or later
 
 
@@ -151,6 +154,7 @@ class Prefill:
     # the last it took (`Heartbeat.last_prefill_seq`), so the router knows which dispatched
     # requests that heartbeat's queued work includes (SLA admission).
     seq: int = 0
+    kv_key: bytes = field(default=b"", repr=False)  # the decode node's (ReserveReply.kv_key)
 
 
 @dataclass(frozen=True)

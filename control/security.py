@@ -248,6 +248,17 @@ def key_path(cfg: SecurityConfig, config_path: str | Path | None = None) -> Path
     return path.resolve()
 
 
+def kv_link(
+    cfg: SecurityConfig, security: CurveSecurity | None
+) -> tuple[CurveSecurity | None, bool]:
+    """(what the KV sockets run, whether every KV message is sealed): with kv_security = "aead"
+    plain sockets and sealed messages (kvtransfer.sealing), else `security` on the sockets
+    (CURVE, or None on an insecure cluster) and nothing sealed."""
+    if security is not None and cfg.kv_security == "aead":
+        return None, True
+    return security, False
+
+
 def cluster_security(
     cfg: SecurityConfig, config_path: str | Path | None = None, who: str = "this process"
 ) -> CurveSecurity | None:

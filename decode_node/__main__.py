@@ -14,6 +14,7 @@ from runtime.rank_group import RankZero
 
 
 def _build(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, inbox, outbox, security):
+    from control.security import kv_link
     from decode_node.node import DecodeNode
     from kvtransfer import ZmqReceiver, make_fingerprint
 
@@ -22,8 +23,14 @@ def _build(cluster: ClusterConfig, cfg: DecodeNodeConfig, model, inbox, outbox, 
     fingerprint = make_fingerprint(
         mcfg.fingerprint(), model.num_kv_layers, mcfg.kv_row_width, model.dtype
     )
+    kv_security, seal = kv_link(cluster.security, security)
     receiver = ZmqReceiver(
-        pool, fingerprint, cfg.kv_bind_endpoint, advertise_host=cfg.host, security=security
+        pool,
+        fingerprint,
+        cfg.kv_bind_endpoint,
+        advertise_host=cfg.host,
+        security=kv_security,
+        seal=seal,
     )
     return DecodeNode(cfg.name, model, cfg, cluster.timeouts, inbox, outbox, receiver, cluster.sla)
 

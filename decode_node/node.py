@@ -49,6 +49,7 @@ from decode_node.scheduler import DecodeRequest, DecodeScheduler, DecodeState, S
 from decode_node.speculative_step import SpeculativeStep
 from decode_node.step_overlap import StepOverlap
 from kvtransfer import KVReceiver, Rendezvous, TransferEvent, make_fingerprint
+from kvtransfer.sealing import new_key
 from model.batch import ForwardBatch
 from model.deepseek import DeepseekModel
 from runtime.block_table import BlockTable
@@ -268,14 +269,21 @@ class DecodeNode(NodeLoop):
         for fork in request.forks:
             fork.grammar = None if grammar is None else grammar.fork()
         timeout = msg.timeout_s if msg.timeout_s > 0 else self.timeouts.transfer_s
+        key = new_key() if self.receiver.seals else None  # one per transfer (kvtransfer.sealing)
         try:
-            self.receiver.expect(_rendezvous(request), request.table, msg.prompt_len, now + timeout)
+            self.receiver.expect(
+                _rendezvous(request), request.table, msg.prompt_len, now + timeout, key
+            )
         except ValueError as exc:
             self.scheduler.abort(msg.request_id)
             return refuse(f"cannot expect the KV: {exc}")
         self.outbox.send(
             ReserveReply(
-                msg.request_id, ok=True, kv_endpoint=self.receiver.endpoint, rank=self.rank
+                msg.request_id,
+                ok=True,
+                kv_endpoint=self.receiver.endpoint,
+                rank=self.rank,
+                kv_key=key or b"",
             )
         )
 

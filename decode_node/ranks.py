@@ -260,6 +260,7 @@ def build_rank(
     """Joins the group (`rendezvous` as in RankGroup), installs expert parallelism, binds this
     rank's KV receiver (CURVE with `security`, a control.security.CurveSecurity; plain with
     None)."""
+    from control.security import kv_link
     from kvtransfer import ZmqReceiver, make_fingerprint
 
     timeout = collective_timeout_s(cluster.timeouts.node_timeout_s)
@@ -272,8 +273,9 @@ def build_rank(
             mcfg.fingerprint(), model.num_kv_layers, mcfg.kv_row_width, model.dtype
         )
         endpoint = cfg.kv_bind_endpoint if rank == 0 else f"tcp://{cfg.listen_host}:0"
+        kv_security, seal = kv_link(cluster.security, security)
         receiver = ZmqReceiver(
-            pool, fingerprint, endpoint, advertise_host=cfg.host, security=security
+            pool, fingerprint, endpoint, advertise_host=cfg.host, security=kv_security, seal=seal
         )
     except Exception:
         group.close()

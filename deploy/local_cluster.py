@@ -31,7 +31,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from control.cluster_config import REASONING_PARSERS, TOOL_PARSERS, ClusterConfig
+from control.cluster_config import (
+    KV_SECURITY_MODES,
+    REASONING_PARSERS,
+    TOOL_PARSERS,
+    ClusterConfig,
+)
 from control.errors import ConfigError
 from control.quant_schemes import QUANT_SCHEMES
 from control.security import KEY_FILE_NAME, with_ephemeral_keys
@@ -88,6 +93,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--tool-parser",
         choices=TOOL_PARSERS,
         help="the format the model writes tool calls in (chat tools are refused without one)",
+    )
+    p.add_argument(
+        "--kv-security",
+        choices=KV_SECURITY_MODES,
+        help="the KV links: curve (CURVE sockets, the default) or aead (plain sockets, every KV "
+        "message sealed with AES-256-GCM under a key per transfer)",
     )
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait")
     return p.parse_args(argv)
@@ -176,6 +187,8 @@ def resolve_config(args: argparse.Namespace) -> dict:
     for key in ("reasoning_parser", "tool_parser"):
         if getattr(args, key):
             raw.setdefault("router", {})[key] = getattr(args, key)
+    if args.kv_security:
+        raw.setdefault("security", {})["kv_security"] = args.kv_security
     if args.dtype:
         raw["dtype"] = args.dtype
     if args.model:

@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtransfer.sender_core import ChunkItem, FramedItem, SenderCore, frames_of
+from kvtransfer.sender_core import ChunkItem, FramedItem, SealedItem, SenderCore, frames_of
 from kvtransfer.wire import KVAbort, KVDone, Rendezvous
 
 log = logging.getLogger(__name__)
@@ -240,6 +240,8 @@ class FaultInjector:
 
 
 def _kind_of(item: Any) -> str:
+    if isinstance(item, SealedItem):
+        item = item.item
     if isinstance(item, ChunkItem):
         return "chunk"
     if isinstance(item, KVDone):

@@ -63,6 +63,7 @@ class DropReason:
     DUPLICATE = "duplicate"  # sequence number not increasing, or rows already received
     INTERNAL = "internal"  # a bug in the receiver (logged); the I/O thread keeps going
     OVERFLOW = "overflow"  # sender only: a kv_cancel beyond MAX_PENDING_CANCELS not yet polled
+    UNAUTHENTICATED = "unauthenticated"  # a sealed rendezvous' message that fails its tag
 
 
 @dataclass(frozen=True)
@@ -130,13 +131,20 @@ class KVSender(abc.ABC):
 
     @abc.abstractmethod
     def send_chunk(
-        self, rendezvous: Rendezvous, layer_start: int, token_start: int, rows: torch.Tensor
+        self,
+        rendezvous: Rendezvous,
+        layer_start: int,
+        token_start: int,
+        rows: torch.Tensor,
+        key: bytes | None = None,
     ) -> None:
         """Queue rows [L, T, W] of layers [layer_start, layer_start+L) and token positions
         [token_start, token_start+T). Returns at once unless the bounded queue is full, in which
         case it blocks (back-pressure) for at most the sender's send timeout, then raises.
         Ownership of `rows` passes to the sender: the caller must not modify it afterwards.
-        Raises ValueError for a bad shape/dtype/range, KVTransferError if the sender is broken."""
+        Raises ValueError for a bad shape/dtype/range, KVTransferError if the sender is broken.
+        `key` (here and in send_done / send_abort): the rendezvous' transfer key, when its
+        receiver expects it sealed (kvtransfer.sealing); the message is sealed with it."""
 
     @abc.abstractmethod
     def send_done(
@@ -146,13 +154,14 @@ class KVSender(abc.ABC):
         first_token: int,
         fork_tokens: tuple[int, ...] = (),
         draft_tokens: tuple[int, ...] = (),
+        key: bytes | None = None,
     ) -> None:
         """Queue `kv_done` after this rendezvous's chunks: the prompt had `num_tokens` tokens,
         all sent, and P sampled `first_token` (and `fork_tokens` for the sequences an n > 1
         request forks into; `draft_tokens`: its MTP layer's draft of the next token). The rendezvous is finished on the sender."""
 
     @abc.abstractmethod
-    def send_abort(self, rendezvous: Rendezvous, reason: str) -> None:
+    def send_abort(self, rendezvous: Rendezvous, reason: str, key: bytes | None = None) -> None:
         """Queue `kv_abort` (P gave up: client gone, error). D reports the request failed."""
 
     @abc.abstractmethod
@@ -201,13 +210,19 @@ class KVReceiver(abc.ABC):
 
     @abc.abstractmethod
     def expect(
-        self, rendezvous: Rendezvous, page_table: PageTable, num_tokens: int, deadline: float
+        self,
+        rendezvous: Rendezvous,
+        page_table: PageTable,
+        num_tokens: int,
+        deadline: float,
+        key: bytes | None = None,
     ) -> None:
         """Lend the first ceil(num_tokens/page_size) pages of `page_table` (of this receiver's
         pool, holding >= num_tokens tokens) to the receiver for `rendezvous`, until
         `deadline` (a `time.monotonic()` value). Call before the router lets P send: chunks of
-        a rendezvous not yet expected are dropped. Raises ValueError for a bad argument or a
-        rendezvous already expected. Never blocks."""
+        a rendezvous not yet expected are dropped. With `key` (kvtransfer.sealing) every message
+        of the rendezvous must open under it, else it is dropped. Raises ValueError for a bad
+        argument or a rendezvous already expected. Never blocks."""
 
     @abc.abstractmethod
     def cancel(self, rendezvous: Rendezvous, reason: str = "") -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from kvtransfer.interface import DropReason, KVReceiver, ReceiverStats, TransferEvent
+from kvtransfer.sealing import SealError, check_key, open_sealed
 from kvtransfer.wire import (
     DTYPE_NAMES,
     MAX_REASON_LEN,
@@ -54,6 +55,7 @@ class _Expectation:
     first_drop: str = ""  # why the first chunk of this request was dropped, for the failure text
     is_active: bool = True  # False once handed back (ready, failed, cancelled): no more writes
     peer: Any = None  # the transport's name for the sender of its first frame (None: none yet)
+    key: bytes | None = None  # sealed transfer (kvtransfer.sealing): every message opens with it
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -69,6 +71,9 @@ class ReceiverCore(KVReceiver):
             raise ValueError("fingerprint num_layers does not match the pool's layers")
         self.pool = pool
         self.fingerprint = fingerprint
+        # Whether the node seals its transfers (draws a key per `expect`): a transport's choice.
+        self.seals = False
+        self._opened = threading.local()  # per receiving thread: the buffer sealed chunks open in
         self._dtype_name = DTYPE_NAMES[pool.dtype]
         self._lock = threading.Lock()  # guards everything below (never held during a copy)
         self._has_events = threading.Condition(self._lock)
@@ -85,8 +90,15 @@ class ReceiverCore(KVReceiver):
     # ---- decode-loop side ----------------------------------------------------------------
 
     def expect(
-        self, rendezvous: Rendezvous, page_table: PageTable, num_tokens: int, deadline: float
+        self,
+        rendezvous: Rendezvous,
+        page_table: PageTable,
+        num_tokens: int,
+        deadline: float,
+        key: bytes | None = None,
     ) -> None:
+        if key is not None:
+            check_key(key)
         if not isinstance(rendezvous, Rendezvous):
             raise ValueError("rendezvous must be a Rendezvous")
         if num_tokens <= 0:
@@ -104,6 +116,7 @@ class ReceiverCore(KVReceiver):
             num_tokens,
             float(deadline),
             torch.zeros(self.pool.num_layers, num_tokens, dtype=torch.bool),
+            key=key,
         )
         with self._lock:
             if rendezvous in self._expected:
@@ -194,6 +207,16 @@ class ReceiverCore(KVReceiver):
             return self._drop(DropReason.MALFORMED)  # only a sender receives those
         if not is_peer_known:
             return self._drop(DropReason.NO_HANDSHAKE)
+        with self._lock:
+            exp = self._expected.get(msg.rendezvous)
+        if exp is not None and exp.key is not None:  # sealed: nothing is read before it opens
+            if len(frames) != 2:
+                return self._drop(DropReason.UNAUTHENTICATED, msg.rendezvous, exp)
+            try:
+                payload = open_sealed(exp.key, msg.seq, frames[0], frames[1], self._buffer(frames))
+            except SealError:
+                return self._drop(DropReason.UNAUTHENTICATED, msg.rendezvous, exp)
+            frames = [frames[0], payload] if isinstance(msg, KVChunk) else [frames[0]]
         if isinstance(msg, KVChunk):
             if len(frames) < 2:
                 return self._drop(DropReason.TRUNCATED)
@@ -203,6 +226,15 @@ class ReceiverCore(KVReceiver):
         if len(frames) != 1:
             return self._drop(DropReason.MALFORMED)
         return self._end(msg, peer)
+
+    def _buffer(self, frames: list[Any]) -> bytearray:
+        """This thread's buffer for opening sealed chunks, grown to the largest seen (a chunk's
+        rows are copied into the pool before the thread opens the next one)."""
+        need = len(frames[1]) if len(frames) > 1 else 0
+        buffer = getattr(self._opened, "buffer", None)
+        if buffer is None or len(buffer) < need:
+            buffer = self._opened.buffer = bytearray(need)
+        return buffer
 
     def _hello(self, msg: Hello) -> HelloAck:
         mismatch = fingerprint_mismatch(msg.fingerprint, self.fingerprint)
@@ -258,7 +290,7 @@ class ReceiverCore(KVReceiver):
         ]
         if bool(region.any()):
             return DropReason.DUPLICATE
-        if checksum(payload) != chunk.checksum:
+        if exp.key is None and checksum(payload) != chunk.checksum:  # sealed: the tag covers it
             return DropReason.BAD_CHECKSUM
         return None
 

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from kvtransfer.interface import DropReason, KVSender
+from kvtransfer.sealing import check_key, seal
 from kvtransfer.wire import (
     DTYPE_NAMES,
     MAX_DRAFTS,
@@ -86,10 +87,38 @@ class FramedItem:
     frames: tuple[Any, ...]
 
 
-def frames_of(item: ChunkItem | FramedItem | Message) -> list[Any]:
-    """The multipart frames of one outgoing item: [header] or [header, payload]."""
+@dataclass(frozen=True)
+class SealedItem:
+    """A per-request item of a sealed rendezvous, framed as [header, sealed]
+    (kvtransfer.sealing): its key is taken when it is sent, the sealing done when framed."""
+
+    item: ChunkItem | KVDone | KVAbort
+    key: bytes
+
+    @property
+    def rendezvous(self) -> Rendezvous:
+        return self.item.rendezvous
+
+    @property
+    def seq(self) -> int:
+        return self.item.seq
+
+
+def frames_of(item: ChunkItem | FramedItem | SealedItem | Message) -> list[Any]:
+    """The multipart frames of one outgoing item: [header] or [header, payload], a sealed
+    item's [header, sealed payload or tag]."""
     if isinstance(item, FramedItem):
         return list(item.frames)
+    if isinstance(item, SealedItem):
+        inner = item.item
+        if isinstance(inner, ChunkItem):  # the tag covers the payload: no checksum pass
+            chunk, payload = build_chunk(
+                inner.rendezvous, inner.seq, inner.layer_start, inner.token_start, inner.rows, False
+            )
+            header = encode(chunk)
+            return [header, seal(item.key, item.seq, header, payload)]
+        header = encode(inner)
+        return [header, seal(item.key, item.seq, header)]
     if isinstance(item, ChunkItem):
         chunk, payload = build_chunk(
             item.rendezvous, item.seq, item.layer_start, item.token_start, item.rows
@@ -133,7 +162,9 @@ class SenderCore(KVSender):
     def _submit(self, item: ChunkItem | FramedItem | Message) -> None:
         raise NotImplementedError
 
-    def _deliver(self, item: ChunkItem | KVDone | KVAbort) -> None:
+    def _deliver(self, item: ChunkItem | KVDone | KVAbort, key: bytes | None = None) -> None:
+        if key is not None:  # sealed on the sending thread, when framed
+            item = SealedItem(item, key)
         if self._is_cancelled(item):
             return  # the receiver gave up on it and would drop it: keep it off the wire
         if self.faults is None:
@@ -224,9 +255,15 @@ class SenderCore(KVSender):
             return seq
 
     def send_chunk(
-        self, rendezvous: Rendezvous, layer_start: int, token_start: int, rows: torch.Tensor
+        self,
+        rendezvous: Rendezvous,
+        layer_start: int,
+        token_start: int,
+        rows: torch.Tensor,
+        key: bytes | None = None,
     ) -> None:
         self._check_usable()
+        _check_optional_key(key)
         if not isinstance(rows, torch.Tensor) or rows.dim() != 3 or 0 in rows.shape:
             raise ValueError("rows must be a non-empty [layers, tokens, width] tensor")
         if rows.dtype not in DTYPE_NAMES:
@@ -237,7 +274,7 @@ class SenderCore(KVSender):
         if not 0 <= token_start <= MAX_TOKENS - num_tokens:
             raise ValueError(f"tokens [{token_start}, {token_start + num_tokens}) out of range")
         seq = self._next_seq(rendezvous, is_last=False)
-        self._deliver(ChunkItem(rendezvous, seq, layer_start, token_start, rows))
+        self._deliver(ChunkItem(rendezvous, seq, layer_start, token_start, rows), key)
 
     def send_done(
         self,
@@ -246,8 +283,10 @@ class SenderCore(KVSender):
         first_token: int,
         fork_tokens: tuple[int, ...] = (),
         draft_tokens: tuple[int, ...] = (),
+        key: bytes | None = None,
     ) -> None:
         self._check_usable()
+        _check_optional_key(key)
         if not 0 < num_tokens <= MAX_TOKENS:
             raise ValueError(f"num_tokens must be in [1, {MAX_TOKENS}], got {num_tokens}")
         if not all(0 <= t <= MAX_TOKEN_ID for t in (first_token, *fork_tokens, *draft_tokens)):
@@ -263,10 +302,17 @@ class SenderCore(KVSender):
         self._deliver(
             KVDone(
                 rendezvous, seq, num_tokens, first_token, tuple(fork_tokens), tuple(draft_tokens)
-            )
+            ),
+            key,
         )
 
-    def send_abort(self, rendezvous: Rendezvous, reason: str) -> None:
+    def send_abort(self, rendezvous: Rendezvous, reason: str, key: bytes | None = None) -> None:
         self._check_usable()
+        _check_optional_key(key)
         seq = self._next_seq(rendezvous, is_last=True)
-        self._deliver(KVAbort(rendezvous, seq, reason[:MAX_REASON_LEN]))
+        self._deliver(KVAbort(rendezvous, seq, reason[:MAX_REASON_LEN]), key)
+
+
+def _check_optional_key(key: bytes | None) -> None:
+    if key is not None:
+        check_key(key)

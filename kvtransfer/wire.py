@@ -244,10 +244,17 @@ def payload_rows(chunk: KVChunk, payload: Any) -> torch.Tensor:
 
 
 def build_chunk(
-    rendezvous: Rendezvous, seq: int, layer_start: int, token_start: int, rows: torch.Tensor
+    rendezvous: Rendezvous,
+    seq: int,
+    layer_start: int,
+    token_start: int,
+    rows: torch.Tensor,
+    with_checksum: bool = True,
 ) -> tuple[KVChunk, Any]:
     """Header + payload for `rows` [L, T, W] at layers layer_start.. and tokens token_start..
-    Costs one pass over the rows (the checksum), plus a copy if `rows` is not contiguous CPU."""
+    Costs one pass over the rows (the checksum), plus a copy if `rows` is not contiguous CPU.
+    Without `with_checksum` the header's checksum is 0: a sealed chunk (kvtransfer.sealing),
+    whose tag already covers every byte, skips the pass."""
     if rows.dim() != 3 or 0 in rows.shape:
         raise ValueError(
             f"rows must be a non-empty [layers, tokens, width] tensor, got {tuple(rows.shape)}"
@@ -266,7 +273,7 @@ def build_chunk(
         DTYPE_NAMES[rows.dtype],
         width,
         payload.nbytes,
-        checksum(payload),
+        checksum(payload) if with_checksum else 0,
     )
     return chunk, payload
 

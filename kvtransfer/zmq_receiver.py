@@ -61,8 +61,12 @@ class ZmqReceiver(ReceiverCore):
         max_message_bytes: int = 1 << 31,
         context: zmq.Context | None = None,
         security: CurveSecurity | None = None,
+        seal: bool = False,
     ):
+        """`security`: CURVE on the socket; `seal`: the node draws a key per transfer and every
+        message must open under it (kvtransfer.sealing; control.security.kv_link picks)."""
         super().__init__(pool, fingerprint)
+        self.seals = seal
         self._sock = (context or zmq.Context.instance()).socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         if security is not None:

@@ -24,6 +24,7 @@ def _build(
     ranks: dict | None = None,
 ):
     """The node; `ranks` (rank 0 of R > 1: group, all_reduce, children) makes it rank 0."""
+    from control.security import kv_link
     from kvtransfer import ZmqSender
     from kvtransfer.faults import inject, plan_from_env
     from prefill_node.node import PrefillNode
@@ -34,8 +35,9 @@ def _build(
     # decode node counts as gone. It stays inside the router's node timeout, so a dead decode
     # node never makes this healthy prefill node look dead too.
     send_timeout = min(cluster.timeouts.transfer_s, cluster.timeouts.node_timeout_s / 2)
+    kv_security, _ = kv_link(cluster.security, security)  # sealing: each Prefill carries a key
     args = (cfg.name, model, cfg, cluster.timeouts, inbox, outbox, lambda: inject(
-        ZmqSender(cfg.name, send_timeout=send_timeout, security=security), faults
+        ZmqSender(cfg.name, send_timeout=send_timeout, security=kv_security), faults
     ))  # fmt: skip
     if ranks is None:
         return PrefillNode(*args)

@@ -39,6 +39,7 @@ from control.protocol import (
 from control.sampling_params import SamplingParams
 from control.version import package_version
 from kvtransfer import KVSender, KVTransferError, Rendezvous, make_fingerprint
+from kvtransfer.sealing import KEY_BYTES
 from model.batch import ForwardBatch
 from model.deepseek import DeepseekModel
 from prefill_node.kv_senders import SenderPool
@@ -199,6 +200,7 @@ class PrefillNode(NodeLoop):
                 arrival=now,
                 queue_deadline=now + queue_s,
                 grammar=self.grammar_for(params, msg.token_ids),
+                kv_key=_transfer_key(msg.kv_key),
             )
             self.scheduler.add(request)
         except (DuetError, ValueError, TypeError) as exc:
@@ -380,7 +382,7 @@ class PrefillNode(NodeLoop):
         rows = self.pool.read_rows(request.table, 0, num_layers, start, end)
         try:
             sender = self.senders.get(request.kv_endpoint)
-            sender.send_chunk(_rendezvous(request), 0, start, rows)
+            sender.send_chunk(_rendezvous(request), 0, start, rows, request.kv_key)
         except (KVTransferError, ValueError) as exc:
             self._on_sender_error(request, exc)
             return
@@ -418,7 +420,12 @@ class PrefillNode(NodeLoop):
         try:
             sender = self.senders.get(request.kv_endpoint)
             sender.send_done(
-                _rendezvous(request), request.prompt_len, tokens[0], tuple(tokens[1:]), draft
+                _rendezvous(request),
+                request.prompt_len,
+                tokens[0],
+                tuple(tokens[1:]),
+                draft,
+                request.kv_key,
             )
         except (KVTransferError, ValueError) as exc:
             self._on_sender_error(request, exc)
@@ -455,7 +462,7 @@ class PrefillNode(NodeLoop):
         if sender is None or self._has_failed:
             return
         try:
-            sender.send_abort(_rendezvous(request), reason)
+            sender.send_abort(_rendezvous(request), reason, request.kv_key)
         except (KVTransferError, ValueError):
             pass  # D's deadline (or the router's Abort) reclaims its pages instead
 
@@ -543,3 +550,12 @@ def _first_token(
         prompt_top_logprobs=[p.top_logprobs for p in prompt],
         prompt_ranks=[p.rank for p in prompt],
     )
+
+
+def _transfer_key(key: bytes) -> bytes | None:
+    """The Prefill's transfer key (kvtransfer.sealing), None when its KV goes unsealed."""
+    if not key:
+        return None
+    if len(key) != KEY_BYTES:
+        raise ProtocolError(f"the Prefill message's kv_key is {len(key)} bytes, not {KEY_BYTES}")
+    return key

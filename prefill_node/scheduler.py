@@ -58,6 +58,9 @@ class PrefillRequest:
     # `num_shared_pages` pages of `table` are the tree's, locked by `cache_match` until the end.
     num_cached: int = 0
     num_shared_pages: int = 0
+    # kv_security = "aead": the decode node's key for this transfer (every KV message sealed
+    # with it: kvtransfer.sealing); None: sent as is.
+    kv_key: bytes | None = field(default=None, repr=False)
     cache_match: PrefixMatch | None = None
     # Structured output: the grammar's matcher (runtime.grammar), whose mask constrains the
     # first token; None for free text.

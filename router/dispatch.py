@@ -228,6 +228,7 @@ class RequestDispatch:
             kv_endpoint=req.kv_endpoint,
             timeout_s=self.timeouts.prefill_queue_s,
             seq=seq,
+            kv_key=req.kv_key,
         )
         if not self.send(node.name, msg):
             self.abort_on_nodes(req, "prefill node unreachable")
@@ -246,7 +247,8 @@ class RequestDispatch:
         if waiter is not None and not waiter.done():
             waiter.set_result(msg)
             if msg.ok:
-                self.requests[msg.request_id].kv_endpoint = msg.kv_endpoint
+                req = self.requests[msg.request_id]
+                req.kv_endpoint, req.kv_key = msg.kv_endpoint, msg.kv_key
             return
         if msg.ok:  # a late yes to a request we gave up on: make the node free its pages
             for node in self.nodes.of_role("decode"):

@@ -109,6 +109,7 @@ class RouterRequest:
     prefill_node: str | None = None
     decode_node: str | None = None
     kv_endpoint: str = ""  # the decode node's, from its ReserveReply
+    kv_key: bytes = field(default=b"", repr=False)  # its transfer key (kv_security = "aead")
     reserved_pages: int = 0  # what the decode node reserved (the router's load estimate)
     holds_prefill: bool = False  # counted in the prefill node's queued tokens
     holds_decode: bool = False  # counted in the decode node's reserved pages
@@ -191,6 +192,7 @@ class RouterRequest:
         self.state = RequestState.RESERVING
         self.prefill_node = self.decode_node = None
         self.kv_endpoint = ""
+        self.kv_key = b""
         self.reserved_pages = 0
         self.pending_tokens, self.pending_finish = [], None
         self.pending_logprobs = []

@@ -16,7 +16,7 @@ import zmq
 import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
-from control.cluster_config import SecurityConfig
+from control.cluster_config import ClusterConfig, SecurityConfig
 from control.errors import ConfigError
 from control.messaging import PullSocket, PushSocket
 from control.protocol import Abort, Shutdown, encode
@@ -27,6 +27,7 @@ from control.security import (
     CurveSecurity,
     cluster_security,
     key_path,
+    kv_link,
     read_key_file,
     security_toml,
     with_ephemeral_keys,
@@ -314,3 +315,21 @@ def test_duet_keygen_writes_the_key_file_and_prints_the_config_lines(tmp_path, c
     assert read_key_file(section["curve_key_file"]) == keys
     assert main(["keygen", str(out_dir), "--force"]) == 0
     assert read_key_file(section["curve_key_file"]) != keys
+
+
+def test_kv_link_modes():
+    """kv_security: "curve" keeps CURVE on the KV sockets; "aead" runs them plain and seals each
+    message instead; an insecure cluster does neither; anything else is a one-line error."""
+    security = CurveSecurity(CurveKeys(*zmq.curve_keypair()))
+    assert kv_link(SecurityConfig(), security) == (security, False)
+    assert kv_link(SecurityConfig(kv_security="aead"), security) == (None, True)
+    assert kv_link(SecurityConfig(kv_security="aead", insecure=True), None) == (None, False)
+    raw = {
+        "prefill": [{"name": "p", "control_port": 1}],
+        "decode": [{"name": "d", "control_port": 2, "kv_port": 3}],
+        "security": {"insecure": True, "kv_security": "tls"},
+    }
+    with pytest.raises(ConfigError, match=r"\[security\] kv_security must be one of curve, aead"):
+        ClusterConfig.from_dict(raw)
+    raw["security"]["kv_security"] = "aead"
+    assert ClusterConfig.from_dict(raw).security.kv_security == "aead"
