@@ -382,7 +382,7 @@ class PrefillNode(NodeLoop):
         rows = self.pool.read_rows(request.table, 0, num_layers, start, end)
         try:
             sender = self.senders.get(request.kv_endpoint)
-            sender.send_chunk(_rendezvous(request), 0, start, rows, request.kv_key)
+            sender.send_chunk(_rendezvous(request), 0, start, rows, key=request.kv_key)
         except (KVTransferError, ValueError) as exc:
             self._on_sender_error(request, exc)
             return
@@ -425,7 +425,7 @@ class PrefillNode(NodeLoop):
                 tokens[0],
                 tuple(tokens[1:]),
                 draft,
-                request.kv_key,
+                key=request.kv_key,
             )
         except (KVTransferError, ValueError) as exc:
             self._on_sender_error(request, exc)
@@ -462,7 +462,7 @@ class PrefillNode(NodeLoop):
         if sender is None or self._has_failed:
             return
         try:
-            sender.send_abort(_rendezvous(request), reason, request.kv_key)
+            sender.send_abort(_rendezvous(request), reason, key=request.kv_key)
         except (KVTransferError, ValueError):
             pass  # D's deadline (or the router's Abort) reclaims its pages instead
 

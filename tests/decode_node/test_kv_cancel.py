@@ -39,9 +39,9 @@ class Link:
         link = self
 
         class Recording(InprocSender):
-            def send_chunk(self, rendezvous, layer_start, token_start, rows):
+            def send_chunk(self, rendezvous, layer_start, token_start, rows, key=None):
                 link.chunks_sent[rendezvous.request_id] += 1
-                super().send_chunk(rendezvous, layer_start, token_start, rows)
+                super().send_chunk(rendezvous, layer_start, token_start, rows, key)
 
             def poll_cancels(self):
                 cancels = super().poll_cancels()

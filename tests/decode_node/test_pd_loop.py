@@ -163,11 +163,11 @@ def test_abort_after_decode_finished_is_harmless(pair):
 class DroppingSender(InprocSender):
     """Loses the chunk that starts at token 4 (a lost or corrupted message)."""
 
-    def send_chunk(self, rendezvous, layer_start, token_start, rows):
+    def send_chunk(self, rendezvous, layer_start, token_start, rows, key=None):
         if token_start == 4:
             self._next_seq(rendezvous, is_last=False)
             return
-        super().send_chunk(rendezvous, layer_start, token_start, rows)
+        super().send_chunk(rendezvous, layer_start, token_start, rows, key)
 
 
 def test_incomplete_kv_is_never_decoded(pair):
@@ -184,8 +184,8 @@ def test_incomplete_kv_is_never_decoded(pair):
 class BadTokenSender(InprocSender):
     """Sends a complete KV but a first token outside the vocabulary."""
 
-    def send_done(self, rendezvous, num_tokens, first_token, *more):
-        super().send_done(rendezvous, num_tokens, 10**6, *more)
+    def send_done(self, rendezvous, num_tokens, first_token, *more, **kwargs):
+        super().send_done(rendezvous, num_tokens, 10**6, *more, **kwargs)
 
 
 def test_a_first_token_outside_the_vocabulary_is_never_decoded(pair):
