@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from native import reference_int4
+from native._quant_ops import activation_rows
 from native._tags import DTYPE_TAGS
 from native.reference_int4 import DEFAULT_GROUP_SIZE, Int4Weight, check_group_size
 from native.switch import extension as _C
 from native.switch import native_available as _native_on
 
 _BLOCK_N = 16
-_X_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def pack_int4(weight: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,19 +108,11 @@ def prepack_linear_int4(
 def linear_int4(x: torch.Tensor, weight: PackedLinearInt4 | Int4Weight) -> torch.Tensor:
     """W4A8 y ~= x @ W.T (the contract of `reference_int4.linear_int4`). x: [..., K] bf16 or
     fp32, unit stride in its last dim -> [..., N] of x's dtype."""
-    if x.dtype not in _X_DTYPES:
-        raise TypeError(f"linear_int4: x must be bfloat16 or float32, got {x.dtype}")
     packed = isinstance(weight, PackedLinearInt4)
     n, k = (weight.n, weight.k) if packed else weight.qweight.shape
     shape = x.shape
-    if not shape or shape[-1] != k:
-        raise ValueError(f"linear_int4: x {tuple(shape)} does not have the weight's K = {k}")
-    x2 = x if len(shape) == 2 else x.reshape(shape[:-1].numel(), k)
-    if x2.stride(1) != 1 and k > 1:
-        raise ValueError("linear_int4: x must be contiguous in its last dimension")
+    x2 = activation_rows("linear_int4", x, k)
     m = x2.shape[0]
-    if m > 1 and x2.stride(0) < k:  # broadcast rows (stride 0): give them memory
-        x2 = x2.contiguous()
     if not packed:
         y = reference_int4.linear_int4(x2, weight)
     elif not (x.is_cpu and _native_on()):

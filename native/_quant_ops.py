@@ -155,22 +155,30 @@ def prepack_linear_int8(weight: torch.Tensor) -> PackedLinearInt8 | reference.In
     return PackedLinearInt8.quantized_from(weight.detach())
 
 
+def activation_rows(op: str, x: torch.Tensor, k: int) -> torch.Tensor:
+    """x [..., K] (bf16 or fp32, unit stride in its last dim) as the rows [M, K] a quantized
+    linear's kernel reads (a copy only for broadcast rows); TypeError / ValueError naming `op`."""
+    if x.dtype not in _X_DTYPES:
+        raise TypeError(f"{op}: x must be bfloat16 or float32, got {x.dtype}")
+    shape = x.shape
+    if not shape or shape[-1] != k:
+        raise ValueError(f"{op}: x {tuple(shape)} does not have the weight's K = {k}")
+    x2 = x if len(shape) == 2 else x.reshape(shape[:-1].numel(), k)
+    if x2.stride(1) != 1 and k > 1:
+        raise ValueError(f"{op}: x must be contiguous in its last dimension")
+    if x2.shape[0] > 1 and x2.stride(0) < k:  # broadcast rows (stride 0): give them memory
+        x2 = x2.contiguous()
+    return x2
+
+
 def linear_int8(x: torch.Tensor, weight: PackedLinearInt8 | reference.Int8Weight) -> torch.Tensor:
     """W8A8 y ~= x @ W.T (the contract of `reference.linear_int8`). x: [..., K] bf16 or fp32,
     unit stride in its last dim -> [..., N] of x's dtype."""
-    if x.dtype not in _X_DTYPES:
-        raise TypeError(f"linear_int8: x must be bfloat16 or float32, got {x.dtype}")
     packed = isinstance(weight, PackedLinearInt8)
     n, k = (weight.n, weight.k) if packed else weight.qweight.shape
     shape = x.shape
-    if not shape or shape[-1] != k:
-        raise ValueError(f"linear_int8: x {tuple(shape)} does not have the weight's K = {k}")
-    x2 = x if len(shape) == 2 else x.reshape(shape[:-1].numel(), k)
-    if x2.stride(1) != 1 and k > 1:
-        raise ValueError("linear_int8: x must be contiguous in its last dimension")
+    x2 = activation_rows("linear_int8", x, k)
     m = x2.shape[0]
-    if m > 1 and x2.stride(0) < k:  # broadcast rows (stride 0): give them memory
-        x2 = x2.contiguous()
     if not packed:
         y = reference.linear_int8(x2, weight)
     elif not (x.is_cpu and _native_on()):

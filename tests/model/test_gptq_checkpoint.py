@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 from quant_checkpoints import gptq_checkpoint
+from test_quant_int4 import _every_position
 
 from control.errors import ConfigError, WeightLoadError
 from control.model_config import ModelConfig
-from model.batch import ForwardBatch
 from model.checkpoint_reader import SINGLE_FILE
 from model.deepseek import DeepseekModel
 from model.gptq import unpack_int32_nibbles
@@ -31,13 +31,7 @@ def _load(model_dir, quant=None) -> DeepseekModel:
 
 
 def _logits(model: DeepseekModel) -> torch.Tensor:
-    pool = model.new_kv_pool(num_pages=4, page_size=16)
-    table = pool.new_table()
-    pool.reserve(table, len(IDS))
-    batch = ForwardBatch.build(pool, [table], [IDS], [0], is_decode=False)
-    batch.extra_logit_index = torch.arange(len(IDS) - 1)
-    out, _ = model.forward_with_hidden(batch, pool)
-    return torch.cat((out[1:], out[:1]))
+    return _every_position(model, IDS)
 
 
 def _float_twin(tmp_path, meant: dict[str, torch.Tensor]):
