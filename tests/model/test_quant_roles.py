@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from quant_checkpoints import fp8_checkpoint_with_blocks
 from control.cluster_config import ClusterConfig
 from control.errors import ConfigError
 from control.sampling_params import SamplingParams
-from deploy.local_cluster import resolve_config
+from deploy.local_cluster import parse_args, resolve_config
 from model.deepseek import DeepseekModel
 from model.quant import QuantizationError
 from runtime.generate import OfflineGenerator
@@ -54,23 +53,9 @@ def test_misspelled_quant_names_the_node_and_the_key():
 
 
 def test_up_overrides_every_node_of_a_role():
-    args = SimpleNamespace(
-        config=None,
-        prefill=2,
-        decode=1,
-        port=8123,
-        threads=1,
-        decode_ranks=None,
-        prefill_ranks=None,
-        dtype=None,
-        model=str(ensure_tiny_model()),
-        prefill_quant=None,
-        decode_quant="fp8",
-        quant_lm_head=False,
-        mtp_tokens=None,
-        no_weights_cache=False,
-        reasoning_parser=None,
-        tool_parser=None,
+    args = parse_args(  # `duet up`'s own parser: every option it has, at its default
+        ["--prefill", "2", "--decode", "1", "--port", "8123", "--threads", "1"]
+        + ["--model", str(ensure_tiny_model()), "--decode-quant", "fp8"]
     )
     raw = resolve_config(args)
     assert [n.get("quant", "none") for n in raw["prefill"]] == ["none", "none"]
@@ -85,6 +70,9 @@ def test_up_overrides_every_node_of_a_role():
     assert ClusterConfig.from_dict(resolve_config(args)).router.reasoning_parser == "deepseek_r1"
     args.tool_parser = "hermes"  # `duet up --tool-parser hermes`
     assert ClusterConfig.from_dict(resolve_config(args)).router.tool_parser == "hermes"
+    assert ClusterConfig.from_dict(resolve_config(args)).security.kv_security == "curve"
+    args.kv_security = "aead"  # `duet up --kv-security aead`
+    assert ClusterConfig.from_dict(resolve_config(args)).security.kv_security == "aead"
 
 
 def test_a_node_loads_its_scheme():
