@@ -23,6 +23,7 @@ from native.switch import extension as _C
 from native.switch import native_available as _native_on
 
 _BLOCK_N = 16
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what quantize_pack_int4's kernel reads
 
 
 def pack_int4(weight: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,6 +52,30 @@ def unpack_int4(packed: torch.Tensor, scales: torch.Tensor, n: int, k: int, grou
     return Int4Weight(q[..., :n, :k].contiguous(), scale[..., :n, :].contiguous(), group)
 
 
+def quantize_pack_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack_int4(quantize_weight_int4(weight, group_size)) of a float weight [N, K]: the same
+    bytes, in one native pass (native/csrc/weight_quant_int4.cpp) where the kernels are on and
+    the weight is a CPU fp32 / bf16 one, else through the twin."""
+    check_group_size(group_size)
+    if not (_native_on() and weight.device.type == "cpu" and weight.dtype in _NATIVE_DTYPES):
+        return pack_int4(reference_int4.quantize_weight_int4(weight, group_size))
+    weight = weight.detach().contiguous()
+    n, k = weight.shape
+    blocks, groups = -(-n // _BLOCK_N), -(-k // group_size)
+    packed = torch.empty(blocks, groups * group_size // 8, _BLOCK_N, 4, dtype=torch.uint8)
+    scales = torch.empty(blocks, groups, _BLOCK_N, dtype=torch.float32)
+    _C.quantize_pack_int4(
+        weight.data_ptr(),
+        n,
+        k,
+        group_size,
+        packed.data_ptr(),
+        scales.data_ptr(),
+        [DTYPE_TAGS[t.dtype] for t in (weight, packed, scales)],
+    )
+    return packed, scales
+
+
 class PackedLinearInt4:
     """A weight [N, K] quantized per group and packed for `linear_int4`. `unpack()` returns the
     twin's Int4Weight."""
@@ -62,6 +87,16 @@ class PackedLinearInt4:
         self.group_size = weight.group_size
         self.packed, self.scales = pack_int4(weight)
         self.bind_kernel_args()
+
+    @classmethod
+    def quantized_from(cls, weight: torch.Tensor, group_size: int) -> PackedLinearInt4:
+        """A float weight [N, K] quantized straight into the packed layout (`quantize_pack_int4`)."""
+        obj = cls.__new__(cls)
+        obj.n, obj.k = weight.shape
+        obj.group_size = group_size
+        obj.packed, obj.scales = quantize_pack_int4(weight, group_size)
+        obj.bind_kernel_args()
+        return obj
 
     def bind_kernel_args(self) -> None:
         """The weight's arguments of _C.linear_int4, read once (again after the tensors move:
@@ -99,10 +134,9 @@ def prepack_linear_int4(
             f"{tuple(weight.shape)}"
         )
     check_group_size(group_size)
-    quantized = reference_int4.quantize_weight_int4(weight.detach(), group_size)
     if weight.device.type != "cpu" or not _native_on():
-        return quantized
-    return PackedLinearInt4(quantized)
+        return reference_int4.quantize_weight_int4(weight.detach(), group_size)
+    return PackedLinearInt4.quantized_from(weight.detach(), group_size)
 
 
 def linear_int4(x: torch.Tensor, weight: PackedLinearInt4 | Int4Weight) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 
 from native import reference_int4
 from native._gemm_ops import check_moe_inputs, list_of, peek_expert, routing_tensors, take_expert
-from native._int4_ops import pack_int4, unpack_int4
+from native._int4_ops import pack_int4, quantize_pack_int4, unpack_int4
 from native._tags import tags
 from native.reference_int4 import DEFAULT_GROUP_SIZE, Int4Weight, check_group_size
 from native.switch import extension as _C
@@ -44,14 +44,12 @@ class PackedExpertsInt4:
             weight = reference_int4.dequantize_int4(weight)
         if isinstance(weight, Int4Weight):
             q, scale = weight.qweight.chunk(self.parts, 0), weight.scale.chunk(self.parts, 0)
-            parts = [Int4Weight(*pair, self.group_size) for pair in zip(q, scale, strict=True)]
-        else:
-            parts = [
-                reference_int4.quantize_weight_int4(rows, self.group_size)
-                for rows in weight.detach().chunk(self.parts, 0)
-            ]
-        for part, quantized in enumerate(parts):
-            self.packed[e, part], self.scales[e, part] = pack_int4(quantized)
+            for part, pair in enumerate(zip(q, scale, strict=True)):
+                quantized = Int4Weight(*pair, self.group_size)
+                self.packed[e, part], self.scales[e, part] = pack_int4(quantized)
+            return
+        for part, rows in enumerate(weight.detach().chunk(self.parts, 0)):
+            self.packed[e, part], self.scales[e, part] = quantize_pack_int4(rows, self.group_size)
 
     def unpack(self) -> Int4Weight:
         num_experts, rows, k = self.shape

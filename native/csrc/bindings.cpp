@@ -28,6 +28,7 @@ void register_sampling(py::module_& m);  // sampling.cpp (race_sample, random_un
 void register_shm_allreduce(py::module_& m);  // shm_allreduce.cpp (ShmAllReduce)
 void register_checksum(py::module_& m);  // checksum.cpp (checksum)
 void register_weight_quant(py::module_& m);  // weight_quant.cpp (load-time conversions)
+void register_weight_quant_int4(py::module_& m);  // weight_quant_int4.cpp (quantize_pack_int4)
 }  // namespace duet
 
 PYBIND11_MODULE(_C, m) {
@@ -54,4 +55,5 @@ PYBIND11_MODULE(_C, m) {
   duet::register_shm_allreduce(m);
   duet::register_checksum(m);
   duet::register_weight_quant(m);
+  duet::register_weight_quant_int4(m);
 }

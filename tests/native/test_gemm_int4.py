@@ -152,3 +152,29 @@ def test_fallbacks_and_bad_inputs(isa):
     y = torch.empty(4, 24, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="group"):  # the binding checks what the wrapper hands it
         _C.linear_int4(x.data_ptr(), 1, 4, 40, 40, *packed.kernel_args[:5], 20, y.data_ptr(), 1, 24)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k,group", [(1, 8, 8), (33, 100, 32), (130, 1030, 64), (17, 256, 256)])
+def test_native_quantize_pack_gives_the_twins_bytes(dtype, n, k, group):
+    """quantize_pack_int4 (one native pass) against the twin's quantize_weight_int4 + pack_int4
+    on the same weights, bit for bit: random values plus the cases the rule must settle the same
+    way: an all-zero group (and a -0.0), two extremes of one magnitude and opposite signs (the
+    first one is the group's), and values exactly half a step from a level (half to even)."""
+    if not ops.native_available():
+        pytest.skip("native extension not built")
+    w = _weight(n, k, seed=9).to(dtype)
+    w[0, : min(k, group)] = 0.0
+    w[0, 0] = -0.0
+    if n > 2 and k >= 8:
+        w[1, :8] = torch.tensor([0.5, -0.5, 0.25, -0.25, 0.1875, 0.3125, -0.0625, 0.0])
+        w[2, :8] = torch.tensor([-1.0, 1.0, 0.1875, -0.1875, 0.4375, 0.5625, 0.6875, 0.8125])
+    native = _int4_ops.quantize_pack_int4(w, group)
+    ops.set_native_enabled(False)
+    try:
+        twin = _int4_ops.quantize_pack_int4(w, group)
+    finally:
+        ops.set_native_enabled(True)
+    assert torch.equal(native[0], twin[0]) and torch.equal(native[1], twin[1])
+    quantized = reference_int4.quantize_weight_int4(w, group)
+    assert torch.equal(_int4_ops.unpack_int4(*native, n, k, group).qweight, quantized.qweight)
