@@ -12,8 +12,8 @@ experts to their packers as loaders that pop each expert when it is packed
 FP8 e4m3 block-quantized weights (`X` + `X_scale_inv`, DeepSeek-V3 style) and GPTQ 4-bit
 linears (`X.qweight`, `X.qzeros`, `X.scales` in place of `X.weight`: `model.gptq`) are
 dequantized to the model dtype, or with `keep_stored` handed over as stored (`Fp8Weight`,
-`GptqWeight`) for a quantizer to keep or re-quantize. Every failure is a `WeightLoadError` whose one-line message names the tensor and
-the file.
+`GptqWeight`) for a quantizer to keep or re-quantize. Every failure is a `WeightLoadError`
+whose one-line message names the tensor and the file.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ class CheckpointReader:
         keep_stored: `pop` hands FP8 and GPTQ weights over as stored (`Fp8Weight`,
             `GptqWeight`) instead of dequantizing them.
         gptq: the config's GPTQ quantization (`QuantConfig` of method "gptq"), if any: an
-            expected `X.weight` the checkpoint does not have is then read from `X.qweight`...
+            expected `X.weight` the checkpoint does not have is then read from `X.qweight`,
+            `X.qzeros`, `X.scales` and, if present, `X.g_idx`.
         progress: a tqdm bar on stderr of the bytes read and their rate (only on a tty).
 
     `reader[name]` reads once and keeps the tensor (norms, the embedding: what the model holds
