@@ -103,16 +103,19 @@ def test_int8_mm_matches_int32_matmul():
 
 def test_int4_mm_matches_the_dequantized_matmul():
     """torch's int4 weight-only GEMM on an Int4Weight's values: x @ dequantize(W).T to within
-    its bf16 activations and scales (K = 96: padded to two groups of 64)."""
-    weight = reference_int4.quantize_weight_int4(torch.randn(48, 96), 64)
-    x = torch.randn(3, 96).to(torch.bfloat16)
+    its bf16 roundings (scales, partial sums, output) of the outputs' scale (K = 96: padded to
+    two groups of 64). Seeded: over 200 seeds the worst error was 0.55 % of the largest output;
+    an elementwise rtol is no bound here (one output near a cancellation came out 6.6 % off)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = reference_int4.quantize_weight_int4(torch.randn(48, 96, generator=gen), 64)
+    x = torch.randn(3, 96, generator=gen).to(torch.bfloat16)
     fn = kernel_comparators.int4_mm(x, weight)
     if fn is None:  # the documented answer where this torch has no CPU int4 GEMM
         pytest.skip("aten._weight_int4pack_mm_for_cpu does not run on this torch")
     out = fn()
     assert out.shape == (3, 48) and out.dtype == torch.bfloat16
     expected = x.float() @ reference_int4.dequantize_int4(weight).T
-    torch.testing.assert_close(out.float(), expected, atol=0.05, rtol=0.02)
+    assert (out.float() - expected).abs().max() <= 0.02 * expected.abs().max()
 
 
 def test_sdpa_comparator_matches_causal_attention_with_prefix():

@@ -21,6 +21,12 @@ MIN_EQUAL = 0.98
 ACTIVATION_REL_ERROR = 0.03
 
 
+def _act(num_tokens: int, hidden: int) -> torch.Tensor:
+    """Seeded activations: every run checks the same inputs (no test rests on the RNG's state)."""
+    gen = torch.Generator().manual_seed(num_tokens * 1000 + hidden)
+    return torch.randn(num_tokens, hidden, generator=gen).to(torch.bfloat16)
+
+
 def _check(x, w13, w2, weights, ids, expert_offset=0, group=32):
     p13, p2 = ops.prepack_experts_int4(w13, w2, group)
     assert isinstance(p13, _moe_int4_ops.PackedExpertsInt4)
@@ -46,7 +52,7 @@ def _check(x, w13, w2, weights, ids, expert_offset=0, group=32):
 )
 def test_fused_moe_int4_matches_twin(isa, num_tokens, hidden, inter, num_experts, top_k, group):
     w13, w2 = _experts(num_experts, inter, hidden)
-    x = torch.randn(num_tokens, hidden).to(torch.bfloat16)
+    x = _act(num_tokens, hidden)
     weights, ids = _routing(num_tokens, top_k, 0, num_experts)
     _check(x, w13, w2, weights, ids, group=group)
 
@@ -55,7 +61,7 @@ def test_prefill_sized_batch(isa):
     if isa == "portable":
         pytest.skip("same code as the small cases; too slow for the scalar path")
     w13, w2 = _experts(8, 160, 256)
-    x = torch.randn(300, 256).to(torch.bfloat16)
+    x = _act(300, 256)
     weights, ids = _routing(300, 2, 0, 3)  # skewed: experts 0-2 take most rows, 7 none
     ids[:40, 1] = 5
     _check(x, w13, w2, weights, ids, group=64)
@@ -63,7 +69,7 @@ def test_prefill_sized_batch(isa):
 
 def test_every_isa_path_gives_the_same_bits(isa):
     w13, w2 = _experts(5, 48, 80)
-    x = torch.randn(9, 80).to(torch.bfloat16)
+    x = _act(9, 80)
     weights, ids = _routing(9, 2, 0, 5)
     packed = ops.prepack_experts_int4(w13, w2, 16)
     got = ops.fused_moe_int4(x, *packed, weights, ids)
@@ -74,7 +80,7 @@ def test_every_isa_path_gives_the_same_bits(isa):
 @pytest.mark.parametrize("expert_offset", [0, 4])
 def test_expert_parallel_slice(isa, expert_offset):
     w13, w2 = _experts(4, 40, 64)
-    x = torch.randn(23, 64).to(torch.bfloat16)
+    x = _act(23, 64)
     weights, ids = _routing(23, 3, 0, 12)
     out, _ = _check(x, w13, w2, weights, ids, expert_offset)
     local = ((ids >= expert_offset) & (ids < expert_offset + 4)).any(1)
@@ -86,7 +92,7 @@ def test_empty_and_all_remote(isa):
     empty = torch.empty(0, 64, dtype=torch.bfloat16)
     weights, ids = _routing(0, 2, 0, 2)
     assert _check(empty, w13, w2, weights, ids)[0].shape == (0, 64)
-    x = torch.randn(5, 64).to(torch.bfloat16)
+    x = _act(5, 64)
     weights, ids = _routing(5, 2, 10, 20)
     assert torch.count_nonzero(_check(x, w13, w2, weights, ids)[0]) == 0
 
@@ -94,7 +100,7 @@ def test_empty_and_all_remote(isa):
 @pytest.mark.parametrize("num_tokens", [1, 17])
 def test_twin_close_to_bf16_moe_of_its_weights(num_tokens):
     w13, w2 = _experts(6, 96, 128)
-    x = torch.randn(num_tokens, 128).to(torch.bfloat16)
+    x = _act(num_tokens, 128)
     weights, ids = _routing(num_tokens, 3, 0, 6)
     r13, r2 = reference_int4.prepack_experts_int4(w13, w2, 32)
     got = reference_int4.fused_moe_int4(x, r13, r2, weights, ids).float()
@@ -111,7 +117,7 @@ def test_packing_fallbacks_and_one_by_one(isa):
     for packed, ref in ((p13, r13), (p2, r2)):
         unpacked = packed.unpack()
         assert torch.equal(unpacked.qweight, ref.qweight) and torch.equal(unpacked.scale, ref.scale)
-    x = torch.randn(6, 50).to(torch.bfloat16)
+    x = _act(6, 50)
     weights, ids = _routing(6, 2, 0, 3)
     expected = reference_int4.fused_moe_int4(x, r13, r2, weights, ids)
     ops.set_native_enabled(False)
@@ -131,9 +137,9 @@ def test_rejects_bad_inputs(isa):
     w13, w2 = _experts(2, 32, 64)
     p13, p2 = ops.prepack_experts_int4(w13, w2, 32)
     weights, ids = _routing(3, 2, 0, 2)
-    x = torch.randn(3, 64).to(torch.bfloat16)
+    x = _act(3, 64)
     with pytest.raises(ValueError, match="hidden"):
-        ops.fused_moe_int4(torch.randn(3, 63).to(torch.bfloat16), p13, p2, weights, ids)
+        ops.fused_moe_int4(_act(3, 63), p13, p2, weights, ids)
     with pytest.raises(ValueError, match="both"):
         ops.fused_moe_int4(x, p13, reference_int4.prepack_experts_int4(w13, w2)[1], weights, ids)
     with pytest.raises(ValueError, match="does not match"):
