@@ -132,4 +132,18 @@ inline void parallel_tasks(int64_t num_tasks, bool parallel, const F& f) {
   for (int64_t i = 0; i < num_tasks; ++i) f(i);
 }
 
+// A per-thread buffer that grows and never shrinks (a decode step must not allocate).
+template <typename T>
+T* thread_buffer(std::vector<T>& buffer, int64_t size) {
+  if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(static_cast<size_t>(size));
+  return buffer.data();
+}
+
+// The rows of each of the near-equal chunks `m` rows are cut into (at most `max_rows` each),
+// rounded up to whole `tile`-row tiles: 241 rows -> 2 chunks of 126, not 240 + a ragged 1.
+inline int64_t equal_chunk_rows(int64_t m, int64_t max_rows, int64_t tile) {
+  const int64_t num_chunks = (m + max_rows - 1) / max_rows;
+  return ((m + num_chunks - 1) / num_chunks + tile - 1) / tile * tile;
+}
+
 }  // namespace duet

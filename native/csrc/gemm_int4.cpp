@@ -49,12 +49,6 @@ struct ActRows {
   int64_t ld, num_groups;
 };
 
-template <typename T>
-T* thread_buffer(std::vector<T>& buffer, int64_t size) {
-  if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(static_cast<size_t>(size));
-  return buffer.data();
-}
-
 ActRows quantize_input(Isa isa, const Args& p) {
   static thread_local std::vector<int8_t> q_buffer;
   static thread_local std::vector<float> scale_buffer;
@@ -186,9 +180,8 @@ void gemm_task(Isa isa, const Args& p, const ActRows& a, int64_t row0, int64_t r
 void linear_large_m(Isa isa, const Args& p, const ActRows& a) {
   const int64_t num_blocks = int4_num_blocks(p.n);
   const int64_t num_panels = (num_blocks + kPanelBlocks - 1) / kPanelBlocks;
-  const int64_t num_chunks = (p.m + kChunkRows - 1) / kChunkRows;
-  const int64_t chunk_rows = ((p.m + num_chunks - 1) / num_chunks + kInt4TileMaxRows - 1) /
-                             kInt4TileMaxRows * kInt4TileMaxRows;
+  const int64_t chunk_rows = equal_chunk_rows(p.m, kChunkRows, kInt4TileMaxRows);
+  const int64_t num_chunks = (p.m + chunk_rows - 1) / chunk_rows;
   const bool parallel = p.m * p.n * p.num_groups * p.group >= kGemmMinParallelMacs;
   parallel_tasks(num_chunks * num_panels, parallel, [&](int64_t t) {
     const int64_t row0 = t / num_panels * chunk_rows;

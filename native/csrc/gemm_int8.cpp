@@ -52,13 +52,6 @@ struct QuantizedRows {
   int64_t ld;
 };
 
-// Per-thread buffers that grow and never shrink (a decode step must not allocate).
-template <typename T>
-T* thread_buffer(std::vector<T>& buffer, int64_t size) {
-  if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(static_cast<size_t>(size));
-  return buffer.data();
-}
-
 QuantizedRows quantize_input(Isa isa, const Args& p) {
   static thread_local std::vector<uint8_t> q_buffer;
   static thread_local std::vector<float> scale_buffer;
@@ -156,10 +149,8 @@ void linear_large_m(Isa isa, const Args& p, const QuantizedRows& a) {
   const int64_t num_blocks = int8_num_blocks(p.n);
   const int64_t num_panels = (num_blocks + kPanelBlocks - 1) / kPanelBlocks;
   // Equal chunks (multiples of the 6-row tile) rather than 240 + a ragged remainder.
-  const int64_t num_chunks = (p.m + kChunkRows - 1) / kChunkRows;
-  const int64_t chunk_rows =
-      ((p.m + num_chunks - 1) / num_chunks + kInt8TileMaxRows - 1) / kInt8TileMaxRows *
-      kInt8TileMaxRows;
+  const int64_t chunk_rows = equal_chunk_rows(p.m, kChunkRows, kInt8TileMaxRows);
+  const int64_t num_chunks = (p.m + chunk_rows - 1) / chunk_rows;
   const bool parallel = p.m * p.n * p.k_groups * 4 >= kGemmMinParallelMacs;
   // Tasks ordered [chunk][panel]: tasks running together share the chunk's A rows.
   parallel_tasks(num_chunks * num_panels, parallel, [&](int64_t t) {
