@@ -13,7 +13,7 @@
                 device, prefix_cache, quant, quant_lm_head, pack, weights_cache
     [[decode]]  name, host, bind_host, control_port, kv_port, threads, page_size, num_pages,
                 max_batch, ranks, replicas, device, kv_reservation, kv_headroom_tokens, quant,
-                quant_lm_head, pack, weights_cache, mtp, mtp_tokens, overlap
+                quant_lm_head, pack, weights_cache, mtp, mtp_tokens, overlap, prefix_cache
 
 `quant` ("none", "int8", "fp8", "int4"; model.quant) is each node's own weight scheme: the KV it
 produces or consumes is the same whatever the scheme, so any prefill node feeds any decode node.
@@ -235,6 +235,12 @@ class DecodeNodeConfig(_Addresses):
     # Single-rank nodes without MTP; elsewhere the step runs in order. Off by default: it
     # needs a core the kernels leave free, and on a 2-core host it measured no gain.
     overlap: bool = False
+    # Prefix reuse (`decode_node.scheduler`): the prompt pages of finished requests stay in
+    # the pool (LRU, evicted before a request is refused or preempted); a prompt starting with
+    # them reserves and receives only the rest, and the router pairs prompts with the decode
+    # node that holds most of them. Off by default: the pool's free pages then stay the
+    # requests' alone. Single-rank nodes.
+    prefix_cache: bool = False
 
     @property
     def kv_endpoint(self) -> str:
@@ -433,6 +439,11 @@ def _validate(cfg: ClusterConfig) -> None:
         if node.kv_headroom_tokens < 0:
             raise ConfigError(f"node {node.name}: kv_headroom_tokens must be >= 0")
         _validate_mtp(node, cfg.uses_mtp)
+        if node.prefix_cache and node.ranks > 1:
+            raise ConfigError(
+                f"node {node.name}: prefix_cache on a decode node of several ranks is not "
+                "supported yet (each rank has its own pool; the rank choice ignores caches)"
+            )
     for node in cfg.prefill:
         if node.chunk_size < 1 or node.max_batch_tokens < node.chunk_size:
             raise ConfigError(f"node {node.name}: need 1 <= chunk_size <= max_batch_tokens")

@@ -81,13 +81,20 @@ class Heartbeat:
     draining: bool = False  # SIGTERMed: finishing what it holds, takes no new requests
     # On-demand decode KV: decode, cumulative: requests it preempted.
     num_preempted: int = 0
-    # Prefix cache (prefill): cumulative counters, then the cache's current size.
+    # Prefix cache (a prefill node's, or a decode node's of finished prompts): cumulative
+    # counters, then the cache's current size. On a decode node a hit's tokens are KV rows
+    # it did not receive.
     num_prefix_lookups: int = 0  # prefills that looked their prompt up in the cache
     num_prefix_hits: int = 0  # of which found a cached prefix
     num_prefix_hit_tokens: int = 0  # prompt tokens served from the cache (not computed)
     num_prefix_evicted_pages: int = 0  # cached pages evicted to make room
     num_prefix_cached_pages: int = 0  # now
     num_prefix_cached_tokens: int = 0  # now (whole pages only)
+    # KV rows: prefill, cumulative: rows sent, and rows not sent because the decode node held
+    # them (Prefill.skip_rows); decode: rows received.
+    kv_rows_sent: int = 0
+    kv_rows_skipped: int = 0
+    kv_rows_received: int = 0
     # ---- SLA admission: what the router's cost models learn from ---------
     # The node's forwards since its previous heartbeat (the newest `control.cost_model.
     # MAX_TIMING_SAMPLES`): prefill [new tokens, sum of new*prefix over its chunks, seconds],
@@ -101,6 +108,20 @@ class Heartbeat:
     mtp_accepted: int = 0  # of which accepted
     mtp_emitted: int = 0  # tokens the speculating requests emitted
     mtp_request_steps: int = 0  # (speculating request, step) pairs
+
+
+@dataclass(frozen=True)
+class KVEvents:
+    """Node -> router: one change of the node's prefix cache, by page names
+    (`control.kv_events`): `cleared` (it forgot every page: the index of it starts over), then
+    the pages `removed`, then those `stored`. Sent as the change happens, before the messages
+    of the requests that caused it (the same socket, in order)."""
+
+    node: str
+    page_size: int
+    stored: list[bytes] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
+    cleared: bool = False
 
 
 # ---- request flow ----------------------------------------------------------------------------
@@ -138,6 +159,9 @@ class ReserveReply:
     # (kvtransfer.sealing), for the prefill node to seal them; b"" for a CURVE or plain link.
     kv_key: bytes = field(default=b"", repr=False)
     draining: bool = False  # refused because the node is draining: ask another, or later
+    # Decode-side prefix reuse: the leading prompt rows the node already holds (whole pages of
+    # its prefix cache), which the prefill node then does not send (Prefill.skip_rows).
+    cached_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -155,6 +179,9 @@ class Prefill:
     # requests that heartbeat's queued work includes (SLA admission).
     seq: int = 0
     kv_key: bytes = field(default=b"", repr=False)  # the decode node's (ReserveReply.kv_key)
+    # The leading rows the decode node holds already (ReserveReply.cached_rows): computed
+    # here as any other (from this node's own cache or anew), but never sent.
+    skip_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -350,6 +377,7 @@ MESSAGE_TYPES: dict[str, type] = {
         Shutdown,
         RouterPing,
         Preempted,
+        KVEvents,
     )
 }
 

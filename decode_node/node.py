@@ -57,6 +57,7 @@ from runtime.grammar import GrammarMatcher, Grammars, TokenMasks
 from runtime.logprobs import token_logprobs
 from runtime.node_loop import NodeLoop
 from runtime.penalties import TokenCounts
+from runtime.prefix_cache import PrefixCache, prefix_cache_figures
 from runtime.sampling import request_seed, sample
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,10 @@ class DecodeNode(NodeLoop):
         self.receiver = receiver
         self.pool = receiver.pool
         mcfg = model.cfg
+        if cfg.prefix_cache:  # finished prompts' KV kept: a later prompt receives only the rest
+            self.prefix_cache = PrefixCache(
+                self.pool, holds_pages=True, on_change=self.publish_cache_change
+            )
         self.scheduler = DecodeScheduler(
             self.pool,
             cfg.max_batch,
@@ -115,6 +120,7 @@ class DecodeNode(NodeLoop):
             frozenset(mcfg.eos_token_id),
             reservation=cfg.kv_reservation,
             headroom_tokens=cfg.kv_headroom_tokens,
+            prefix_cache=self.prefix_cache,
         )
         self.token_counts = TokenCounts(cfg.max_batch, mcfg.vocab_size)  # by batch slot
         # The running batch's page tables, kept across steps by batch slot.
@@ -159,6 +165,8 @@ class DecodeNode(NodeLoop):
             # On-demand decode KV: the router estimates reservations by the same rule.
             "kv_reservation": self.scheduler.reservation,
             "kv_headroom_tokens": self.scheduler.headroom_tokens,
+            # Prefix reuse: the router sends it every prompt's ids and pairs by its cache.
+            "prefix_cache": self.prefix_cache is not None,
         }
 
     def num_held(self) -> int:
@@ -258,12 +266,12 @@ class DecodeNode(NodeLoop):
             now,
             msg.priority,
             tuple(msg.fork_ids),
+            msg.prompt_ids,
         )
         if request is None:
             return refuse(reason)
         for sequence in (request, *request.forks):  # n > 1: each sequence its own stream
             sequence.seed = request_seed(sequence.params)  # P drew its draw 0, D continues at 1
-            sequence.prompt_ids = list(msg.prompt_ids)
         # Structured output: each sequence walks the grammar on its own copy.
         request.grammar = grammar
         for fork in request.forks:
@@ -272,7 +280,12 @@ class DecodeNode(NodeLoop):
         key = new_key() if self.receiver.seals else None  # one per transfer (kvtransfer.sealing)
         try:
             self.receiver.expect(
-                _rendezvous(request), request.table, msg.prompt_len, now + timeout, key
+                _rendezvous(request),
+                request.table,
+                msg.prompt_len,
+                now + timeout,
+                key,
+                first_row=request.num_cached,
             )
         except ValueError as exc:
             self.scheduler.abort(msg.request_id)
@@ -284,6 +297,7 @@ class DecodeNode(NodeLoop):
                 kv_endpoint=self.receiver.endpoint,
                 rank=self.rank,
                 kv_key=key or b"",
+                cached_rows=request.num_cached,
             )
         )
 
@@ -536,10 +550,11 @@ class DecodeNode(NodeLoop):
             num_waiting=self.scheduler.count(DecodeState.AWAITING_KV)
             + self.scheduler.count(DecodeState.READY),
             num_running=self.scheduler.count(DecodeState.RUNNING),
-            free_pages=self.pool.allocator.num_free,
+            free_pages=self.scheduler.num_free_pages(),  # evictable cached pages included
             total_pages=self.pool.num_pages,
             page_size=self.pool.page_size,
             kv_bytes_received=stats.bytes_written,
+            kv_rows_received=stats.bytes_written // self.pool.bytes_per_token,
             kv_chunks_dropped=stats.num_dropped,
             num_malformed=self.inbox.num_malformed,
             stage_ms=self.stage_times.means(),
@@ -547,6 +562,7 @@ class DecodeNode(NodeLoop):
             num_preempted=self.scheduler.num_preempted,
             timing_samples=self.timing_samples.take(),
             **self._mtp_figures(),
+            **prefix_cache_figures(self.prefix_cache),
         )
 
     def _mtp_figures(self) -> dict[str, int]:

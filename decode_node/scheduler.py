@@ -22,6 +22,15 @@ oldest runnable request always goes on and the awaiting ones run once their KV i
 preempted request's pages are freed at once; the node sends the router `Preempted` after the
 tokens it already sent, and the router re-prefills it elsewhere or here (prompt + output).
 
+Prefix reuse (`prefix_cache`, a `runtime.prefix_cache.PrefixCache` that holds its pages): the
+prompt's whole pages of every request whose KV came in stay cached when it ends (finished,
+aborted or preempted after its KV was complete), so a later prompt starting with them reserves
+only the rest and its prefill node sends only the rows after them (`DecodeRequest.num_cached`).
+Only prompt rows are cached: they came from a prefill node, bit for bit what it would send again,
+whereas the rows of generated tokens were computed by the decode step. A match is locked while
+its request lives; unlocked pages are evicted (least recently used first) before a reservation
+is refused and before any request is preempted.
+
 Requests join the running batch at every step (oldest ready first, up to `max_batch`) and
 leave it the step they finish; their pages are freed at once, as they are on abort and failure.
 A running request holds a batch slot in [0, max_batch) (the row of the node's per-slot sampling
@@ -53,6 +62,7 @@ from control.errors import OutOfPagesError
 from control.finish import finish_reason
 from control.sampling_params import SamplingParams
 from model.kv_pool import KVPool, PageTable
+from runtime.prefix_cache import PrefixCache
 
 
 class DecodeState(enum.IntEnum):
@@ -93,6 +103,10 @@ class DecodeRequest:
     error: str = ""
     # MTP (runtime.speculative): the drafted tokens after output_ids[-1], verified next step.
     drafts: list[int] = field(default_factory=list)
+    # Prefix reuse: the leading prompt rows held from the cache (whole pages, never received)
+    # and the tree node its lock pins (None: no match).
+    num_cached: int = 0
+    cache_handle: Any = None
 
     @property
     def next_position(self) -> int:
@@ -129,16 +143,20 @@ class DecodeScheduler:
     # On-demand KV with preemption: the reservation rule and its headroom.
     reservation: str = kv_reservation.ON_DEMAND
     headroom_tokens: int = 32
+    prefix_cache: PrefixCache | None = None  # prompts' KV kept after their requests (reuse)
     num_preempted: int = 0  # cumulative
     _preempted: list[DecodeRequest] = field(default_factory=list)  # not yet taken by the node
     _requests: OrderedDict[str, DecodeRequest] = field(default_factory=OrderedDict)
     _free_slots: list[int] = field(default_factory=list)
+    _tick: int = 0  # the prefix cache's logical clock (LRU)
 
     def __post_init__(self) -> None:
         if self.max_requests <= 0:
             self.max_requests = 4 * self.max_batch
         if self.reservation not in kv_reservation.MODES or self.headroom_tokens < 0:
             raise ValueError(f"bad KV reservation {self.reservation!r} / {self.headroom_tokens}")
+        if self.prefix_cache is not None and not self.prefix_cache.holds_pages:
+            raise ValueError("a decode node's prefix cache must hold its pages (holds_pages)")
         self._free_slots = list(range(self.max_batch - 1, -1, -1))
 
     # ---- queries ---------------------------------------------------------------------------
@@ -161,6 +179,11 @@ class DecodeScheduler:
         """Pages a reservation of `n` sequences takes now (the node's reservation rule)."""
         return self._sequence_pages(self._reserve_len(prompt_len, max_new_tokens), prompt_len, n)
 
+    def num_free_pages(self) -> int:
+        """Pages a reservation may take now: the free ones and the cache's evictable ones."""
+        cache = self.prefix_cache
+        return self.pool.allocator.num_free + (cache.num_evictable_pages() if cache else 0)
+
     @property
     def num_held(self) -> int:
         """Requests held, the forks still waiting for their parent's KV included."""
@@ -182,11 +205,15 @@ class DecodeScheduler:
         now: float,
         priority: float = 0.0,
         fork_ids: tuple[str, ...] = (),
+        prompt_ids: list[int] | tuple[int, ...] = (),
     ) -> tuple[DecodeRequest | None, str]:
         """Reserves pages; returns (request, "") or (None, why it was refused). `priority`
         orders preemption (see `_victim`). With `fork_ids` (n > 1: params.n - 1 ids), the
         pages of every fork too, all or nothing; each fork samples by
-        `params.for_sequence(i)`, and the request itself by `params.for_sequence(0)`."""
+        `params.for_sequence(i)`, and the request itself by `params.for_sequence(0)`.
+        `prompt_ids` (all `prompt_len` of them, or none): the prompt, looked up in the prefix
+        cache (the request starts with the pages of its longest cached prefix, `num_cached`)
+        and cached when the request ends."""
         ids = (request_id, *fork_ids)
         if len(fork_ids) != params.n - 1 or len(set(ids)) != len(ids):
             return None, f"n = {params.n} needs {params.n - 1} distinct fork ids"
@@ -211,17 +238,22 @@ class DecodeScheduler:
             )
         num_tokens = self._reserve_len(prompt_len, params.max_new_tokens)
         own_tokens = kv_reservation.fork_tokens(num_tokens, prompt_len, self.pool.page_size)
+        match = self._lookup(prompt_ids, prompt_len)
         sequences = []
         for index, rid in enumerate(ids):
             table = self.pool.new_table()
-            try:
-                self.pool.reserve(table, num_tokens if index == 0 else own_tokens)
-            except OutOfPagesError:
+            if index == 0 and match is not None:  # pinned before anything is evicted for room
+                self.prefix_cache.lock(match.handle)
+                self.pool.allocator.share(match.pages)
+                table.pages = list(match.pages)
+            if not self._reserve_pages(table, num_tokens if index == 0 else own_tokens):
+                self.pool.release(table)
                 for sequence in sequences:
                     self.pool.release(sequence.table)
+                if match is not None:
+                    self.prefix_cache.unlock(match.handle)
                 need = self._sequence_pages(num_tokens, prompt_len, params.n)
-                free = self.pool.allocator.num_free + sum(len(s.table.pages) for s in sequences)
-                return None, f"no room: needs {need} KV pages, {free} free"
+                return None, f"no room: needs {need} KV pages, {self.num_free_pages()} free"
             sequence_params = params.for_sequence(index)
             sequences.append(
                 DecodeRequest(
@@ -237,6 +269,12 @@ class DecodeScheduler:
                 )
             )
         request, request.forks = sequences[0], sequences[1:]
+        if len(prompt_ids) == prompt_len:
+            for sequence in sequences:
+                sequence.prompt_ids = list(prompt_ids)
+        if match is not None:
+            self.prefix_cache.record_lookup(match.num_tokens)
+            request.num_cached, request.cache_handle = match.num_tokens, match.handle
         self._requests[request_id] = request
         return request, ""
 
@@ -288,7 +326,7 @@ class DecodeScheduler:
         AWAITING_KV the caller must have cancelled the receiver's expectation first."""
         request = self._requests.pop(request_id, None)
         if request is not None:
-            self.pool.release(request.table)
+            self._leave_pool(request)
             self._free_slot(request)
             request.error = reason
             request.state = DecodeState.FAILED
@@ -360,9 +398,7 @@ class DecodeScheduler:
         for request in sorted(batch, key=lambda r: order[r.request_id]):
             need = request.next_position + 1
             while request.state == DecodeState.RUNNING and request.table.capacity < need:
-                try:
-                    self.pool.reserve(request.table, need)
-                except OutOfPagesError:
+                if not self._reserve_pages(request.table, need):
                     victim = self._victim()
                     self._preempt(
                         victim,
@@ -383,13 +419,57 @@ class DecodeScheduler:
         return max(runnable, key=lambda entry: entry[:2])[2]
 
     def _preempt(self, request: DecodeRequest, reason: str) -> None:
+        self._leave_pool(request)  # (its KV was complete: the prompt's pages stay cached)
         request.advance(DecodeState.PREEMPTED)
         request.error = reason
-        self.pool.release(request.table)
         self._free_slot(request)
         del self._requests[request.request_id]
         self._preempted.append(request)
         self.num_preempted += 1
+
+    # ---- prefix reuse ----------------------------------------------------------------------
+    def _lookup(self, prompt_ids, prompt_len: int):
+        """The longest cached prefix of the prompt (whole pages), or None (no cache, no ids,
+        no page of it cached)."""
+        if self.prefix_cache is None or len(prompt_ids) != prompt_len:
+            return None
+        self._tick += 1
+        whole = prompt_len // self.pool.page_size * self.pool.page_size
+        match = self.prefix_cache.match(list(prompt_ids[:whole]), self._tick)
+        if match.num_tokens == 0:
+            self.prefix_cache.record_lookup(0)
+            return None
+        return match
+
+    def _reserve_pages(self, table: PageTable, num_tokens: int) -> bool:
+        """Grows `table` to `num_tokens` tokens, evicting unlocked cached pages when short;
+        False (table unchanged) when even that leaves too few."""
+        while True:
+            try:
+                self.pool.reserve(table, num_tokens)
+                return True
+            except OutOfPagesError:
+                short = table.pages_needed(num_tokens) - self.pool.allocator.num_free
+                if self.prefix_cache is None or self.prefix_cache.evict(short) == 0:
+                    return False
+
+    def _leave_pool(self, request: DecodeRequest) -> None:
+        """Frees the request's pages; first, when its KV is complete (READY or RUNNING), hands
+        its prompt's whole pages to the prefix cache, which keeps those it lacked."""
+        cache = self.prefix_cache
+        complete = request.state in (DecodeState.READY, DecodeState.RUNNING)
+        if cache is not None and complete and len(request.prompt_ids) == request.prompt_len:
+            num_pages = request.prompt_len // self.pool.page_size
+            self._tick += 1
+            cache.insert(
+                request.prompt_ids[: num_pages * self.pool.page_size],
+                request.table.pages[:num_pages],
+                self._tick,
+            )  # (pages it already held, or did not take, stay the request's to free)
+        self.pool.release(request.table)
+        if request.cache_handle is not None:
+            cache.unlock(request.cache_handle)
+            request.cache_handle = None
 
     # ---- internals -------------------------------------------------------------------------
     def _reserve_len(self, prompt_len: int, max_new_tokens: int) -> int:
@@ -422,9 +502,9 @@ class DecodeScheduler:
         )
 
     def _finish(self, request: DecodeRequest, reason: str) -> None:
+        self._leave_pool(request)
         request.advance(DecodeState.FINISHED)
         request.finish_reason = reason
-        self.pool.release(request.table)
         self._free_slot(request)
         del self._requests[request.request_id]
 

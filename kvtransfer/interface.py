@@ -216,13 +216,17 @@ class KVReceiver(abc.ABC):
         num_tokens: int,
         deadline: float,
         key: bytes | None = None,
+        first_row: int = 0,
     ) -> None:
         """Lend the first ceil(num_tokens/page_size) pages of `page_table` (of this receiver's
         pool, holding >= num_tokens tokens) to the receiver for `rendezvous`, until
         `deadline` (a `time.monotonic()` value). Call before the router lets P send: chunks of
         a rendezvous not yet expected are dropped. With `key` (kvtransfer.sealing) every message
-        of the rendezvous must open under it, else it is dropped. Raises ValueError for a bad
-        argument or a rendezvous already expected. Never blocks."""
+        of the rendezvous must open under it, else it is dropped. Rows before `first_row` are
+        held already (the node's prefix cache; whole pages, possibly shared with other
+        requests): they count as written, and a chunk that would overwrite one is dropped as a
+        duplicate. Raises ValueError for a bad argument or a rendezvous already expected.
+        Never blocks."""
 
     @abc.abstractmethod
     def cancel(self, rendezvous: Rendezvous, reason: str = "") -> bool:

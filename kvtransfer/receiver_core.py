@@ -96,6 +96,7 @@ class ReceiverCore(KVReceiver):
         num_tokens: int,
         deadline: float,
         key: bytes | None = None,
+        first_row: int = 0,
     ) -> None:
         if key is not None:
             check_key(key)
@@ -109,6 +110,8 @@ class ReceiverCore(KVReceiver):
             raise ValueError(
                 f"page table holds {page_table.capacity} tokens, {num_tokens} expected"
             )
+        if not 0 <= first_row <= num_tokens:
+            raise ValueError(f"first_row {first_row} outside [0, {num_tokens}]")
         num_pages = -(-num_tokens // page_table.page_size)
         exp = _Expectation(
             rendezvous,
@@ -118,6 +121,7 @@ class ReceiverCore(KVReceiver):
             torch.zeros(self.pool.num_layers, num_tokens, dtype=torch.bool),
             key=key,
         )
+        exp.covered[:, :first_row] = True
         with self._lock:
             if rendezvous in self._expected:
                 raise ValueError(f"rendezvous {rendezvous} is already expected")

@@ -43,12 +43,12 @@ from kvtransfer.sealing import KEY_BYTES
 from model.batch import ForwardBatch
 from model.deepseek import DeepseekModel
 from prefill_node.kv_senders import SenderPool
-from prefill_node.prefix_cache import PrefixCache
 from prefill_node.scheduler import Chunk, PrefillRequest, PrefillScheduler, PrefillState
 from runtime.grammar import GrammarMatcher, Grammars
 from runtime.logprobs import token_logprobs
 from runtime.node_loop import NodeLoop
 from runtime.penalties import PastTokens
+from runtime.prefix_cache import PrefixCache, prefix_cache_figures
 from runtime.sampling import request_seed, sample
 from runtime.speculative import ahead_tokens
 
@@ -76,7 +76,9 @@ class PrefillNode(NodeLoop):
         # Heartbeats between layers too: one forward may outlast the router's node timeout.
         model.between_layers = self.maybe_heartbeat
         self.pool = model.new_kv_pool(cfg.num_pages, cfg.page_size)
-        self.prefix_cache = PrefixCache(self.pool) if cfg.prefix_cache else None
+        self.prefix_cache = None
+        if cfg.prefix_cache:
+            self.prefix_cache = PrefixCache(self.pool, on_change=self.publish_cache_change)
         self.scheduler = PrefillScheduler(
             self.pool, cfg.chunk_size, cfg.max_batch_tokens, self.prefix_cache
         )
@@ -92,6 +94,8 @@ class PrefillNode(NodeLoop):
         self.grammars = Grammars(model.model_dir, mcfg.vocab_size, mcfg.eos_token_id)
         self.timing_samples = RecentSamples()  # forwards since the last heartbeat (SLA admission)
         self.kv_bytes_sent = 0
+        self.kv_rows_sent = 0  # prompt rows sent to decode nodes, cumulative
+        self.kv_rows_skipped = 0  # and not sent, the decode node holding them (skip_rows)
         self.num_cancelled_by_decode = 0  # requests stopped by a kv_cancel
         self.last_prefill_seq = 0  # the router's numbering of its Prefills: the last one taken
         self._is_stalled = False  # last schedule found nothing to run although work is queued
@@ -201,7 +205,10 @@ class PrefillNode(NodeLoop):
                 queue_deadline=now + queue_s,
                 grammar=self.grammar_for(params, msg.token_ids),
                 kv_key=_transfer_key(msg.kv_key),
+                skip_rows=msg.skip_rows,
             )
+            if not 0 <= msg.skip_rows <= len(msg.token_ids):
+                raise ProtocolError(f"skip_rows {msg.skip_rows} outside the prompt")
             self.scheduler.add(request)
         except (DuetError, ValueError, TypeError) as exc:
             self.outbox.send(RequestError(msg.request_id, "prefill", f"bad request: {exc}"))
@@ -369,15 +376,19 @@ class PrefillNode(NodeLoop):
         self._send_rows(chunk.request, chunk.start, chunk.end)
 
     def _send_cached_prefix(self, request: PrefillRequest) -> None:
-        """Rows [0, num_cached) from the cache's pages, in chunk_size pieces (bounded frames):
-        decode nodes keep no cache, they get every row of the prompt."""
+        """Rows [skip_rows, num_cached) from the cache's pages, in chunk_size pieces (bounded
+        frames): the decode node gets every row of the prompt it does not hold."""
         step = self.scheduler.chunk_size
-        for start in range(0, request.num_cached, step):
+        for start in range(request.skip_rows, request.num_cached, step):
             self._send_rows(request, start, min(start + step, request.num_cached))
 
     def _send_rows(self, request: PrefillRequest, start: int, end: int) -> None:
+        """Rows [start, end) of the prompt to its decode node, less those it holds."""
         if request.state != PrefillState.RUNNING:
             return  # failed earlier in this step (its endpoint broke)
+        start = max(start, request.skip_rows)
+        if start >= end:
+            return
         num_layers = self.pool.num_layers
         rows = self.pool.read_rows(request.table, 0, num_layers, start, end)
         try:
@@ -387,6 +398,7 @@ class PrefillNode(NodeLoop):
             self._on_sender_error(request, exc)
             return
         self.kv_bytes_sent += rows.numel() * rows.element_size()
+        self.kv_rows_sent += end - start
 
     def _finish(
         self,
@@ -407,12 +419,14 @@ class PrefillNode(NodeLoop):
         for stage, ms in stage_ms.items():
             self.stage_times.add(stage, ms / 1000.0)
         self.outbox.send(_first_token(request, tokens, stage_ms, lps))
+        self.kv_rows_skipped += request.skip_rows
         log.info(
-            "request %s: prefilled %d tokens, %d from the cache (queue %.1f ms, prefill %.1f ms)"
-            " -> %s",
+            "request %s: prefilled %d tokens, %d from the cache, %d held by D (queue %.1f ms,"
+            " prefill %.1f ms) -> %s",
             request.request_id,
             request.prompt_len,
             request.num_cached,
+            request.skip_rows,
             stage_ms["queue"],
             stage_ms["prefill"],
             request.kv_endpoint,
@@ -475,30 +489,18 @@ class PrefillNode(NodeLoop):
             num_waiting=self.scheduler.num_waiting,
             num_running=self.scheduler.num_running,
             kv_bytes_sent=self.kv_bytes_sent,
+            kv_rows_sent=self.kv_rows_sent,
+            kv_rows_skipped=self.kv_rows_skipped,
             num_cancelled_by_decode=self.num_cancelled_by_decode,
             num_malformed=self.inbox.num_malformed,
             stage_ms=self.stage_times.means(),
             draining=self.is_draining,
-            **self._prefix_cache_figures(),
+            **prefix_cache_figures(self.prefix_cache),
             timing_samples=self.timing_samples.take(),
             queued_attention=float(queued_attention),
             queued_forwards=queued_forwards,
             last_prefill_seq=self.last_prefill_seq,
         )
-
-    def _prefix_cache_figures(self) -> dict[str, int]:
-        """The Heartbeat's prefix-cache fields (all zero without a cache)."""
-        cache = self.prefix_cache
-        if cache is None:
-            return {}
-        return {
-            "num_prefix_lookups": cache.num_lookups,
-            "num_prefix_hits": cache.num_hits,
-            "num_prefix_hit_tokens": cache.num_hit_tokens,
-            "num_prefix_evicted_pages": cache.num_evicted_pages,
-            "num_prefix_cached_pages": cache.num_cached_pages,
-            "num_prefix_cached_tokens": cache.num_cached_tokens,
-        }
 
     def close(self, reason: str) -> None:
         """Fails whatever is still queued (the router hears of each) and closes the senders."""

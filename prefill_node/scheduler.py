@@ -5,7 +5,7 @@ Pure bookkeeping (no model, no sockets): `add` / `abort` / `expire` / `schedule`
 gets pages for its whole prompt when it is first scheduled (so a started prefill never stalls
 for pages) and gives them back the moment it finishes, fails or is aborted.
 
-With a prefix cache (`prefill_node.prefix_cache`), a starting request first looks its prompt up:
+With a prefix cache (`runtime.prefix_cache`), a starting request first looks its prompt up:
 the cached whole pages become the first pages of its table (shared with the tree, locked while
 it runs) and its computation starts after them; it allocates pages only for the rest, evicting
 unlocked cached pages when the pool is short. On finish its whole prompt pages go into the tree
@@ -28,7 +28,7 @@ from control.errors import InvalidRequestError, OutOfPagesError
 from control.logprobs import TokenLogprobs
 from control.sampling_params import SamplingParams
 from model.kv_pool import KVPool, PageTable
-from prefill_node.prefix_cache import PrefixCache, PrefixMatch
+from runtime.prefix_cache import PrefixCache, PrefixMatch
 
 
 class PrefillState(enum.IntEnum):
@@ -62,6 +62,8 @@ class PrefillRequest:
     # with it: kvtransfer.sealing); None: sent as is.
     kv_key: bytes | None = field(default=None, repr=False)
     cache_match: PrefixMatch | None = None
+    # The leading rows the decode node holds already (its own prefix cache): not sent.
+    skip_rows: int = 0
     # Structured output: the grammar's matcher (runtime.grammar), whose mask constrains the
     # first token; None for free text.
     grammar: Any = None

@@ -12,6 +12,9 @@ and supplies its role's part through these hooks:
     heartbeat()          the Heartbeat the router pairs and admits by
     ready_info()         what NodeReady carries
     on_router_restart()  forgets what the old router numbered (optional)
+    prefix_cache         the node's `runtime.prefix_cache.PrefixCache`, if it keeps one: built
+                         with `on_change=self.publish_cache_change`, so the router's index
+                         (`KVEvents`) follows it, and sent whole to a new router
     close(reason)        fails what is held and frees everything, on every way out of `run`
 
 Rank variants (a node of several processes) override hooks too, never the loop's own state.
@@ -23,10 +26,11 @@ import logging
 import time
 from typing import Any
 
+from control import kv_events
 from control.cluster_config import TimeoutConfig
 from control.lease import RouterLease
 from control.messaging import Inbox, Outbox
-from control.protocol import Heartbeat, NodeFailed, NodeReady, RouterPing, Shutdown
+from control.protocol import Heartbeat, KVEvents, NodeFailed, NodeReady, RouterPing, Shutdown
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,7 @@ MAX_DRAIN = 256  # control messages handled per step at most
 
 class NodeLoop:
     role = ""  # "prefill" | "decode": the name the router knows the role by
+    prefix_cache: Any = None  # runtime.prefix_cache.PrefixCache, when the node keeps one
 
     def __init__(self, name: str, timeouts: TimeoutConfig, inbox: Inbox, outbox: Outbox):
         self.name = name
@@ -101,6 +106,23 @@ class NodeLoop:
     def send_ready(self) -> None:
         self.outbox.send(NodeReady(self.name, self.role, self.ready_info()))
 
+    def publish_cache_change(
+        self, stored: list[bytes], removed: list[bytes], cleared: bool = False
+    ) -> None:
+        """KVEvents for one change of the prefix cache (in bounded messages, in order)."""
+        page_size = self.prefix_cache.page_size
+        if cleared:
+            self.outbox.send(KVEvents(self.name, page_size, cleared=True))
+        for names in kv_events.batches(removed):
+            self.outbox.send(KVEvents(self.name, page_size, removed=names))
+        for names in kv_events.batches(stored):
+            self.outbox.send(KVEvents(self.name, page_size, stored=names))
+
+    def publish_cache_snapshot(self) -> None:
+        """The whole cache, for an index that starts over (a new router)."""
+        if self.prefix_cache is not None:
+            self.publish_cache_change(self.prefix_cache.page_names(), [], cleared=True)
+
     # ---- parts of a step -------------------------------------------------------------------
     def take_messages(self, wait: float) -> None:
         """The router's messages: waits up to `wait` s for the first, then takes what is queued,
@@ -119,6 +141,7 @@ class NodeLoop:
                 self.orphan_all("the router restarted")
                 self.on_router_restart()
                 self.send_ready()
+                self.publish_cache_snapshot()
         elif isinstance(msg, Shutdown):
             self.is_stopping = True
         else:

@@ -14,6 +14,7 @@ from control.protocol import (
     Abort,
     FirstToken,
     Heartbeat,
+    KVEvents,
     Preempted,
     Prefill,
     RequestError,
@@ -72,6 +73,7 @@ class Pair:
         sla=None,
         mtp_tokens=0,
         overlap=False,
+        d_prefix_cache=False,
     ):
         """`mtp_tokens` > 0: D speculates with the model's MTP layer (which must be loaded).
         `overlap`: while D's forward runs, a helper thread emits the last step's tokens and
@@ -100,6 +102,7 @@ class Pair:
             mtp=mtp_tokens > 0,
             mtp_tokens=max(1, mtp_tokens),
             overlap=overlap,
+            prefix_cache=d_prefix_cache,
         )
         self.prefill = PrefillNode(
             "p", model, p_cfg, self.timeouts, self.p_in, self.p_out, sender_factory
@@ -111,14 +114,16 @@ class Pair:
         self.forks: dict[str, list[str]] = {}  # n > 1: the fork ids of each request
         self.heartbeats: list[Heartbeat] = []
         self.steps: list[StepTokens] = []  # every StepTokens D sent, in order
+        self.kv_events: list[KVEvents] = []  # both nodes', in the order they were taken
         self._rooms = iter(range(1000, 10**6))
 
     # ---- the router's moves ------------------------------------------------------------------
     def reserve(self, rid: str, prompt_len: int, params: SamplingParams, timeout_s=5.0, prompt=()):
-        """`prompt`: its ids, sent as the router sends them (when the sampling reads them).
-        n > 1: the forks are named `<rid>/<i>`, as the router names them."""
+        """`prompt`: its ids, sent as the router sends them (when the sampling reads them, or
+        D caches prompts). n > 1: the forks are named `<rid>/<i>`, as the router names them."""
         room = next(self._rooms)
-        prompt_ids = list(prompt) if params.uses_prompt else []
+        sends_ids = params.uses_prompt or self.decode.prefix_cache is not None
+        prompt_ids = list(prompt) if sends_ids else []
         sampling = sampling_to_dict(params)
         fork_ids = [f"{rid}/{i}" for i in range(1, params.n)]
         self.d_in.put(
@@ -140,8 +145,10 @@ class Pair:
         router does."""
         reply, room = self.reserve(rid, len(prompt), params, timeout_s, prompt)
         if reply.ok:
+            sampling = sampling_to_dict(params)
+            skip = reply.cached_rows
             self.p_in.put(
-                Prefill(rid, room, prompt, sampling_to_dict(params), reply.kv_endpoint, 5.0)
+                Prefill(rid, room, prompt, sampling, reply.kv_endpoint, 5.0, skip_rows=skip)
             )
         return reply
 
@@ -166,6 +173,8 @@ class Pair:
         for msg in self.p_out.take() + self.d_out.take():
             if isinstance(msg, Heartbeat):
                 self.heartbeats.append(msg)
+            elif isinstance(msg, KVEvents):
+                self.kv_events.append(msg)
             elif isinstance(msg, FirstToken):
                 self.seen[msg.request_id].first_token = msg.token
                 self.seen[msg.request_id].first = msg
@@ -208,9 +217,11 @@ class Pair:
 
     @property
     def decode_pages_used(self) -> int:
-        """Pages D's requests hold, and those an overlapped forward still holds back."""
-        allocator = self.decode.pool.allocator
-        return allocator.num_used + allocator.num_held
+        """Pages D's requests hold, and those an overlapped forward still holds back (those its
+        prefix cache keeps for later prompts not counted)."""
+        allocator, cache = self.decode.pool.allocator, self.decode.prefix_cache
+        cached = cache.num_cached_pages if cache is not None else 0
+        return allocator.num_used + allocator.num_held - cached
 
     @property
     def prefill_pages_used(self) -> int:

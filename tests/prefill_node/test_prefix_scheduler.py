@@ -7,8 +7,8 @@ import torch
 
 from control.sampling_params import SamplingParams
 from model.kv_pool import KVPool
-from prefill_node.prefix_cache import PrefixCache
 from prefill_node.scheduler import PrefillRequest, PrefillScheduler, PrefillState
+from runtime.prefix_cache import PrefixCache
 
 PS = 4
 PREFIX = list(range(100, 112))  # three whole pages

@@ -15,20 +15,35 @@ Who owns what: a request's PageTable starts with the matched (shared, locked) pa
 by pages of its own. On finish it inserts its whole prompt pages: the tree takes the ones it did
 not have and returns the duplicates (pages of positions it already holds under another id) for
 the caller to free; the shared pages are the tree's own and are neither taken nor returned.
+
+Two ways to own a page. The prefill node's tree is the page's only owner: a request reading a
+cached page just lists it, and frees only what follows. A decode node's tree (`holds_pages`)
+counts as one holder of the page in the allocator (`PageAllocator.share`), beside every request
+whose table lists it, so a request frees its whole table on any path, as it does without a
+cache, and a page goes back to the pool when its last holder (tree or request) lets go.
+
+KV events: with `on_change`, every change is reported as the page names it stored or removed
+(`control.kv_events`), in the order it happened, for the router's exact index.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from control.kv_events import page_hashes
 from model.kv_pool import KVPool
+
+# (stored, removed) page names of one change
+ChangeSink = Callable[[list[bytes], list[bytes]], None]
 
 
 @dataclass(eq=False)
 class _Node:
     tokens: tuple[int, ...] = ()  # the edge from the parent: len(pages) * page_size tokens
     pages: list[int] = field(default_factory=list)
+    names: list[bytes] = field(default_factory=list)  # the pages' chained names (with events)
     parent: _Node | None = None
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)  # by first page
     lock_count: int = 0  # running prefills whose match ends at or below this node
@@ -53,9 +68,13 @@ class PrefixCache:
     """Radix tree of cached prompt prefixes over `pool`'s pages. Not thread-safe: the
     scheduler is its only caller."""
 
-    def __init__(self, pool: KVPool):
+    def __init__(
+        self, pool: KVPool, holds_pages: bool = False, on_change: ChangeSink | None = None
+    ):
         self.pool = pool
         self.page_size = pool.page_size
+        self.holds_pages = holds_pages
+        self.on_change = on_change
         self._root = _Node()
         self._root.lock_count = 1  # never evicted
         self.num_cached_pages = 0
@@ -118,14 +137,21 @@ class PrefixCache:
         if len(token_ids) != len(pages) * self.page_size:
             raise ValueError("insert takes whole pages: len(token_ids) != pages * page_size")
         node, pos, not_taken = self._root, 0, []
+        names = page_hashes(token_ids, self.page_size) if self.on_change is not None else []
         while pos < len(token_ids):
             child = node.children.get(self._page_key(token_ids, pos))
             page_index = pos // self.page_size
             if child is None:
-                leaf = _Node(tuple(token_ids[pos:]), list(pages[page_index:]), node)
+                leaf = _Node(
+                    tuple(token_ids[pos:]), list(pages[page_index:]), names[page_index:], node
+                )
                 leaf.last_used = tick
                 node.children[self._page_key(token_ids, pos)] = leaf
                 self.num_cached_pages += len(leaf.pages)
+                if self.holds_pages:
+                    self.pool.allocator.share(leaf.pages)
+                if self.on_change is not None:
+                    self.on_change(list(leaf.names), [])
                 break
             num_pages = self._common_pages(child.tokens, token_ids, pos)
             if num_pages < len(child.pages):
@@ -142,22 +168,27 @@ class PrefixCache:
         pages of unlocked leaves, least recently used leaf first. Returns the pages freed."""
         heap = [(n.last_used, i, n) for i, n in enumerate(self._leaves()) if n.lock_count == 0]
         heapq.heapify(heap)
-        freed, order = 0, len(heap)
+        freed, order, removed = 0, len(heap), []
         while freed < num_pages and heap:
             _, _, leaf = heapq.heappop(heap)
             if len(leaf.pages) > num_pages - freed:  # its head stays cached
                 keep = len(leaf.pages) - (num_pages - freed)
                 self._free(leaf.pages[keep:])
+                removed += leaf.names[keep:]
                 freed += len(leaf.pages) - keep
                 leaf.pages, leaf.tokens = leaf.pages[:keep], leaf.tokens[: keep * self.page_size]
+                leaf.names = leaf.names[:keep]
                 break
             parent = leaf.parent
             del parent.children[leaf.tokens[: self.page_size]]
             self._free(leaf.pages)
+            removed += leaf.names
             freed += len(leaf.pages)
             if parent is not self._root and parent.is_leaf and parent.lock_count == 0:
                 order += 1
                 heapq.heappush(heap, (parent.last_used, order, parent))
+        if removed and self.on_change is not None:
+            self.on_change([], removed)
         return freed
 
     def num_evictable_pages(self) -> int:
@@ -174,6 +205,16 @@ class PrefixCache:
     def clear(self) -> int:
         """Evicts every unlocked page; returns how many."""
         return self.evict(self.num_cached_pages)
+
+    def page_names(self) -> list[bytes]:
+        """The names of every cached page, each after its parent's (a snapshot for an index
+        that starts over: a new router)."""
+        out, stack = [], list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            out += node.names
+            stack.extend(node.children.values())
+        return out
 
     # ---- internals -------------------------------------------------------------------------
     def _free(self, pages: list[int]) -> None:
@@ -198,10 +239,13 @@ class PrefixCache:
     def _split(self, child: _Node, num_pages: int) -> _Node:
         """Cuts `child`'s edge after `num_pages` pages; returns the new upper node."""
         cut = num_pages * self.page_size
-        upper = _Node(child.tokens[:cut], child.pages[:num_pages], child.parent)
+        upper = _Node(
+            child.tokens[:cut], child.pages[:num_pages], child.names[:num_pages], child.parent
+        )
         upper.lock_count, upper.last_used = child.lock_count, child.last_used
         child.parent.children[child.tokens[: self.page_size]] = upper
         child.tokens, child.pages, child.parent = child.tokens[cut:], child.pages[num_pages:], upper
+        child.names = child.names[num_pages:]
         upper.children[child.tokens[: self.page_size]] = child
         return upper
 
@@ -213,3 +257,17 @@ class PrefixCache:
                 out.append(node)
             stack.extend(node.children.values())
         return out
+
+
+def prefix_cache_figures(cache: PrefixCache | None) -> dict[str, int]:
+    """The Heartbeat's prefix-cache fields (none without a cache: they stay zero)."""
+    if cache is None:
+        return {}
+    return {
+        "num_prefix_lookups": cache.num_lookups,
+        "num_prefix_hits": cache.num_hits,
+        "num_prefix_hit_tokens": cache.num_hit_tokens,
+        "num_prefix_evicted_pages": cache.num_evicted_pages,
+        "num_prefix_cached_pages": cache.num_cached_pages,
+        "num_prefix_cached_tokens": cache.num_cached_tokens,
+    }

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from model.kv_pool import KVPool
-from prefill_node.prefix_cache import PrefixCache
+from runtime.prefix_cache import PrefixCache
 
 PS = 4  # page size
 
