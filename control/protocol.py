@@ -118,6 +118,7 @@ class KVEvents:
     of the requests that caused it (the same socket, in order)."""
 
     node: str
+    role: str
     page_size: int
     stored: list[bytes] = field(default_factory=list)
     removed: list[bytes] = field(default_factory=list)

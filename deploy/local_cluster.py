@@ -100,6 +100,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the KV links: curve (CURVE sockets, the default) or aead (plain sockets, every KV "
         "message sealed with AES-256-GCM under a key per transfer)",
     )
+    p.add_argument(
+        "--decode-prefix-cache",
+        action="store_true",
+        help="decode nodes keep finished prompts' KV (prefix_cache = true): a later prompt "
+        "starting with one receives only the rest (multi-turn chat)",
+    )
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait")
     return p.parse_args(argv)
 
@@ -189,6 +195,9 @@ def resolve_config(args: argparse.Namespace) -> dict:
             raw.setdefault("router", {})[key] = getattr(args, key)
     if args.kv_security:
         raw.setdefault("security", {})["kv_security"] = args.kv_security
+    if args.decode_prefix_cache:  # overrides the config's per-node `prefix_cache` (decode)
+        for node in raw.get("decode", []):
+            node["prefix_cache"] = True
     if args.dtype:
         raw["dtype"] = args.dtype
     if args.model:

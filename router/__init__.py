@@ -15,8 +15,8 @@ imports only `control` (no torch, no model, no kernels).
   lease pings; recovery.py: moving requests of lost nodes, preemption; admission.py: SLA
   admission
 - state.py: the request state machine; nodes.py: node liveness and load; policy.py: the
-  pairing policy; prefix_affinity.py: the router's guess of what each prefill node's prefix
-  cache holds
+  pairing policy; kv_index.py: the exact index of what each node's prefix cache holds (from
+  the nodes' KV events)
 - transport.py: ZeroMQ sockets to the nodes; text.py: incremental detokenization and stop
   strings; metrics.py: Prometheus metrics; __main__.py: `python -m router --config FILE`
 """

@@ -35,6 +35,7 @@ from router.auth import ApiKeys, KeyLimiter
 from router.cluster_view import cluster_view
 from router.core import Router
 from router.guard import GatewayGuard
+from router.kv_index import kv_index_summary
 from router.metrics import CONTENT_TYPE
 from router.responses_api import ResponsesRequest, respond
 from router.serving import ModelInfo, Prompts, Serving
@@ -111,6 +112,10 @@ def create_app(router: Router, tokenizer: Tokenizer, model: ModelInfo) -> FastAP
     @app.get("/v1/cluster")
     async def cluster():
         return cluster_view(router.cfg, router.nodes, router.is_serving)
+
+    @app.get("/v1/kv_index/summary")
+    async def kv_index():
+        return kv_index_summary(router.kv_index, list(router.nodes.nodes.values()))
 
     def card() -> dict:
         return {

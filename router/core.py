@@ -40,6 +40,7 @@ from control.protocol import (
     Abort,
     FirstToken,
     Heartbeat,
+    KVEvents,
     NodeFailed,
     NodeReady,
     Preempted,
@@ -52,6 +53,7 @@ from control.security import CurveSecurity
 from router.admission import AdmissionControl, CostModelCollector
 from router.dispatch import RequestDispatch
 from router.health import NodeHealth
+from router.kv_index import KVIndex
 from router.metrics import RouterMetrics
 from router.nodes import NodeRegistry, NodeState
 from router.ordering import OutputOrdering
@@ -102,7 +104,8 @@ class Router:
         self._max_positions = max_positions
         self.fingerprint = fingerprint
         self.nodes = NodeRegistry(cfg)
-        self.policy = policy or default_policy(cfg)
+        self.kv_index = KVIndex()  # what the nodes' prefix caches hold (their KV events)
+        self.policy = policy or default_policy(cfg, self.kv_index)
         self.transport: RouterTransport | None = None
         self.metrics = RouterMetrics(self.nodes, cfg.sla, self._num_bad_frames)
         self.admission = AdmissionControl(cfg, self.metrics)  # SLA admission
@@ -123,6 +126,7 @@ class Router:
             self.policy,
             self.admission,
             self.fingerprint,
+            self.kv_index,
             node_lost=self._node_lost,
             is_closing=self._is_closing,
         )
@@ -360,6 +364,7 @@ class Router:
             Heartbeat: self.health.on_heartbeat,
             NodeReady: self.health.on_node_ready,
             NodeFailed: self.health.on_node_failed,
+            KVEvents: self.health.on_kv_events,
             ReserveReply: self.dispatch.on_reserve_reply,
             FirstToken: self.ordering.on_first_token,
             StepTokens: self.ordering.on_step_tokens,

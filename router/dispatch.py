@@ -154,7 +154,7 @@ class RequestDispatch:
             default=min(num_prompt + max_new, self.max_positions),
         )
         refusals = []
-        for node in self.policy.rank_decode(ready, num_tokens):
+        for node in self.policy.rank_decode(ready, num_tokens, req.attempt_prompt_ids):
             if not node.is_ready:  # died or began draining while we asked another
                 continue
             reply = await self._reserve_on(req, node, node.reservation_tokens(*shape))
@@ -177,13 +177,16 @@ class RequestDispatch:
         be mistaken for the next node's."""
         self.nodes.hold_decode(req, node, node.pages_for(num_tokens))
         sampling = req.attempt_sampling
+        # The prompt's ids go where they are read: the sampling's penalties, or the node's
+        # prefix cache (it says how many leading rows it holds, and caches the prompt after).
+        sends_ids = sampling.uses_prompt or bool(node.info.get("prefix_cache"))
         msg = Reserve(
             req.wire_id,
             req.room,
             len(req.attempt_prompt_ids),
             sampling_to_dict(sampling),
             timeout_s=self.timeouts.transfer_s,
-            prompt_ids=list(req.attempt_prompt_ids) if sampling.uses_prompt else [],
+            prompt_ids=list(req.attempt_prompt_ids) if sends_ids else [],
             priority=req.timings.arrival,  # the first arrival: a restart keeps its place
             fork_ids=[fork.wire_id for fork in req.pending_forks],
         )
@@ -229,6 +232,7 @@ class RequestDispatch:
             timeout_s=self.timeouts.prefill_queue_s,
             seq=seq,
             kv_key=req.kv_key,
+            skip_rows=req.kv_cached_rows,
         )
         if not self.send(node.name, msg):
             self.abort_on_nodes(req, "prefill node unreachable")
@@ -249,6 +253,8 @@ class RequestDispatch:
             if msg.ok:
                 req = self.requests[msg.request_id]
                 req.kv_endpoint, req.kv_key = msg.kv_endpoint, msg.kv_key
+                # (a node's word, bounded by the prompt: the prefill node checks it too)
+                req.kv_cached_rows = min(max(msg.cached_rows, 0), len(req.attempt_prompt_ids))
             return
         if msg.ok:  # a late yes to a request we gave up on: make the node free its pages
             for node in self.nodes.of_role("decode"):

@@ -22,8 +22,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from control.protocol import Heartbeat, NodeFailed, NodeReady
+from control.protocol import Heartbeat, KVEvents, NodeFailed, NodeReady
 from router.admission import AdmissionControl
+from router.kv_index import DEFAULT_MAX_PAGES, KVIndex
 from router.nodes import NodeRegistry, NodeState
 from router.policy import PairingPolicy
 
@@ -39,6 +40,7 @@ class NodeHealth:
         policy: PairingPolicy,
         admission: AdmissionControl,
         fingerprint: dict[str, Any] | None,
+        index: KVIndex,
         *,
         node_lost: Callable[[NodeState, str], None],
         is_closing: Callable[[], bool],
@@ -47,6 +49,7 @@ class NodeHealth:
         self.policy = policy
         self.admission = admission
         self.fingerprint = fingerprint
+        self.index = index
         self.node_lost = node_lost  # (node, what happened to it): its requests move
         self.is_closing = is_closing
         self._nodes_changed = asyncio.Event()  # set when a node becomes ready
@@ -76,6 +79,7 @@ class NodeHealth:
             return
         if node.num_active:  # it restarted: whatever it held is gone
             self.node_lost(node, "restarted")
+        self.index.forget(node.name)  # its cache starts empty (a snapshot may follow)
         mismatch = _fingerprint_mismatch(self.fingerprint, msg.info.get("fingerprint"))
         if mismatch:
             self.nodes.mark_dead(node, f"incompatible model: {mismatch}")
@@ -93,7 +97,15 @@ class NodeHealth:
             return
         log.error("node %s (%s) failed: %s", node.name, node.role, msg.error)
         self.nodes.mark_dead(node, msg.error)
+        self.index.forget(node.name)
         self.node_lost(node, f"failed: {msg.error}")
+
+    def on_kv_events(self, msg: KVEvents) -> None:
+        """A change of the node's prefix cache, into the router's index of it."""
+        node = self.nodes.get(msg.node, msg.role)
+        if node is None or node.status == "dead":
+            return
+        self.index.apply(msg, int(node.info.get("num_pages", 0)) or DEFAULT_MAX_PAGES)
 
     async def wait_for_nodes(self, timeout_s: float) -> bool:
         """Waits up to `timeout_s` for a ready prefill and a ready decode node (one may be

@@ -254,17 +254,20 @@ class NodeCollector:
             malformed.add_metric(lv, hb.num_malformed)
             running.add_metric(lv, hb.num_running)
             draining.add_metric(lv, 1.0 if hb.draining else 0.0)
+            if hb.num_prefix_lookups or n.role == "prefill":
+                prefix.add(lv, hb)
             if n.role == "prefill":
                 queued_tokens.add_metric(lv, hb.queued_tokens)
                 sent.add_metric(lv, hb.kv_bytes_sent)
                 cancelled.add_metric(lv, hb.num_cancelled_by_decode)
-                prefix.add(lv, hb)
+                prefix.add_rows(lv, hb)
             else:
                 pages_used.add_metric(lv, hb.total_pages - hb.free_pages)
                 pages_total.add_metric(lv, hb.total_pages)
                 received.add_metric(lv, hb.kv_bytes_received)
                 dropped.add_metric(lv, hb.kv_chunks_dropped)
                 preempted.add_metric(lv, hb.num_preempted)
+                prefix.rows_received.add_metric(lv, hb.kv_rows_received)
                 if hb.mtp_request_steps:
                     mtp.add(lv, hb)
             for stage, ms in hb.stage_ms.items():
@@ -322,7 +325,8 @@ class MtpFamilies:
 
 
 class PrefixCacheFamilies:
-    """A prefill node's prefix-cache figures, from its heartbeat."""
+    """A node's prefix-cache figures (a prefill node's, or a decode node's of finished
+    prompts), and the KV rows moved and not moved for them, from its heartbeat."""
 
     def __init__(self, labels: list[str]):
         self.lookups = CounterMetricFamily(
@@ -347,6 +351,17 @@ class PrefixCacheFamilies:
             "Share of lookups that hit (0 before any)",
             labels=labels,
         )
+        self.rows_sent = CounterMetricFamily(
+            "duet_kv_rows_sent", "Prompt KV rows a prefill node sent", labels=labels
+        )
+        self.rows_skipped = CounterMetricFamily(
+            "duet_kv_rows_skipped",
+            "Prompt KV rows a prefill node did not send: the decode node held them",
+            labels=labels,
+        )
+        self.rows_received = CounterMetricFamily(
+            "duet_kv_rows_received", "Prompt KV rows a decode node received", labels=labels
+        )
 
     def add(self, lv: list[str], hb) -> None:
         self.lookups.add_metric(lv, hb.num_prefix_lookups)
@@ -357,5 +372,12 @@ class PrefixCacheFamilies:
         lookups = hb.num_prefix_lookups
         self.hit_ratio.add_metric(lv, hb.num_prefix_hits / lookups if lookups else 0.0)
 
+    def add_rows(self, lv: list[str], hb) -> None:
+        self.rows_sent.add_metric(lv, hb.kv_rows_sent)
+        self.rows_skipped.add_metric(lv, hb.kv_rows_skipped)
+
     def families(self) -> tuple:
-        return (self.lookups, self.hits, self.hit_tokens, self.evicted, self.pages, self.hit_ratio)
+        return (
+            *(self.lookups, self.hits, self.hit_tokens, self.evicted, self.pages, self.hit_ratio),
+            *(self.rows_sent, self.rows_skipped, self.rows_received),
+        )

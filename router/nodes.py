@@ -38,7 +38,7 @@ class NodeState:
     name: str
     role: str  # "prefill" | "decode"
     control_endpoint: str
-    page_size: int  # decode: tokens per page (from the config; NodeReady may refine it)
+    page_size: int  # tokens per page (from the config; NodeReady may refine it)
     total_pages: int  # decode: from the config; NodeReady / heartbeats refine it
     status: str = NodeStatus.STARTING
     last_seen: float = 0.0  # monotonic
@@ -53,6 +53,9 @@ class NodeState:
     # config, then from its NodeReady; the router's estimate of a reservation follows it.
     kv_reservation: str = WORST_CASE
     kv_headroom_tokens: int = 0
+    # prefill: the prompts sent and not yet done (first token not seen), by request: what the
+    # node's prefix cache will hold once they finish (cache-aware routing)
+    in_flight: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def is_ready(self) -> bool:
@@ -128,9 +131,9 @@ class NodeRegistry:
         node.error = ""
         node.info = dict(info)
         node.last_seen = time.monotonic()
+        node.page_size = int(info.get("page_size", node.page_size)) or node.page_size
         if node.role == "decode":
             node.total_pages = int(info.get("num_pages", node.total_pages))
-            node.page_size = int(info.get("page_size", node.page_size)) or node.page_size
             mode = info.get("kv_reservation", node.kv_reservation)
             if mode in KV_RESERVATION_MODES:  # an older node sends none: keep the config's
                 node.kv_reservation = mode
@@ -176,6 +179,7 @@ class NodeRegistry:
 
     def hold_prefill(self, req: RouterRequest, node: NodeState) -> None:
         req.prefill_node, req.holds_prefill = node.name, True
+        node.in_flight[id(req)] = req.attempt_prompt_ids
         node.queued_tokens += req.prompt_len
         node.num_active += 1
         node.num_served += 1
@@ -191,6 +195,7 @@ class NodeRegistry:
         """At P's first token (P is done with it) or when the request ends."""
         node = self.nodes.get(req.prefill_node or "")
         if req.holds_prefill and node is not None:
+            node.in_flight.pop(id(req), None)
             node.queued_tokens -= req.prompt_len
             node.num_active -= 1
         req.holds_prefill = False

@@ -3,22 +3,26 @@
 A policy is a small object with two methods over the ready nodes; the router asks it for an
 ordered list of decode candidates (it tries them in turn until one admits the request) and for
 one prefill node, and shows it every heartbeat. Swap in another policy (SLA-aware) by passing
-it to `Router`; `default_policy` picks cache-aware routing when prefill nodes cache prefixes.
+it to `Router`; `default_policy` picks cache-aware routing when any node caches prefixes.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 from control.cluster_config import ClusterConfig
+from router.kv_index import KVIndex
 from router.nodes import NodeState
-from router.prefix_affinity import PrefixAffinityTree
 
 
 class PairingPolicy(Protocol):
-    def rank_decode(self, nodes: list[NodeState], num_tokens: int) -> list[NodeState]:
-        """Decode nodes to try, best first, for a request holding `num_tokens` tokens of KV.
-        Nodes that cannot fit it may be left out; an empty list means "no room" (503)."""
+    def rank_decode(
+        self, nodes: list[NodeState], num_tokens: int, prompt_ids: list[int] = ()
+    ) -> list[NodeState]:
+        """Decode nodes to try, best first, for a request of `prompt_ids` holding `num_tokens`
+        tokens of KV. Nodes that cannot fit it may be left out; an empty list means "no room"
+        (503)."""
         ...
 
     def pick_prefill(self, nodes: list[NodeState], prompt_ids: list[int]) -> NodeState | None:
@@ -39,7 +43,9 @@ class LeastLoadedPolicy:
     """Prefill: fewest queued tokens (ties: fewest active requests, then name). Decode: most free
     pages among those that fit the request (ties: fewest active requests, then name)."""
 
-    def rank_decode(self, nodes: list[NodeState], num_tokens: int) -> list[NodeState]:
+    def rank_decode(
+        self, nodes: list[NodeState], num_tokens: int, prompt_ids: list[int] = ()
+    ) -> list[NodeState]:
         fits = [n for n in nodes if n.pages_for(num_tokens) <= n.free_pages]
         return sorted(fits, key=lambda n: (-n.free_pages, n.num_active, n.name))
 
@@ -56,29 +62,39 @@ class LeastLoadedPolicy:
 
 
 class CacheAwarePolicy(LeastLoadedPolicy):
-    """Prefill: prefix affinity balanced against load. Among the nodes whose queue is at most
-    `balance_tokens` longer than the shortest, the one with the longest cached prefix of the
-    prompt (by the router's per-node `PrefixAffinityTree`; ties by load); with no cached
-    prefix anywhere among them, the least loaded node. Decode: as LeastLoadedPolicy.
+    """Pairs by what the nodes' prefix caches hold (`router.kv_index`, exact from their KV
+    events), balanced against load.
 
-    The trees hold what the node caches, as far as the router can tell: the whole pages of
-    each prompt sent there, trimmed at each heartbeat (LRU) to what the node reports caching
-    plus the tokens still queued on it (those prompts are cached when they finish)."""
+    Prefill: among the nodes whose queue is at most `balance_tokens` longer than the shortest,
+    the one expected to serve the longest prefix of the prompt from its cache (ties by load);
+    with no cached prefix anywhere among them, the least loaded node. A node is expected to
+    serve what its cache holds now and what the prompts queued on it will leave there (they
+    are cached when they finish), so a burst sharing a system prompt lands together.
 
-    def __init__(self, caching_nodes: set[str], balance_tokens: int):
+    Decode (nodes with `prefix_cache`): among the nodes that fit the request and hold at most
+    `balance_tokens` more KV than the least loaded, the one holding the longest prefix of the
+    prompt first (the prefill node then sends only the rest); the others by LeastLoadedPolicy."""
+
+    def __init__(self, index: KVIndex, balance_tokens: int):
+        self.index = index
         self.balance_tokens = balance_tokens
-        self.trees = {name: PrefixAffinityTree() for name in caching_nodes}
-        self._num_lookups: dict[str, int] = {}  # the last heartbeat's, to notice a restart
-        self._tick = 0
+        self._memo: tuple[list[int] | None, dict[int, list[bytes]]] = (None, {})
 
     def cached_len(self, node: NodeState, prompt_ids: list[int]) -> int:
-        """The prompt tokens the router expects `node` to serve from its cache: whole pages,
+        """The prompt tokens the prefill node is expected to serve from its cache: whole pages,
         at most len - 1 (the node always computes the last token)."""
-        tree = self.trees.get(node.name)
-        if tree is None or not prompt_ids:
+        if not prompt_ids or node.role != "prefill":
             return 0
-        matched = min(tree.match(prompt_ids), len(prompt_ids) - 1)
-        return matched // node.page_size * node.page_size
+        held = self.index.match(node.name, prompt_ids, self._names(prompt_ids))
+        queued = max((_common_len(p, prompt_ids) for p in node.in_flight.values()), default=0)
+        ps = self.index.page_size(node.name) or node.page_size
+        return min(max(held, queued // ps * ps), (len(prompt_ids) - 1) // ps * ps)
+
+    def decode_cached_len(self, node: NodeState, prompt_ids: list[int]) -> int:
+        """The prompt's leading tokens whose KV the decode node holds (whole pages)."""
+        if not prompt_ids:
+            return 0
+        return self.index.match(node.name, prompt_ids, self._names(prompt_ids))
 
     def pick_prefill(self, nodes: list[NodeState], prompt_ids: list[int]) -> NodeState | None:
         if not nodes:
@@ -88,34 +104,42 @@ class CacheAwarePolicy(LeastLoadedPolicy):
         scored = [(self.cached_len(n, prompt_ids), n) for n in fair]
         best = max(length for length, _ in scored)
         if best == 0:
-            choice = min(nodes, key=_load)
-        else:
-            choice = min((n for length, n in scored if length == best), key=_load)
-        tree = self.trees.get(choice.name)
-        if tree is not None:
-            self._tick += 1
-            whole = len(prompt_ids) // choice.page_size * choice.page_size
-            tree.insert(prompt_ids[:whole], self._tick)  # what the node will cache of it
-        return choice
+            return min(nodes, key=_load)
+        return min((n for length, n in scored if length == best), key=_load)
 
-    def observe_heartbeat(self, node: NodeState) -> None:
-        tree, hb = self.trees.get(node.name), node.heartbeat
-        if tree is None or hb is None or node.role != "prefill":
-            return
-        if hb.num_prefix_lookups < self._num_lookups.get(node.name, 0):
-            tree.clear()  # its counters went back: it restarted with an empty cache
-        self._num_lookups[node.name] = hb.num_prefix_lookups
-        # A prompt whose first token the router has seen was cached before this heartbeat was
-        # sent (same socket, in order); the others are still queued on the node.
-        tree.trim(hb.num_prefix_cached_tokens + node.queued_tokens)
+    def rank_decode(
+        self, nodes: list[NodeState], num_tokens: int, prompt_ids: list[int] = ()
+    ) -> list[NodeState]:
+        ranked = super().rank_decode(nodes, num_tokens)
+        if not ranked or not prompt_ids:
+            return ranked
+        least = min(_held_tokens(n) for n in ranked)
+        fair = [n for n in ranked if _held_tokens(n) <= least + self.balance_tokens]
+        held = {n.name: self.decode_cached_len(n, prompt_ids) for n in fair}
+        return sorted(ranked, key=lambda n: -held.get(n.name, 0))  # stable: load order within
+
+    def _names(self, prompt_ids: list[int]) -> dict[int, list[bytes]]:
+        """The prompt's page names by page size, kept while the router asks about one prompt
+        (the same list object)."""
+        if self._memo[0] is not prompt_ids:
+            self._memo = (prompt_ids, {})
+        return self._memo[1]
 
 
-def default_policy(cfg: ClusterConfig) -> PairingPolicy:
-    """Cache-aware when any prefill node keeps a prefix cache, else least loaded."""
-    caching = {p.name for p in cfg.prefill if p.prefix_cache}
-    if caching:
-        return CacheAwarePolicy(caching, cfg.router.cache_balance_tokens)
+def default_policy(cfg: ClusterConfig, index: KVIndex) -> PairingPolicy:
+    """Cache-aware when any node keeps a prefix cache, else least loaded."""
+    if any(p.prefix_cache for p in cfg.prefill) or any(d.prefix_cache for d in cfg.decode):
+        return CacheAwarePolicy(index, cfg.router.cache_balance_tokens)
     return LeastLoadedPolicy()
+
+
+def _held_tokens(node: NodeState) -> int:
+    """KV tokens a decode node's requests hold (its pool less what is free or evictable)."""
+    return (node.total_pages - node.free_pages) * node.page_size
+
+
+def _common_len(a: list[int], b: list[int]) -> int:
+    return len(os.path.commonprefix([a, b]))
 
 
 def _load(node: NodeState) -> tuple:

@@ -110,6 +110,7 @@ class RouterRequest:
     decode_node: str | None = None
     kv_endpoint: str = ""  # the decode node's, from its ReserveReply
     kv_key: bytes = field(default=b"", repr=False)  # its transfer key (kv_security = "aead")
+    kv_cached_rows: int = 0  # leading prompt rows the decode node holds (not sent again)
     reserved_pages: int = 0  # what the decode node reserved (the router's load estimate)
     holds_prefill: bool = False  # counted in the prefill node's queued tokens
     holds_decode: bool = False  # counted in the decode node's reserved pages
@@ -193,6 +194,7 @@ class RouterRequest:
         self.prefill_node = self.decode_node = None
         self.kv_endpoint = ""
         self.kv_key = b""
+        self.kv_cached_rows = 0
         self.reserved_pages = 0
         self.pending_tokens, self.pending_finish = [], None
         self.pending_logprobs = []

@@ -110,13 +110,13 @@ class NodeLoop:
         self, stored: list[bytes], removed: list[bytes], cleared: bool = False
     ) -> None:
         """KVEvents for one change of the prefix cache (in bounded messages, in order)."""
-        page_size = self.prefix_cache.page_size
+        name, role, page_size = self.name, self.role, self.prefix_cache.page_size
         if cleared:
-            self.outbox.send(KVEvents(self.name, page_size, cleared=True))
+            self.outbox.send(KVEvents(name, role, page_size, cleared=True))
         for names in kv_events.batches(removed):
-            self.outbox.send(KVEvents(self.name, page_size, removed=names))
+            self.outbox.send(KVEvents(name, role, page_size, removed=names))
         for names in kv_events.batches(stored):
-            self.outbox.send(KVEvents(self.name, page_size, stored=names))
+            self.outbox.send(KVEvents(name, role, page_size, stored=names))
 
     def publish_cache_snapshot(self) -> None:
         """The whole cache, for an index that starts over (a new router)."""

@@ -258,13 +258,13 @@ def test_transfer_term_uses_the_kv_layout_from_node_ready():
 
 def test_a_cached_prefix_shortens_the_predicted_prefill():
     """With cache-aware pairing, the prediction counts the prompt tokens the node is expected
-    to serve from its prefix cache (the router's tree of what it sent there)."""
+    to serve from its prefix cache (what its cache holds, and the prompts queued on it)."""
     r = make_router()
     node = r.nodes.nodes["p0"]
     prompt = list(range(2, 2 + 1024))
     cold = r.admission.ranked([node], prompt)[0]
     assert r.admission.cached_len(node, prompt) == 0
-    assert r.policy.pick_prefill([node], prompt) is node  # sent there: the node will cache it
+    node.in_flight[1] = prompt  # sent there (`NodeRegistry.hold_prefill`): it will cache it
     cached = r.admission.cached_len(node, prompt)
     assert cached == 1023 // node.page_size * node.page_size  # whole pages, never the last token
     warm = r.admission.ranked([node], prompt)[0]

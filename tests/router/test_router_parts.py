@@ -13,6 +13,7 @@ from control.protocol import (
 from control.sampling_params import SamplingParams
 from router.dispatch import RequestDispatch
 from router.health import NodeHealth
+from router.kv_index import KVIndex
 from router.nodes import NodeRegistry, NodeState, NodeStatus
 from router.ordering import OutputOrdering
 from router.state import RequestState, RouterRequest, TokenEvent
@@ -235,6 +236,7 @@ def test_health_refuses_another_model_and_reports_a_restarted_node_as_lost():
         NoPolicy(),
         FakeAdmission(),
         {"num_hidden_layers": 3},
+        KVIndex(),
         node_lost=node_lost,
         is_closing=lambda: False,
     )
