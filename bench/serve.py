@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from bench import server_counters
 from bench.datasets import DATASETS, DEFAULT_PREFIX_LEN, BenchRequest, make_requests
 from bench.serve_metrics import RequestRecord, format_table, summarize
 from control.errors import ConfigError, DuetError
@@ -439,6 +440,7 @@ def _run_multi_turn(args: argparse.Namespace, tokenizer) -> dict[str, Any]:
         args.seed,
     )
     target = _target(args)
+    before = server_counters.settled(args.url)  # what earlier runs moved, fully reported
     records, duration = asyncio.run(
         run_conversations(
             target,
@@ -452,6 +454,7 @@ def _run_multi_turn(args: argparse.Namespace, tokenizer) -> dict[str, Any]:
         )
     )
     summary = summarize(records, duration, args.ttft_ms, args.tpot_ms)
+    summary["kv_rows"] = server_counters.moved(before, server_counters.settled(args.url))
     write_outputs(Path(args.out), args, summary, records)
     return summary
 

@@ -103,6 +103,8 @@ def _by_turn(ok: list[RequestRecord]) -> dict[str, Any]:
     return {
         "ttft_ms_first_turn": stats_ms([r.ttft_s for r in ok if r.turn == 1]),
         "ttft_ms_later_turns": stats_ms([r.ttft_s for r in ok if (r.turn or 0) >= 2]),
+        "prompt_tokens_first_turn": sum(r.prompt_len for r in ok if r.turn == 1),
+        "prompt_tokens_later_turns": sum(r.prompt_len for r in ok if (r.turn or 0) >= 2),
     }
 
 
@@ -152,5 +154,10 @@ def format_table(summary: dict[str, Any], title: str = "Serving benchmark") -> s
         lines.append(f"{' ' + name + ' (ms) ':-^{width}}")
         for stat in ("mean", "median", "p90", "p99"):
             row(f"{stat.capitalize()} {name}", _fmt(summary[key][stat]))
+    if summary.get("kv_rows"):  # a duet router's counters over the run (bench.server_counters)
+        rows = summary["kv_rows"]
+        lines.append(f"{' Prompt KV rows (server) ':-^{width}}")
+        row("Sent by prefill nodes", str(rows["kv_rows_sent"]))
+        row("Not sent (the decode node held them)", str(rows["kv_rows_skipped"]))
     lines.append("=" * width)
     return "\n".join(lines)

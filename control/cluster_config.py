@@ -10,7 +10,8 @@
     [security]  curve_key_file (ZeroMQ CURVE on every inter-node socket), insecure, kv_security,
                 api_key_file / api_keys (HTTP Bearer keys), metrics_need_key
     [[prefill]] name, host, bind_host, control_port, threads, page_size, chunk_size, replicas,
-                device, prefix_cache, quant, quant_lm_head, pack, weights_cache
+                device, prefix_cache, disk_cache_dir, disk_cache_gb, quant, quant_lm_head,
+                pack, weights_cache
     [[decode]]  name, host, bind_host, control_port, kv_port, threads, page_size, num_pages,
                 max_batch, ranks, replicas, device, kv_reservation, kv_headroom_tokens, quant,
                 quant_lm_head, pack, weights_cache, mtp, mtp_tokens, overlap, prefix_cache
@@ -164,6 +165,13 @@ class PrefillNodeConfig(_Addresses):
     # prompt starting with a cached prefix computes only the rest. false: every prompt cold
     # (and the router pairs this node by load alone).
     prefix_cache: bool = True
+    # The prefix cache's disk tier (`runtime.kv_disk_store`): pages evicted from the pool are
+    # written under this directory (one store per model and KV layout, shared by every prefill
+    # node of the host that names it, kept across restarts) and read back on a hit; at most
+    # `disk_cache_gb` GiB, least recently used pages dropped first. "": no disk tier. Best
+    # absolute: a relative path is the node process's working directory's.
+    disk_cache_dir: str = ""
+    disk_cache_gb: float = 4.0
     quant: str = "none"  # weight quantization: "none" | "int8" | "fp8" | "int4"
     quant_lm_head: bool = False  # the LM head in int8 W8A8, whatever `quant` is
     # Packed weights (`model.weight_pack`): `pack` maps this packed weight store (made by
@@ -447,6 +455,10 @@ def _validate(cfg: ClusterConfig) -> None:
     for node in cfg.prefill:
         if node.chunk_size < 1 or node.max_batch_tokens < node.chunk_size:
             raise ConfigError(f"node {node.name}: need 1 <= chunk_size <= max_batch_tokens")
+        if node.disk_cache_dir and (not node.prefix_cache or node.disk_cache_gb <= 0):
+            raise ConfigError(
+                f"node {node.name}: disk_cache_dir needs prefix_cache = true and disk_cache_gb > 0"
+            )
         _validate_prefill_ranks(node, cfg.uses_mtp)
     r = cfg.router
     if r.max_body_bytes < 1024 or r.max_prompt_tokens < 0 or r.max_concurrent_per_key < 0:

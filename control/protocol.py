@@ -90,6 +90,14 @@ class Heartbeat:
     num_prefix_evicted_pages: int = 0  # cached pages evicted to make room
     num_prefix_cached_pages: int = 0  # now
     num_prefix_cached_tokens: int = 0  # now (whole pages only)
+    # The prefix cache's disk tier (prefill, cumulative): lookups that asked it for the pages
+    # after the pool's match, of which found some, the prompt tokens loaded from it, the pages
+    # this node wrote to it, and files that failed a check (deleted and computed instead).
+    num_disk_lookups: int = 0
+    num_disk_hits: int = 0
+    num_disk_hit_tokens: int = 0
+    num_disk_pages_stored: int = 0
+    num_disk_corrupt: int = 0
     # KV rows: prefill, cumulative: rows sent, and rows not sent because the decode node held
     # them (Prefill.skip_rows); decode: rows received.
     kv_rows_sent: int = 0

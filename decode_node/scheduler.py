@@ -88,7 +88,7 @@ class DecodeRequest:
     arrival: float
     stop_ids: frozenset[int]
     seed: int = 0  # the random stream (runtime.sampling.request_seed), resolved at reservation
-    prompt_ids: list[int] = field(default_factory=list)  # only when the sampling reads them
+    prompt_ids: list[int] = field(default_factory=list)  # when the sampling or the cache reads them
     priority: float = 0.0  # the router's arrival time of the request: larger is preempted first
     # Structured output: the grammar's matcher (runtime.grammar), past every output token
     # (P's first one included once the KV is ready); None for free text.

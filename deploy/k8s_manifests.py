@@ -116,15 +116,57 @@ _MOUNTS = {
     "dshm": "/dev/shm",
     WEIGHTS_CACHE: PACKS_DIR,
 }
-_WRITABLE = {"dshm", WEIGHTS_CACHE}
+# The prefix cache's disk tier (`disk_cache_dir` of a prefill node): a hostPath, so the prefill
+# pods of a host share one store and a restarted pod finds it warm; mounted at the TOML's path.
+KV_DISK = "kv-disk-cache"
+KV_DISK_HOST_PATH = "/var/cache/duet-serve/kv"
+_WRITABLE = {"dshm", WEIGHTS_CACHE, KV_DISK}
 
 
-def _mounts(volumes: list[Doc]) -> list[Doc]:
+def _mounts(volumes: list[Doc], paths: dict[str, str] | None = None) -> list[Doc]:
+    """Each volume at its path (`_MOUNTS`, or `paths` for those whose path the config names)."""
+    where = {**_MOUNTS, **(paths or {})}
     return [
-        {"name": v["name"], "mountPath": _MOUNTS[v["name"]]}
+        {"name": v["name"], "mountPath": where[v["name"]]}
         | ({} if v["name"] in _WRITABLE else {"readOnly": True})
         for v in volumes
     ]
+
+
+def _owner_init(name: str, volume: str, path: str, image: str) -> Doc:
+    """An init container that gives a hostPath volume to the image's user: chown alone, as
+    root with CAP_CHOWN only, a no-op once the directory is the user's."""
+    return {
+        "name": name,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["chown", f"{USER_ID}:{USER_ID}", path],
+        "resources": {
+            "requests": {"cpu": "10m", "memory": "32Mi"},
+            "limits": {"memory": "32Mi"},
+        },
+        "volumeMounts": [{"name": volume, "mountPath": path}],
+        "securityContext": {
+            "runAsUser": 0,
+            "runAsNonRoot": False,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
+        },
+    }
+
+
+def _kv_disk(node, image: str) -> tuple[list[Doc], list[Doc], dict[str, str]]:
+    """A prefill node's disk tier: (volumes, init containers, mount paths); none without one."""
+    path = getattr(node, "disk_cache_dir", "")
+    if not path:
+        return [], [], {}
+    if not path.startswith("/"):
+        raise ConfigError(
+            f"node {node.name}: disk_cache_dir {path!r} must be an absolute path under "
+            "Kubernetes (the pod mounts the host's store there)"
+        )
+    volume = {"name": KV_DISK, "hostPath": {"path": KV_DISK_HOST_PATH, "type": "DirectoryOrCreate"}}
+    return [volume], [_owner_init("kv-disk-owner", KV_DISK, path, image)], {KV_DISK: path}
 
 
 def _shm_volume(node) -> list[Doc]:
@@ -187,29 +229,10 @@ class WeightsCache:
         return []
 
     def init_containers(self, image: str) -> list[Doc]:
-        """A hostPath's owner: the image's user (see the class); chown alone, as root with
-        CAP_CHOWN only, a no-op once the directory is the user's."""
+        """A hostPath's owner: the image's user (see the class)."""
         if self.kind != "hostpath":
             return []
-        return [
-            {
-                "name": "weights-cache-owner",
-                "image": image,
-                "imagePullPolicy": "IfNotPresent",
-                "command": ["chown", f"{USER_ID}:{USER_ID}", PACKS_DIR],
-                "resources": {
-                    "requests": {"cpu": "10m", "memory": "32Mi"},
-                    "limits": {"memory": "32Mi"},
-                },
-                "volumeMounts": [{"name": WEIGHTS_CACHE, "mountPath": PACKS_DIR}],
-                "securityContext": {
-                    "runAsUser": 0,
-                    "runAsNonRoot": False,
-                    "allowPrivilegeEscalation": False,
-                    "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
-                },
-            }
-        ]
+        return [_owner_init("weights-cache-owner", WEIGHTS_CACHE, PACKS_DIR, image)]
 
 
 def uses_weights_cache(node) -> bool:
@@ -218,7 +241,14 @@ def uses_weights_cache(node) -> bool:
     return node.weights_cache and not node.pack
 
 
-def _container(role: str, image: str, args: list[str], volumes: list[Doc], **fields) -> Doc:
+def _container(
+    role: str,
+    image: str,
+    args: list[str],
+    volumes: list[Doc],
+    mount_paths: dict[str, str] | None = None,
+    **fields,
+) -> Doc:
     return {
         "name": role,
         "image": image,
@@ -226,7 +256,7 @@ def _container(role: str, image: str, args: list[str], volumes: list[Doc], **fie
         "command": [f"{APP_DIR}/deploy/launch_{role}.sh"],
         "args": args,
         **fields,
-        "volumeMounts": _mounts(volumes),
+        "volumeMounts": _mounts(volumes, mount_paths),
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
 
@@ -372,6 +402,9 @@ def node_set_manifests(
         init_containers = weights_cache.init_containers(image)
         # The image sets the same: pinned here, as the volume is mounted under it.
         env.append({"name": "DUET_CACHE_DIR", "value": CACHE_DIR})
+    disk_volumes, disk_init, disk_paths = _kv_disk(node_set.nodes[0], image)
+    volumes += disk_volumes
+    init_containers += disk_init
     # One pod: its node's name. Several: pod i is node NAME-i, so the pod's own name.
     node_arg = node_set.nodes[0].name if node_set.replicas == 1 else "$(POD_NAME)"
     container = _container(
@@ -379,6 +412,7 @@ def node_set_manifests(
         image,
         [config_path(), node_arg],
         volumes,
+        disk_paths,
         env=env,
         ports=[
             {"name": name, "containerPort": port, "protocol": "TCP"}

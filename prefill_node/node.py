@@ -45,6 +45,7 @@ from model.deepseek import DeepseekModel
 from prefill_node.kv_senders import SenderPool
 from prefill_node.scheduler import Chunk, PrefillRequest, PrefillScheduler, PrefillState
 from runtime.grammar import GrammarMatcher, Grammars
+from runtime.kv_disk_store import DiskKVStore
 from runtime.logprobs import token_logprobs
 from runtime.node_loop import NodeLoop
 from runtime.penalties import PastTokens
@@ -76,15 +77,17 @@ class PrefillNode(NodeLoop):
         # Heartbeats between layers too: one forward may outlast the router's node timeout.
         model.between_layers = self.maybe_heartbeat
         self.pool = model.new_kv_pool(cfg.num_pages, cfg.page_size)
-        self.prefix_cache = None
-        if cfg.prefix_cache:
-            self.prefix_cache = PrefixCache(self.pool, on_change=self.publish_cache_change)
-        self.scheduler = PrefillScheduler(
-            self.pool, cfg.chunk_size, cfg.max_batch_tokens, self.prefix_cache
-        )
         mcfg = model.cfg
         self.fingerprint = make_fingerprint(
             mcfg.fingerprint(), model.num_kv_layers, mcfg.kv_row_width, model.dtype
+        )
+        self.prefix_cache = None
+        if cfg.prefix_cache:
+            self.prefix_cache = PrefixCache(
+                self.pool, on_change=self.publish_cache_change, store=self._disk_store(cfg)
+            )
+        self.scheduler = PrefillScheduler(
+            self.pool, cfg.chunk_size, cfg.max_batch_tokens, self.prefix_cache
         )
         # A handshake blocks the loop: keep it well inside the router's node timeout.
         handshake_s = min(timeouts.reserve_s, timeouts.node_timeout_s / 2)
@@ -100,6 +103,16 @@ class PrefillNode(NodeLoop):
         self.last_prefill_seq = 0  # the router's numbering of its Prefills: the last one taken
         self._is_stalled = False  # last schedule found nothing to run although work is queued
         self._has_failed = False  # NodeFailed sent (report_failure)
+
+    def _disk_store(self, cfg: PrefillNodeConfig) -> DiskKVStore | None:
+        """The prefix cache's disk tier, keyed by everything that makes two nodes' rows equal:
+        the model and KV layout, the page size, and the weights' scheme."""
+        if not cfg.disk_cache_dir:
+            return None
+        layout = {**self.fingerprint, "page_size": self.pool.page_size, "quant": self.model.quant}
+        shape = (self.pool.num_layers, self.pool.page_size, self.pool.row_width)
+        size = int(cfg.disk_cache_gb * 2**30)
+        return DiskKVStore(cfg.disk_cache_dir, layout, shape, self.pool.dtype, size)
 
     def ready_info(self) -> dict[str, Any]:
         """What NodeReady carries."""

@@ -8,7 +8,9 @@ for pages) and gives them back the moment it finishes, fails or is aborted.
 With a prefix cache (`runtime.prefix_cache`), a starting request first looks its prompt up:
 the cached whole pages become the first pages of its table (shared with the tree, locked while
 it runs) and its computation starts after them; it allocates pages only for the rest, evicting
-unlocked cached pages when the pool is short. On finish its whole prompt pages go into the tree
+unlocked cached pages when the pool is short. With the cache's disk tier, the pages that follow
+the pool's match are read from disk into the request's own pages (the one place this scheduler
+touches more than memory). On finish its whole prompt pages go into the tree
 (which takes those it lacks; the tail page and duplicates are freed); on a failure it frees only
 its own pages and unlocks the shared ones.
 
@@ -243,7 +245,10 @@ class PrefillScheduler:
         if match is not None:
             self.prefix_cache.record_lookup(match.num_tokens)
             request.cache_match, request.num_shared_pages = match, len(match.pages)
-            request.num_cached = request.num_computed = match.num_tokens
+            # The disk tier: the pages after the pool's match, read into the request's own.
+            limit = self._cacheable_len(request)
+            loaded = cache.load_from_store(request.token_ids[:limit], table, match.num_tokens)
+            request.num_cached = request.num_computed = match.num_tokens + loaded
         request.table = table
         request.start_time = now
         request.advance(PrefillState.RUNNING)
@@ -251,15 +256,19 @@ class PrefillScheduler:
 
     def _lookup(self, request: PrefillRequest) -> PrefixMatch | None:
         """The cached prefix a starting request may use; None without a cache or when its
-        prompt logits are wanted (they must be computed). At most prompt_len - 1 tokens: the
-        last prompt token is always computed, its logits give the first output token."""
+        prompt logits are wanted (they must be computed)."""
         if self.prefix_cache is None or request.params.prompt_logprobs is not None:
             return None
-        ps = self.pool.page_size
         self._tick += 1
         return self.prefix_cache.match(
-            request.token_ids[: (request.prompt_len - 1) // ps * ps], self._tick
+            request.token_ids[: self._cacheable_len(request)], self._tick
         )
+
+    def _cacheable_len(self, request: PrefillRequest) -> int:
+        """The prompt's tokens a cache may serve: whole pages, at most prompt_len - 1 (the last
+        prompt token is always computed: its logits give the first output token)."""
+        ps = self.pool.page_size
+        return (request.prompt_len - 1) // ps * ps
 
     def _cache_prompt(self, request: PrefillRequest) -> None:
         """Hands the finished prompt's whole pages to the tree (it keeps those it lacked); the

@@ -135,6 +135,10 @@ def kv_index_summary(index: KVIndex, nodes: list[Any]) -> dict[str, Any]:
             if node.role == "prefill":
                 entry["kv_rows_sent"] = hb.kv_rows_sent
                 entry["kv_rows_skipped"] = hb.kv_rows_skipped
+                if hb.num_disk_lookups:  # the disk tier's own
+                    entry["disk_lookups"] = hb.num_disk_lookups
+                    entry["disk_hit_tokens"] = hb.num_disk_hit_tokens
+                    entry["disk_hit_ratio"] = hb.num_disk_hits / hb.num_disk_lookups
             else:
                 entry["kv_rows_received"] = hb.kv_rows_received
         out[node.name] = entry

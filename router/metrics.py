@@ -362,6 +362,30 @@ class PrefixCacheFamilies:
         self.rows_received = CounterMetricFamily(
             "duet_kv_rows_received", "Prompt KV rows a decode node received", labels=labels
         )
+        # The disk tier (a prefill node's `disk_cache_dir`).
+        self.disk_lookups = CounterMetricFamily(
+            "duet_prefix_cache_disk_lookups",
+            "Prefills that asked the disk tier for the pages after the pool's match",
+            labels=labels,
+        )
+        self.disk_hits = CounterMetricFamily(
+            "duet_prefix_cache_disk_hits", "Of which got pages from it", labels=labels
+        )
+        self.disk_hit_tokens = CounterMetricFamily(
+            "duet_prefix_cache_disk_hit_tokens",
+            "Prompt tokens loaded from the disk tier",
+            labels=labels,
+        )
+        self.disk_stored = CounterMetricFamily(
+            "duet_prefix_cache_disk_pages_stored",
+            "Evicted pages the node wrote to the disk tier",
+            labels=labels,
+        )
+        self.disk_corrupt = CounterMetricFamily(
+            "duet_prefix_cache_disk_corrupt",
+            "Disk-tier files that failed a check (deleted, computed instead)",
+            labels=labels,
+        )
 
     def add(self, lv: list[str], hb) -> None:
         self.lookups.add_metric(lv, hb.num_prefix_lookups)
@@ -375,9 +399,17 @@ class PrefixCacheFamilies:
     def add_rows(self, lv: list[str], hb) -> None:
         self.rows_sent.add_metric(lv, hb.kv_rows_sent)
         self.rows_skipped.add_metric(lv, hb.kv_rows_skipped)
+        if hb.num_disk_lookups or hb.num_disk_pages_stored:
+            self.disk_lookups.add_metric(lv, hb.num_disk_lookups)
+            self.disk_hits.add_metric(lv, hb.num_disk_hits)
+            self.disk_hit_tokens.add_metric(lv, hb.num_disk_hit_tokens)
+            self.disk_stored.add_metric(lv, hb.num_disk_pages_stored)
+            self.disk_corrupt.add_metric(lv, hb.num_disk_corrupt)
 
     def families(self) -> tuple:
         return (
             *(self.lookups, self.hits, self.hit_tokens, self.evicted, self.pages, self.hit_ratio),
             *(self.rows_sent, self.rows_skipped, self.rows_received),
+            *(self.disk_lookups, self.disk_hits, self.disk_hit_tokens, self.disk_stored),
+            self.disk_corrupt,
         )

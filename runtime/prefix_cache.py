@@ -24,6 +24,11 @@ cache, and a page goes back to the pool when its last holder (tree or request) l
 
 KV events: with `on_change`, every change is reported as the page names it stored or removed
 (`control.kv_events`), in the order it happened, for the router's exact index.
+
+A second tier (`store`, a `runtime.kv_disk_store.DiskKVStore`): every page evicted from the
+pool is first written there under its name, and `load_from_store` brings the pages that follow a
+pool match back into a request's own pages (the request then caches them in the pool again when
+it finishes, as pages it computed).
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from control.kv_events import page_hashes
-from model.kv_pool import KVPool
+from model.kv_pool import KVPool, PageTable
+from runtime.kv_disk_store import DiskKVStore
 
 # (stored, removed) page names of one change
 ChangeSink = Callable[[list[bytes], list[bytes]], None]
@@ -69,12 +75,20 @@ class PrefixCache:
     scheduler is its only caller."""
 
     def __init__(
-        self, pool: KVPool, holds_pages: bool = False, on_change: ChangeSink | None = None
+        self,
+        pool: KVPool,
+        holds_pages: bool = False,
+        on_change: ChangeSink | None = None,
+        store: DiskKVStore | None = None,
     ):
         self.pool = pool
         self.page_size = pool.page_size
         self.holds_pages = holds_pages
         self.on_change = on_change
+        self.store = store
+        self.num_store_lookups = 0  # lookups that asked the store for pages after the pool's
+        self.num_store_hits = 0  # of which got at least one page from it
+        self.num_store_hit_tokens = 0  # prompt tokens loaded from it (not computed)
         self._root = _Node()
         self._root.lock_count = 1  # never evicted
         self.num_cached_pages = 0
@@ -137,7 +151,7 @@ class PrefixCache:
         if len(token_ids) != len(pages) * self.page_size:
             raise ValueError("insert takes whole pages: len(token_ids) != pages * page_size")
         node, pos, not_taken = self._root, 0, []
-        names = page_hashes(token_ids, self.page_size) if self.on_change is not None else []
+        names = page_hashes(token_ids, self.page_size) if self._names_pages else []
         while pos < len(token_ids):
             child = node.children.get(self._page_key(token_ids, pos))
             page_index = pos // self.page_size
@@ -173,6 +187,7 @@ class PrefixCache:
             _, _, leaf = heapq.heappop(heap)
             if len(leaf.pages) > num_pages - freed:  # its head stays cached
                 keep = len(leaf.pages) - (num_pages - freed)
+                self._spill(leaf.names[keep:], leaf.pages[keep:])
                 self._free(leaf.pages[keep:])
                 removed += leaf.names[keep:]
                 freed += len(leaf.pages) - keep
@@ -181,6 +196,7 @@ class PrefixCache:
                 break
             parent = leaf.parent
             del parent.children[leaf.tokens[: self.page_size]]
+            self._spill(leaf.names, leaf.pages)
             self._free(leaf.pages)
             removed += leaf.names
             freed += len(leaf.pages)
@@ -217,6 +233,42 @@ class PrefixCache:
         return out
 
     # ---- internals -------------------------------------------------------------------------
+    @property
+    def _names_pages(self) -> bool:
+        """Whether the tree keeps its pages' names: events and the store key by them."""
+        return self.on_change is not None or self.store is not None
+
+    def load_from_store(self, token_ids: list[int], table: PageTable, start: int) -> int:
+        """Reads the pages of `token_ids` (whole pages) from `start` (a page boundary: where
+        the pool's match ended) on, as long as the store holds them, into `table`'s pages
+        (which must hold those positions); returns the tokens loaded."""
+        if self.store is None:
+            return 0
+        names = page_hashes(token_ids, self.page_size)
+        first = start // self.page_size
+        if first >= len(names):
+            return 0
+        loaded = 0
+        for index in range(first, len(names)):
+            rows = self.store.get(names[index])
+            if rows is None:
+                break
+            self.pool.write_rows(table, 0, index * self.page_size, rows.to(self.pool.dtype))
+            loaded += self.page_size
+        self.num_store_lookups += 1
+        if loaded:
+            self.num_store_hits += 1
+            self.num_store_hit_tokens += loaded
+        return loaded
+
+    def _spill(self, names: list[bytes], pages: list[int]) -> None:
+        """Writes evicted pages to the store (before the pool can hand them out again)."""
+        if self.store is None:
+            return
+        ps, layers = self.page_size, self.pool.num_layers
+        for name, page in zip(names, pages, strict=True):
+            self.store.put(name, self.pool.read_rows(PageTable(ps, [page]), 0, layers, 0, ps))
+
     def _free(self, pages: list[int]) -> None:
         self.pool.allocator.free(pages)
         self.num_cached_pages -= len(pages)
@@ -270,4 +322,17 @@ def prefix_cache_figures(cache: PrefixCache | None) -> dict[str, int]:
         "num_prefix_evicted_pages": cache.num_evicted_pages,
         "num_prefix_cached_pages": cache.num_cached_pages,
         "num_prefix_cached_tokens": cache.num_cached_tokens,
+        **(store_figures(cache) if cache.store is not None else {}),
+    }
+
+
+def store_figures(cache: PrefixCache) -> dict[str, int]:
+    """The Heartbeat's disk-tier fields."""
+    store = cache.store
+    return {
+        "num_disk_lookups": cache.num_store_lookups,
+        "num_disk_hits": cache.num_store_hits,
+        "num_disk_hit_tokens": cache.num_store_hit_tokens,
+        "num_disk_pages_stored": store.num_stored,
+        "num_disk_corrupt": store.num_corrupt,
     }

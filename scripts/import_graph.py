@@ -63,6 +63,7 @@ TORCH_FREE_MODULES = {
     "bench",
     "bench.serve",
     "bench.serve_metrics",
+    "bench.server_counters",
     "bench.multi_turn",
     "bench.datasets",
     "bench.plots",

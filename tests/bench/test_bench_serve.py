@@ -12,6 +12,7 @@ import zlib
 import numpy as np
 import pytest
 from bench_fakes import WORD, FakeBehavior, ServerThread, make_app
+from fastapi.responses import PlainTextResponse
 
 from bench import serve
 from control.errors import DuetError
@@ -315,3 +316,31 @@ def test_multi_turn_sends_each_turn_with_its_whole_history(tmp_path, endpoint):
         assert sorted(p.count(answer) for p in prompts) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert summary["ttft_ms_first_turn"]["median"] is not None
     assert summary["ttft_ms_later_turns"]["median"] is not None
+    assert summary["kv_rows"] == {}  # not a duet router: no server counters, never zeros
+
+
+def test_multi_turn_reports_the_kv_rows_a_duet_router_counted(tmp_path):
+    """A server with duet's KV row counters in /metrics: the summary has their growth over the
+    run (summed over the nodes), once it stopped moving, and the prompt tokens by turn."""
+    app, state = make_app(FakeBehavior(ttft_s=0.0, itl_s=0.0))
+
+    @app.get("/metrics")
+    async def metrics():
+        done = len(state.received)
+        text = (
+            f'duet_kv_rows_sent_total{{node="p0",role="prefill"}} {100 + 7 * done}\n'
+            f'duet_kv_rows_sent_total{{node="p1",role="prefill"}} {3 * done}\n'
+            f'duet_kv_rows_skipped_total{{node="p0",role="prefill"}} {5 * done}\n'
+        )
+        return PlainTextResponse(text)
+
+    with ServerThread(app) as server:
+        summary, _ = run_bench(
+            server.url,
+            tmp_path,
+            "--dataset", "multi-turn", "--endpoint", "completions", "--num-prompts", "2",
+            "--turns", "2", "--input-len", "5", "--output-len", "4", "--prefix-len", "6",
+        )  # fmt: skip
+    assert summary["kv_rows"] == {"kv_rows_sent": 40, "kv_rows_skipped": 20}  # 4 requests
+    assert summary["prompt_tokens_first_turn"] > 0
+    assert summary["prompt_tokens_later_turns"] > summary["prompt_tokens_first_turn"]

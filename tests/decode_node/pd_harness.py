@@ -74,6 +74,8 @@ class Pair:
         mtp_tokens=0,
         overlap=False,
         d_prefix_cache=False,
+        p_num_pages=4096,
+        disk_cache_dir="",
     ):
         """`mtp_tokens` > 0: D speculates with the model's MTP layer (which must be loaded).
         `overlap`: while D's forward runs, a helper thread emits the last step's tokens and
@@ -92,6 +94,8 @@ class Pair:
             chunk_size=chunk_size,
             max_batch_tokens=max_batch_tokens,
             prefix_cache=prefix_cache,
+            num_pages=p_num_pages,
+            disk_cache_dir=str(disk_cache_dir),
         )
         d_cfg = DecodeNodeConfig(
             "d",

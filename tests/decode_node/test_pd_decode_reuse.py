@@ -125,3 +125,15 @@ def test_both_caches_publish_what_they_store_and_evict(pair):
     (event,) = pair.kv_events
     assert event.node == "d" and event.page_size == 5
     assert sorted(event.removed) == sorted(page_hashes(prompt, 5))
+
+
+def test_a_prompt_the_decode_node_holds_whole_moves_no_row(pair, offline):
+    prompt = SYSTEM + [5, 6, 7]  # 20 tokens: exactly D's four pages
+    assert pair.submit("first", prompt, greedy(2)).ok
+    pair.run_all()
+    reply = pair.submit("again", prompt, greedy())
+    assert reply.cached_rows == 20
+    pair.run_all()
+    assert pair.seen["again"].output == offline(prompt, greedy())
+    assert rows_received(pair) == 20  # the first request's only
+    assert pair.decode_pages_used == 0

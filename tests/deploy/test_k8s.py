@@ -704,3 +704,31 @@ def test_duet_k8s_render_errors_are_one_line(tmp_path, capsys):
     argv = ["k8s", "render", "--config", config, "--out", str(tmp_path), "--namespace", "Bad_NS"]
     assert duet(argv) == 1
     assert not (tmp_path / "o").exists() and not (tmp_path / "base").exists()
+
+
+def test_the_prefill_disk_tier_gets_a_host_directory(tiny):
+    """A prefill node's `disk_cache_dir`: a hostPath (the host's prefill pods share one store,
+    a restarted pod finds it warm), owned by the image's user, mounted writable at the TOML's
+    path in the prefill pods only; a relative path is refused."""
+    raw = {
+        **WIDE,
+        "prefill": [{**n, "disk_cache_dir": "/var/lib/duet-kv"} for n in WIDE["prefill"]],
+    }
+    o = _rendered(tiny, raw, WeightsCache())
+    seen = 0
+    for workload, template in o.pod_templates():
+        volumes = {v["name"]: v for v in template["spec"].get("volumes", [])}
+        (container,) = template["spec"]["containers"]
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        if workload["metadata"]["labels"]["app.kubernetes.io/component"] != "prefill":
+            assert "kv-disk-cache" not in volumes
+            continue
+        seen += 1
+        assert volumes["kv-disk-cache"]["hostPath"]["type"] == "DirectoryOrCreate"
+        assert mounts["kv-disk-cache"] == {"name": "kv-disk-cache", "mountPath": "/var/lib/duet-kv"}
+        owners = [c for c in template["spec"]["initContainers"] if c["name"] == "kv-disk-owner"]
+        assert owners[0]["command"][-1] == "/var/lib/duet-kv"
+    assert seen == 2  # the prefill sets "fast" and "slow"
+    raw["prefill"][0]["disk_cache_dir"] = "kv"
+    with pytest.raises(ConfigError, match="absolute path"):
+        render_tree(ClusterConfig.from_dict(raw), tiny, name="c")
