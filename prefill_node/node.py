@@ -223,6 +223,7 @@ class PrefillNode(NodeLoop):
             if not 0 <= msg.skip_rows <= len(msg.token_ids):
                 raise ProtocolError(f"skip_rows {msg.skip_rows} outside the prompt")
             self.scheduler.add(request)
+            self.scheduler.prefetch(request)  # the disk tier reads ahead while it queues
         except (DuetError, ValueError, TypeError) as exc:
             self.outbox.send(RequestError(msg.request_id, "prefill", f"bad request: {exc}"))
             return
@@ -520,6 +521,8 @@ class PrefillNode(NodeLoop):
         for request in self.scheduler.requests:
             self._fail(request, "prefill", reason)
         self.senders.close()
+        if self.prefix_cache is not None and self.prefix_cache.store is not None:
+            self.prefix_cache.store.close()
         self.grammars.close()
 
 

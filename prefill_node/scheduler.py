@@ -264,6 +264,12 @@ class PrefillScheduler:
             request.token_ids[: self._cacheable_len(request)], self._tick
         )
 
+    def prefetch(self, request: PrefillRequest) -> None:
+        """A request just added: the cache's disk tier starts reading the pages it may load
+        when the request starts (none for a request that will not use the cache)."""
+        if self.prefix_cache is not None and request.params.prompt_logprobs is None:
+            self.prefix_cache.prefetch(request.token_ids[: self._cacheable_len(request)])
+
     def _cacheable_len(self, request: PrefillRequest) -> int:
         """The prompt's tokens a cache may serve: whole pages, at most prompt_len - 1 (the last
         prompt token is always computed: its logits give the first output token)."""

@@ -14,6 +14,10 @@ truncated, bit rot, another layout) is deleted and reported as a miss: the prefi
 those tokens instead. Bounded: past `max_bytes` the least recently used files go (a hit
 refreshes a file's time), measured by a scan of the directory, so the bound holds for all the
 processes sharing it.
+
+Read-ahead: `prefetch(names)` reads pages on a helper thread into a bounded staging area as soon
+as a prompt arrives, so by the time the prompt starts (behind the queue, or the forward running
+now) `get` finds them in memory; what was not read ahead yet is read then.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import logging
 import os
 import struct
 import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +42,8 @@ MAGIC = b"DKV1"
 HEADER = struct.Struct("<4sIQQ")  # magic, version, payload bytes, xxh3-64 of the payload
 VERSION = 1
 TRIM_TO = 0.9  # a trim leaves the store at this share of its bound
+STAGING_BYTES = 256 * 2**20  # pages read ahead and not yet taken, at most
+WAIT_FOR_READ_S = 0.5  # `get` waits this long at most for a page the helper is about to read
 
 
 def layout_key(layout: dict[str, Any]) -> str:
@@ -73,6 +81,13 @@ class DiskKVStore:
         self.num_loaded = 0  # pages read back (hits)
         self.num_corrupt = 0  # files that failed a check: deleted, computed instead
         self.num_trimmed = 0  # files removed to stay within the bound
+        self.num_prefetched = 0  # pages read ahead on the helper thread
+        # Read-ahead: pages read on the helper thread, oldest first, until `get` takes them.
+        self._staged: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._pending: set[bytes] = set()  # asked for, not read yet
+        self._max_staged = max(1, STAGING_BYTES // self.payload_bytes)
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-read")
+        self._read_done = threading.Condition(self._lock)  # a page asked for was read
         self.trim()
 
     def _path(self, name: bytes) -> Path:
@@ -108,7 +123,53 @@ class DiskKVStore:
             self.trim()
 
     def get(self, name: bytes) -> torch.Tensor | None:
-        """The page's rows, or None (absent, or a file that failed a check: deleted)."""
+        """The page's rows, or None (absent, or a file that failed a check: deleted). A page
+        read ahead comes from memory."""
+        with self._read_done:  # the helper reading it now: wait rather than read it twice
+            self._read_done.wait_for(lambda: name not in self._pending, WAIT_FOR_READ_S)
+            rows = self._staged.pop(name, None)
+        if rows is None:
+            rows = self._read(name)
+        if rows is not None:
+            with self._lock:
+                self.num_loaded += 1
+        return rows
+
+    def prefetch(self, names: list[bytes]) -> None:
+        """Reads these pages on the helper thread, in order, until one is missing (a prompt's
+        pages after its cached prefix: only a leading run can be used). Never blocks."""
+        with self._lock:
+            names = [n for n in names if n not in self._staged and n not in self._pending]
+            self._pending.update(names)
+        if names:
+            self._reader.submit(self._read_ahead, names)
+
+    def _read_ahead(self, names: list[bytes]) -> None:
+        try:
+            for name in names:
+                rows = self._read(name)
+                with self._read_done:
+                    self._pending.discard(name)
+                    if rows is not None:
+                        self._staged[name] = rows
+                        self.num_prefetched += 1
+                        while len(self._staged) > self._max_staged:  # the oldest go
+                            self._staged.popitem(last=False)
+                    self._read_done.notify_all()
+                if rows is None:
+                    break
+        finally:
+            with self._read_done:
+                self._pending.difference_update(names)
+                self._read_done.notify_all()
+
+    def close(self) -> None:
+        """Stops the helper thread (after the read in progress) and drops what it staged."""
+        self._reader.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            self._staged.clear()
+
+    def _read(self, name: bytes) -> torch.Tensor | None:
         path = self._path(name)
         try:
             with open(path, "rb") as f:
@@ -126,8 +187,6 @@ class DiskKVStore:
             os.utime(path)  # recently used: trimmed last
         except OSError:
             pass  # trimmed by another node meanwhile: the rows in hand are still whole
-        with self._lock:
-            self.num_loaded += 1
         payload = bytearray(data[HEADER.size :])
         return torch.frombuffer(payload, dtype=self.dtype).view(self.page_shape)
 

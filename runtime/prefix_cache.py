@@ -89,6 +89,7 @@ class PrefixCache:
         self.num_store_lookups = 0  # lookups that asked the store for pages after the pool's
         self.num_store_hits = 0  # of which got at least one page from it
         self.num_store_hit_tokens = 0  # prompt tokens loaded from it (not computed)
+        self._held: set[bytes] = set()  # the names of the pages in the tree (when it names them)
         self._root = _Node()
         self._root.lock_count = 1  # never evicted
         self.num_cached_pages = 0
@@ -164,6 +165,7 @@ class PrefixCache:
                 self.num_cached_pages += len(leaf.pages)
                 if self.holds_pages:
                     self.pool.allocator.share(leaf.pages)
+                self._held.update(leaf.names)
                 if self.on_change is not None:
                     self.on_change(list(leaf.names), [])
                 break
@@ -203,6 +205,7 @@ class PrefixCache:
             if parent is not self._root and parent.is_leaf and parent.lock_count == 0:
                 order += 1
                 heapq.heappush(heap, (parent.last_used, order, parent))
+        self._held.difference_update(removed)
         if removed and self.on_change is not None:
             self.on_change([], removed)
         return freed
@@ -237,6 +240,18 @@ class PrefixCache:
     def _names_pages(self) -> bool:
         """Whether the tree keeps its pages' names: events and the store key by them."""
         return self.on_change is not None or self.store is not None
+
+    def prefetch(self, token_ids: list[int]) -> None:
+        """Starts reading from the store, on its helper thread, the pages of `token_ids` (whole
+        pages) after those the tree holds now: a prompt that just arrived, so they are in
+        memory by the time it starts (`load_from_store`). Changes nothing in the tree."""
+        if self.store is None:
+            return
+        names = page_hashes(token_ids, self.page_size)
+        held = 0
+        while held < len(names) and names[held] in self._held:
+            held += 1
+        self.store.prefetch(names[held:])
 
     def load_from_store(self, token_ids: list[int], table: PageTable, start: int) -> int:
         """Reads the pages of `token_ids` (whole pages) from `start` (a page boundary: where

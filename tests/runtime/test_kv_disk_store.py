@@ -80,3 +80,45 @@ def test_the_bound_drops_the_least_recently_used_pages(tmp_path):
     assert store.num_trimmed >= 3
     reopened = make_store(tmp_path, max_bytes=2 * one)  # a smaller bound trims at open
     assert reopened.num_bytes() <= 2 * one
+
+
+def drain(store):
+    """Waits for the helper thread to finish what it was asked (it runs jobs in order)."""
+    store._reader.submit(lambda: None).result(timeout=30)
+
+
+def test_pages_read_ahead_come_from_memory_until_one_is_missing(tmp_path):
+    store = make_store(tmp_path)
+    for i in (0, 1, 3):
+        store.put(NAMES[i], page(i))
+    store.prefetch(NAMES[:4])  # 2 is missing: 3 is of no use after it, and is not read
+    drain(store)
+    assert store.num_prefetched == 2
+    for i in (0, 1):
+        store._path(NAMES[i]).unlink()  # gone from disk: still in memory
+        assert torch.equal(store.get(NAMES[i]), page(i))
+    assert store.get(NAMES[0]) is None  # taken once, and its file is gone
+    assert torch.equal(store.get(NAMES[3]), page(3))  # read when asked
+    assert store.num_loaded == 3
+    store.close()
+
+
+def test_the_read_ahead_is_bounded_and_a_damaged_page_counted_once(tmp_path, monkeypatch):
+    import runtime.kv_disk_store as module
+
+    monkeypatch.setattr(module, "STAGING_BYTES", 2 * (3 * 4 * 8 * 2))  # two pages
+    store = make_store(tmp_path)
+    for i in range(5):
+        store.put(NAMES[i], page(i))
+    store.prefetch(NAMES[:5])
+    drain(store)
+    assert list(store._staged) == NAMES[3:5]  # the oldest went
+    store.put(NAMES[5], page(5))
+    path = store._path(NAMES[5])
+    damaged = bytearray(path.read_bytes())
+    damaged[-1] ^= 1
+    path.write_bytes(bytes(damaged))
+    store.prefetch([NAMES[5]])
+    assert store.get(NAMES[5]) is None  # waits for the helper's read: one check, one count
+    assert store.num_corrupt == 1
+    store.close()
