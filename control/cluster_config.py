@@ -58,6 +58,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 WILDCARD_HOSTS = ("0.0.0.0",)  # binds every interface; never an address to connect to
 _HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.\-_]*")  # a host name or an IPv4 address
+_NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.\-_]{0,62}")
 REASONING_PARSERS = ("deepseek_r1",)  # the chat output formats `router.reasoning` splits
 TOOL_PARSERS = ("hermes", "deepseek_v3")  # the tool-call formats `router.tool_parsers` reads
 
@@ -307,6 +308,34 @@ class ClusterConfig:
                 return node
         names = ", ".join(n.name for n in (*self.prefill, *self.decode))
         raise ConfigError(f"no node named {name!r} in the cluster config (nodes: {names})")
+
+    def joining_node(
+        self, role: str, name: str, control_port: int, kv_port: int = 0, host: str = ""
+    ) -> PrefillNodeConfig | DecodeNodeConfig:
+        """The config of a node that joins the running cluster (it is not in this file): the
+        first [[prefill]] or [[decode]] entry's settings under its own name, address and
+        ports. ConfigError for a name of the file, a bad name or port, or a template of
+        several ranks (a joining node runs one)."""
+        if role not in ("prefill", "decode"):
+            raise ConfigError(f"a joining node is a prefill or a decode node, not {role!r}")
+        if any(n.name == name for n in (*self.prefill, *self.decode)):
+            raise ConfigError(f"node {name!r} is in the cluster config: start it with --node")
+        if not _NODE_NAME.fullmatch(name):
+            raise ConfigError(f"node name {name!r}: letters, digits, '.', '-', '_' (at most 63)")
+        template = (self.prefill if role == "prefill" else self.decode)[0]
+        if template.ranks > 1:
+            raise ConfigError(f"a joining {role} node runs one rank: [[{role}]] has several")
+        ports = [control_port, kv_port] if role == "decode" else [control_port]
+        if not all(0 < p < 65536 for p in ports) or len(set(ports)) != len(ports):
+            raise ConfigError(f"node {name}: needs its own ports in [1, 65535], got {ports}")
+        fields: dict[str, Any] = {"name": name, "control_port": control_port}
+        if role == "decode":
+            fields["kv_port"] = kv_port
+        if host:
+            if not _HOST.fullmatch(host) or host in WILDCARD_HOSTS:
+                raise ConfigError(f"node {name}: host {host!r} is not an address to reach it at")
+            fields["host"] = host
+        return dataclasses.replace(template, **fields)
 
     def with_model(self, model: str) -> ClusterConfig:
         return dataclasses.replace(self, model=model)

@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Callable
 
-from control.errors import DuetError
+from control.errors import ConfigError, DuetError
 from control.quant_schemes import QUANT_SCHEMES
 from model.sharding import SCHEMES as PARALLEL_SCHEMES
 
@@ -294,6 +294,40 @@ def _run_keygen(args) -> int:
     return 0
 
 
+def _add_node(sub) -> None:
+    p = sub.add_parser(
+        "node",
+        help="start one node that joins a running cluster (it is not in the config)",
+        description="A prefill or decode node with the settings of the config's first node of "
+        "its role, under its own name and ports; the router (the config's) admits it once its "
+        "model and KV layout check out, pairs requests with it, and forgets it when it drains "
+        "(SIGTERM) or dies.",
+    )
+    p.add_argument("--role", choices=("prefill", "decode"), required=True)
+    p.add_argument("--config", required=True, help="the running cluster's config (TOML)")
+    p.add_argument("--name", required=True, help="its name: not one of the config's")
+    p.add_argument("--control-port", type=int, required=True)
+    p.add_argument("--kv-port", type=int, default=0, help="decode: its KV port")
+    p.add_argument("--host", default="", help="where the others reach it (default: the role's)")
+    p.add_argument("--model", help="checkpoint dir (default: the config's)")
+    p.set_defaults(func=_node)
+
+
+def _node(args: argparse.Namespace) -> int:
+    if args.role == "decode" and not args.kv_port:
+        raise ConfigError("a decode node needs --kv-port")
+    argv = ["--config", args.config, "--node", args.name, "--join"]
+    argv += ["--control-port", str(args.control_port)]
+    for flag, value in (
+        ("--kv-port", args.kv_port),
+        ("--host", args.host),
+        ("--model", args.model),
+    ):
+        if value:
+            argv += [flag, str(value)]
+    return _call(f"{args.role}_node.__main__:main", argv)
+
+
 def _add_passthrough(sub, name: str, help_text: str, target: str) -> None:
     """Subcommands whose module parses its own arguments: `module:function(argv)`."""
     # No option prefix of its own: REMAINDER would otherwise leave a leading "--opt" unparsed.
@@ -319,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pack(sub)
     _add_make_tiny_model(sub)
     _add_keygen(sub)
+    _add_node(sub)
     _add_passthrough(sub, "bench-kernels", "kernel benchmark vs roofline", "bench.kernels:main")
     _add_passthrough(sub, "bench-transfer", "KV transfer benchmark", "bench.transfer:main")
     _add_passthrough(

@@ -1,7 +1,8 @@
 """`GET /v1/cluster`: every configured node as the router sees it, for operators (`duet status`).
 
 One entry per node of the cluster config, in config order (prefill nodes first), heard from or
-not. Each joins three sources:
+not, then one per node that joined at run time (`router.membership`; `"joined": true`, its
+settings those of its role's first entry). Each joins three sources:
   - the config: control address, decode KV address, device, threads, page size, ranks;
   - the node's NodeReady info (dtype, ranks, page size, version) and its latest Heartbeat
     (queue, KV pages, draining), so these figures lag by up to one heartbeat interval;
@@ -46,8 +47,22 @@ def cluster_view(
         "nodes": [
             node_view(node, nodes.nodes[node.name], cfg.dtype, now)
             for node in (*cfg.prefill, *cfg.decode)
+        ]
+        + [
+            {**node_view(joined_config(cfg, state), state, cfg.dtype, now), "joined": True}
+            for state in nodes.nodes.values()
+            if state.joined
         ],
     }
+
+
+def joined_config(cfg: ClusterConfig, state: NodeState) -> PrefillNodeConfig | DecodeNodeConfig:
+    """A joined node's settings as the router knows them: its role's template under the
+    addresses it announced (`ClusterConfig.joining_node`, as the node itself built them)."""
+    host, port = state.control_endpoint.removeprefix("tcp://").rsplit(":", 1)
+    kv = str(state.info.get("kv_endpoint", "")).rsplit(":", 1)
+    kv_port = int(kv[1]) if state.role == "decode" and len(kv) == 2 and kv[1].isdigit() else 0
+    return cfg.joining_node(state.role, state.name, int(port), kv_port or int(port) + 1, host)
 
 
 def node_view(

@@ -54,8 +54,9 @@ from router.admission import AdmissionControl, CostModelCollector
 from router.dispatch import RequestDispatch
 from router.health import NodeHealth
 from router.kv_index import KVIndex
+from router.membership import Membership
 from router.metrics import RouterMetrics
-from router.nodes import NodeRegistry, NodeState
+from router.nodes import NodeRegistry, NodeState, NodeStatus
 from router.ordering import OutputOrdering
 from router.policy import PairingPolicy, default_policy
 from router.recovery import NodeLossRecovery
@@ -121,6 +122,9 @@ class Router:
     def _build_parts(self) -> None:
         """The five parts, each given what it uses, built in the order they need each other;
         health, built first, reaches recovery (built later) through `_node_lost`."""
+        self.membership = Membership(
+            self.nodes, self.fingerprint, self.kv_index, lambda: self.transport
+        )
         self.health = NodeHealth(
             self.nodes,
             self.policy,
@@ -129,6 +133,7 @@ class Router:
             self.kv_index,
             node_lost=self._node_lost,
             is_closing=self._is_closing,
+            admit=self.membership.admit,
         )
         # With no admission set, a request waits for decode room (in turn) instead of a 503.
         sla = self.cfg.sla
@@ -182,7 +187,7 @@ class Router:
             self.router_id,
             send=self._send,
             lost_connections=self._lost_connections,
-            node_lost=self.recovery.node_lost,
+            node_lost=self._node_lost,
             fail=self._fail,
         )
 
@@ -255,6 +260,8 @@ class Router:
 
     def _node_lost(self, node: NodeState, what: str) -> None:
         self.recovery.node_lost(node, what)
+        if node.joined and node.status == NodeStatus.DEAD:  # it left: its requests moved
+            self.membership.forget(node)
 
     # ---- the parts' public faces -------------------------------------------------------------
     @property

@@ -25,6 +25,7 @@ from typing import Any
 from control.protocol import Heartbeat, KVEvents, NodeFailed, NodeReady
 from router.admission import AdmissionControl
 from router.kv_index import DEFAULT_MAX_PAGES, KVIndex
+from router.membership import fingerprint_mismatch
 from router.nodes import NodeRegistry, NodeState
 from router.policy import PairingPolicy
 
@@ -44,6 +45,7 @@ class NodeHealth:
         *,
         node_lost: Callable[[NodeState, str], None],
         is_closing: Callable[[], bool],
+        admit: Callable[[NodeReady], NodeState | None] | None = None,
     ):
         self.nodes = nodes
         self.policy = policy
@@ -52,6 +54,7 @@ class NodeHealth:
         self.index = index
         self.node_lost = node_lost  # (node, what happened to it): its requests move
         self.is_closing = is_closing
+        self.admit = admit  # a node not in the config joins (router.membership); None: refused
         self._nodes_changed = asyncio.Event()  # set when a node becomes ready
 
     @property
@@ -72,6 +75,10 @@ class NodeHealth:
 
     def on_node_ready(self, msg: NodeReady) -> None:
         node = self.nodes.get(msg.node, msg.role)
+        if node is None and msg.node not in self.nodes.nodes and self.admit is not None:
+            node = self.admit(msg)  # a join: checked, registered and connected, or refused
+            if node is None:
+                return
         if node is None:
             log.warning(
                 "NodeReady from %r (%s), which is not in the cluster config", msg.node, msg.role
@@ -80,7 +87,7 @@ class NodeHealth:
         if node.num_active:  # it restarted: whatever it held is gone
             self.node_lost(node, "restarted")
         self.index.forget(node.name)  # its cache starts empty (a snapshot may follow)
-        mismatch = _fingerprint_mismatch(self.fingerprint, msg.info.get("fingerprint"))
+        mismatch = fingerprint_mismatch(self.fingerprint, msg.info.get("fingerprint"))
         if mismatch:
             self.nodes.mark_dead(node, f"incompatible model: {mismatch}")
             log.error(
@@ -120,18 +127,3 @@ class NodeHealth:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._nodes_changed.wait(), left)
         return self.is_serving and not self.is_closing()
-
-
-def _fingerprint_mismatch(mine: dict[str, Any] | None, theirs: Any) -> str | None:
-    """One line naming the first model field a node's fingerprint disagrees on, else None.
-
-    A node's fingerprint may add fields (KV layout) and may prefix the model's with "model."
-    (kvtransfer's form); fields it does not report are not checked here (the prefill/decode
-    handshake checks the full layout)."""
-    if not mine or not isinstance(theirs, dict):
-        return None
-    for key, value in mine.items():
-        for name in (key, f"model.{key}"):
-            if name in theirs and theirs[name] != value:
-                return f"'{key}' is {theirs[name]!r} on the node, {value!r} here"
-    return None

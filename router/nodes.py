@@ -56,6 +56,7 @@ class NodeState:
     # prefill: the prompts sent and not yet done (first token not seen), by request: what the
     # node's prefix cache will hold once they finish (cache-aware routing)
     in_flight: dict[int, list[int]] = field(default_factory=dict)
+    joined: bool = False  # not in the config: joined at run time, forgotten when it leaves
 
     @property
     def is_ready(self) -> bool:
@@ -97,7 +98,9 @@ class NodeState:
 
 
 class NodeRegistry:
-    """All configured nodes by name. Only configured names are accepted from the wire."""
+    """The cluster's nodes by name: every configured one, and those that joined at run time
+    (`router.membership`: admitted by their NodeReady, removed when they leave). Only these
+    names are accepted from the wire."""
 
     def __init__(self, cfg: ClusterConfig):
         self.nodes: dict[str, NodeState] = {}
@@ -113,6 +116,16 @@ class NodeRegistry:
                 kv_reservation=d.kv_reservation,
                 kv_headroom_tokens=d.kv_headroom_tokens,
             )
+
+    def add_joined(self, name: str, role: str, endpoint: str, page_size: int) -> NodeState:
+        """A node that joined at run time (not in the config), starting as configured ones do."""
+        node = NodeState(name, role, endpoint, page_size, 0, joined=True)
+        self.nodes[name] = node
+        return node
+
+    def remove(self, name: str) -> None:
+        """A joined node that left (drained or died): forgotten."""
+        self.nodes.pop(name, None)
 
     def get(self, name: str, role: str) -> NodeState | None:
         """The node, if `name` is configured with this role (anything else is ignored)."""

@@ -44,22 +44,46 @@ class RouterTransport:
         curve_server(self.pull, security)
         self.pull.bind(bind_endpoint)
         self.push: dict[str, zmq.Socket] = {}
-        for name, endpoint in node_endpoints.items():
-            sock = self.send_ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-            curve_client(sock, security)
-            sock.connect(endpoint)
-            self.push[name] = sock
         # A node process that dies closes its end of our connection at once (the kernel does
         # it even on SIGKILL): the router hears of it here, well before the heartbeat timeout.
         # A hung node (SIGSTOP) keeps its connection and is found by the heartbeat timeout.
-        self._monitors = {
-            name: sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            for name, sock in self.push.items()
-        }
+        self._monitors: dict[str, zmq.Socket] = {}
+        for name, endpoint in node_endpoints.items():
+            self.add_node(name, endpoint)
         self.num_bad_frames = 0
         self.num_send_refused = 0
+
+    def add_node(self, name: str, endpoint: str) -> None:
+        """A PUSH to the node's control endpoint (and its connection watch)."""
+        sock = self._push_socket(endpoint)
+        self.push[name] = sock
+        self._monitors[name] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+    def remove_node(self, name: str) -> None:
+        """Closes the node's PUSH (a node that left): nothing more is sent to it."""
+        sock, monitor = self.push.pop(name, None), self._monitors.pop(name, None)
+        if sock is not None:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+
+    def tell(self, endpoint: str, msg: Any, linger_s: float = 5.0) -> None:
+        """One message to a node the router does not keep (a refused join), on a socket of its
+        own that closes at once and delivers in the background for `linger_s` at most."""
+        sock = self._push_socket(endpoint)
+        try:
+            sock.send(protocol.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        sock.close(linger=int(linger_s * 1000))
+
+    def _push_socket(self, endpoint: str) -> zmq.Socket:
+        sock = self.send_ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        curve_client(sock, self.security)
+        sock.connect(endpoint)
+        return sock
 
     async def recv(self) -> Any:
         """The next valid message from any node (waits; cancel the task to stop it)."""
@@ -76,9 +100,13 @@ class RouterTransport:
                 log.warning("dropped a bad control message: %s", exc)
 
     def send(self, node: str, msg: Any) -> bool:
-        """Queues `msg` for `node` without blocking; False if the node's queue is full."""
+        """Queues `msg` for `node` without blocking; False if the node's queue is full (or it
+        left)."""
+        sock = self.push.get(node)
+        if sock is None:
+            return False
         try:
-            self.push[node].send(protocol.encode(msg), flags=zmq.NOBLOCK)
+            sock.send(protocol.encode(msg), flags=zmq.NOBLOCK)
             return True
         except zmq.Again:
             self.num_send_refused += 1

@@ -51,6 +51,7 @@ class NodeLoop:
         self.is_draining = False
         self._drain_deadline = 0.0
         self._next_heartbeat = 0.0
+        self.advertised: dict[str, Any] = {}  # added to NodeReady's info (control endpoint)
 
     # ---- hooks -----------------------------------------------------------------------------
     def step(self) -> None:
@@ -104,7 +105,7 @@ class NodeLoop:
             log.info("draining: %d requests to finish", self.num_held())
 
     def send_ready(self) -> None:
-        self.outbox.send(NodeReady(self.name, self.role, self.ready_info()))
+        self.outbox.send(NodeReady(self.name, self.role, {**self.ready_info(), **self.advertised}))
 
     def publish_cache_change(
         self, stored: list[bytes], removed: list[bytes], cleared: bool = False
@@ -143,6 +144,8 @@ class NodeLoop:
                 self.send_ready()
                 self.publish_cache_snapshot()
         elif isinstance(msg, Shutdown):
+            if msg.reason:  # e.g. the router refused this node's join: the reason is here too
+                log.warning("the router stops this node: %s", msg.reason)
             self.is_stopping = True
         else:
             self.handle(msg)

@@ -1,5 +1,8 @@
 """The process shell shared by both node roles: `python -m prefill_node|decode_node --config
-FILE --node NAME [--model DIR]`.
+FILE --node NAME [--model DIR]`, or for a node not in the file that joins the running cluster
+(`duet node`), `... --node NAME --join --control-port P [--kv-port K] [--host H]`: the first
+[[prefill]] / [[decode]] entry's settings under its own name and ports
+(`ClusterConfig.joining_node`); the router admits it after checking its model and KV layout.
 
 It reports NodeReady (or NodeFailed with the error) to the router's control endpoint, then
 serves until a Shutdown message or SIGINT (stop now), or SIGTERM (drain: finish what it holds
@@ -24,7 +27,7 @@ import torch
 from control.cluster_config import ClusterConfig
 from control.errors import ConfigError, DuetError
 from control.messaging import PullSocket, PushSocket
-from control.protocol import NodeFailed, NodeReady
+from control.protocol import NodeFailed
 from control.security import CurveSecurity, cluster_security
 
 # build(cluster, node_cfg, model, inbox, outbox, security) -> a node with run(), ready_info(),
@@ -37,6 +40,10 @@ def _parse(role: str, argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="cluster config (TOML)")
     p.add_argument("--node", required=True, help="this node's name in the config")
     p.add_argument("--model", help="checkpoint dir (default: the config's, else the tiny model)")
+    p.add_argument("--join", action="store_true", help="a node not in the config: join")
+    p.add_argument("--control-port", type=int, default=0, help="--join: its control port")
+    p.add_argument("--kv-port", type=int, default=0, help="--join, decode: its KV port")
+    p.add_argument("--host", default="", help="--join: where the others reach it")
     return p.parse_args(argv)
 
 
@@ -102,7 +109,10 @@ def run_node_process(
     )
     try:
         cluster = ClusterConfig.load(args.config)
-        cfg = cluster.node(args.node)
+        if args.join:
+            cfg = cluster.joining_node(role, args.node, args.control_port, args.kv_port, args.host)
+        else:
+            cfg = cluster.node(args.node)
         if not isinstance(cfg, config_type):
             raise ConfigError(f"node {args.node!r} is not a [[{role}]] node")
         security = cluster_security(cluster.security, args.config, f"node {args.node}")
@@ -137,7 +147,9 @@ def run_node_process(
 
     signal.signal(signal.SIGTERM, drain)
     signal.signal(signal.SIGINT, stop)
-    router.send(NodeReady(cfg.name, role, node.ready_info()))
+    # Where the router reaches it: what a joining node is known by (the config's, else).
+    node.advertised = {"control_endpoint": cfg.control_endpoint}
+    node.send_ready()
     log.info("ready: control %s, router %s", inbox.endpoint, router.endpoint)
     status = 0
     try:
