@@ -7,6 +7,8 @@
     [router]    host, bind_host, port (HTTP), control_port (ZeroMQ PULL for node messages), limits
     [timeouts]  reserve_s, prefill_queue_s, transfer_s, decode_s, heartbeat_s, node_timeout_s,
                 drain_s, lease_s
+    [autoscale] enabled, min_/max_prefill, min_/max_decode, interval_s, sustain_s, idle_s,
+                cooldown_s, window_s, sla_target, prefill_up/down_tokens, decode_up/down_share
     [security]  curve_key_file (ZeroMQ CURVE on every inter-node socket), insecure, kv_security,
                 api_key_file / api_keys (HTTP Bearer keys), metrics_need_key
     [[prefill]] name, host, bind_host, control_port, threads, page_size, chunk_size, replicas,
@@ -262,6 +264,34 @@ class DecodeNodeConfig(_Addresses):
 
 
 @dataclass(frozen=True)
+class AutoscaleConfig:
+    """`duet up --autoscale` (`router.autoscaler`): the router starts nodes that join the
+    cluster (`duet node`'s way) and drains them, within these bounds per role, from live
+    signals: a role scales up when its load stays above the "up" mark for `sustain_s` (prefill:
+    prompt tokens queued per node; decode: the share of KV pages held), and down when it stays
+    below the "down" mark for `idle_s`; after a change a role waits `cooldown_s`. SLA
+    attainment over `window_s` below `sla_target` (the share of finished requests within the
+    SLA) also scales up the role whose load is the higher share of its up mark. The nodes of
+    the config are never drained: the bounds count them."""
+
+    enabled: bool = False
+    min_prefill: int = 1
+    max_prefill: int = 2
+    min_decode: int = 1
+    max_decode: int = 2
+    interval_s: float = 1.0  # how often the signals are read and a decision taken
+    sustain_s: float = 3.0
+    idle_s: float = 30.0
+    cooldown_s: float = 10.0
+    window_s: float = 30.0
+    sla_target: float = 0.9
+    prefill_up_tokens: int = 4096  # queued prompt tokens per ready prefill node
+    prefill_down_tokens: int = 0
+    decode_up_share: float = 0.8  # KV pages held per ready decode node
+    decode_down_share: float = 0.2
+
+
+@dataclass(frozen=True)
 class SecurityConfig:
     """Who may talk to the cluster.
 
@@ -290,6 +320,7 @@ class ClusterConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
     prefill: tuple[PrefillNodeConfig, ...] = ()
     decode: tuple[DecodeNodeConfig, ...] = ()
 
@@ -359,7 +390,8 @@ class ClusterConfig:
         _check_keys(
             "top level",
             raw,
-            {"model", "dtype", "sla", "router", "timeouts", "security", "prefill", "decode"},
+            {"model", "dtype", "sla", "router", "timeouts", "security", "autoscale"}
+            | {"prefill", "decode"},
         )
         cfg = cls(
             model=str(raw.get("model", "")),
@@ -368,6 +400,7 @@ class ClusterConfig:
             router=_section(RouterConfig, "router", raw.get("router", {})),
             timeouts=_section(TimeoutConfig, "timeouts", raw.get("timeouts", {})),
             security=_section(SecurityConfig, "security", raw.get("security", {})),
+            autoscale=_section(AutoscaleConfig, "autoscale", raw.get("autoscale", {})),
             prefill=_nodes(PrefillNodeConfig, "prefill", raw.get("prefill", [])),
             decode=_nodes(DecodeNodeConfig, "decode", raw.get("decode", [])),
         )
@@ -437,6 +470,7 @@ def _validate(cfg: ClusterConfig) -> None:
     if cfg.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"dtype must be float32 or bfloat16, got {cfg.dtype!r}")
     _validate_security(cfg.security)
+    _validate_autoscale(cfg)
     if not cfg.prefill or not cfg.decode:
         raise ConfigError("a cluster needs at least one [[prefill]] and one [[decode]] node")
     names = [n.name for n in (*cfg.prefill, *cfg.decode)]
@@ -601,6 +635,30 @@ def _validate_security(security: SecurityConfig) -> None:
             f"[security] kv_security must be one of {', '.join(KV_SECURITY_MODES)}, "
             f"got {security.kv_security!r}"
         )
+
+
+def _validate_autoscale(cfg: ClusterConfig) -> None:
+    a = cfg.autoscale
+    for role, low, high, fixed in (
+        ("prefill", a.min_prefill, a.max_prefill, len(cfg.prefill)),
+        ("decode", a.min_decode, a.max_decode, len(cfg.decode)),
+    ):
+        if not 1 <= low <= high:
+            raise ConfigError(f"[autoscale] needs 1 <= min_{role} <= max_{role}")
+        if a.enabled and high < fixed:
+            raise ConfigError(
+                f"[autoscale] max_{role} = {high} is below the config's {fixed} {role} nodes "
+                "(they are never drained)"
+            )
+    times = (a.interval_s, a.sustain_s, a.idle_s, a.window_s)
+    if min(times) <= 0 or a.cooldown_s < 0:
+        raise ConfigError("[autoscale] interval_s, sustain_s, idle_s, window_s must be > 0")
+    if not 0 < a.sla_target <= 1 or not 0 <= a.decode_down_share < a.decode_up_share <= 1:
+        raise ConfigError("[autoscale] needs 0 < sla_target <= 1, 0 <= down < up share <= 1")
+    if not 0 <= a.prefill_down_tokens < a.prefill_up_tokens:
+        raise ConfigError("[autoscale] needs 0 <= prefill_down_tokens < prefill_up_tokens")
+    if a.enabled and any(n.ranks > 1 for n in (*cfg.prefill[:1], *cfg.decode[:1])):
+        raise ConfigError("[autoscale] starts nodes of one rank: the first node of a role has more")
 
 
 def _validate_admission(sla: SlaConfig) -> None:

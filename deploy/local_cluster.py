@@ -101,6 +101,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "message sealed with AES-256-GCM under a key per transfer)",
     )
     p.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="the router starts and drains nodes within the config's [autoscale] bounds",
+    )
+    p.add_argument(
         "--decode-prefix-cache",
         action="store_true",
         help="decode nodes keep finished prompts' KV (prefix_cache = true): a later prompt "
@@ -195,6 +200,8 @@ def resolve_config(args: argparse.Namespace) -> dict:
             raw.setdefault("router", {})[key] = getattr(args, key)
     if args.kv_security:
         raw.setdefault("security", {})["kv_security"] = args.kv_security
+    if args.autoscale:
+        raw.setdefault("autoscale", {})["enabled"] = True
     if args.decode_prefix_cache:  # overrides the config's per-node `prefix_cache` (decode)
         for node in raw.get("decode", []):
             node["prefix_cache"] = True

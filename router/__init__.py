@@ -16,7 +16,8 @@ imports only `control` (no torch, no model, no kernels).
   admission
 - state.py: the request state machine; nodes.py: node liveness and load; policy.py: the
   pairing policy; kv_index.py: the exact index of what each node's prefix cache holds (from
-  the nodes' KV events)
+  the nodes' KV events); membership.py: nodes that join at run time and leave;
+  autoscale_policy.py and autoscaler.py: `duet up --autoscale`
 - transport.py: ZeroMQ sockets to the nodes; text.py: incremental detokenization and stop
   strings; metrics.py: Prometheus metrics; __main__.py: `python -m router --config FILE`
 """

@@ -17,10 +17,11 @@ from pathlib import Path
 from control.errors import DuetError
 
 
-def build_app(cfg, model_dir: str | None = None, security=None):
+def build_app(cfg, model_dir: str | None = None, security=None, config_path: str = ""):
     """The FastAPI app for a `ClusterConfig`, and the (host, port) it should listen on (the
     router's `bind_host`, else its `host`).
-    `security` (a control.security.CurveSecurity) makes the node sockets CURVE; None: plain."""
+    `security` (a control.security.CurveSecurity) makes the node sockets CURVE; None: plain.
+    `config_path`: the config's file, which the nodes an autoscaling router starts read."""
     from control.builtin_model import ensure_builtin_model
     from control.model_config import ModelConfig
     from control.tokenizer import Tokenizer
@@ -37,6 +38,11 @@ def build_app(cfg, model_dir: str | None = None, security=None):
         fingerprint=model_cfg.fingerprint(),
         security=security,
     )
+    if cfg.autoscale.enabled:
+        from router.autoscaler import Autoscaler, LocalLauncher
+
+        launcher = LocalLauncher(config_path, model_dir)
+        router.autoscaler = Autoscaler(router, launcher, cfg.autoscale)
     info = ModelInfo(
         name=Path(model_dir).name,
         path=str(model_dir),
@@ -69,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.port is not None:
             cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, port=args.port))
         security = cluster_security(cfg.security, args.config, "the router")
-        app, (host, port) = build_app(cfg, args.model, security)
+        app, (host, port) = build_app(cfg, args.model, security, str(Path(args.config).resolve()))
     except DuetError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -96,6 +96,9 @@ class AdmissionControl:
         self.decode_cost = {d.name: DecodeCost() for d in cfg.decode}
         self.chunk_size = {p.name: p.chunk_size for p in cfg.prefill}
         self.max_batch_tokens = {p.name: p.max_batch_tokens for p in cfg.prefill}
+        self._template = cfg.prefill[
+            0
+        ]  # a joined prefill node's settings (ClusterConfig.joining_node)
         self._admitted: dict[int, _Admitted] = {}  # by id() of the RouterRequest (all attempts)
         self._last_seq: dict[str, int] = {}  # per prefill node: the last Prefill.seq sent
         self._arrivals: dict[str, deque] = {}  # per prefill node: (time, new tokens) sent
@@ -105,10 +108,27 @@ class AdmissionControl:
         # sets the cache-aware policy's estimate here.
         self.cached_len: Callable[[NodeState, list[int]], int] = lambda node, prompt_ids: 0
 
+    def _know(self, node: NodeState) -> None:
+        """A node that joined at run time gets the models and settings a configured one has."""
+        if node.role == "prefill" and node.name not in self.prefill_cost:
+            self.prefill_cost[node.name] = PrefillCost()
+            self.chunk_size[node.name] = self._template.chunk_size
+            self.max_batch_tokens[node.name] = self._template.max_batch_tokens
+        elif node.role == "decode" and node.name not in self.decode_cost:
+            self.decode_cost[node.name] = DecodeCost()
+
+    def forget_node(self, name: str) -> None:
+        """A joined node left: its models go (they are in /metrics)."""
+        for table in (self.prefill_cost, self.decode_cost, self.chunk_size, self.max_batch_tokens):
+            table.pop(name, None)
+        self._last_seq.pop(name, None)
+        self._arrivals.pop(name, None)
+
     # ---- learning ----------------------------------------------------------------------------
     def on_heartbeat(self, node: NodeState, hb: Heartbeat) -> None:
         """Feeds the node's timing samples to its cost model, drops the admitted requests this
         heartbeat accounts for, and wakes the requests queued for admission."""
+        self._know(node)
         prefill, decode = self.prefill_cost.get(node.name), self.decode_cost.get(node.name)
         for sample in hb.timing_samples:
             if len(sample) != 3 or not all(math.isfinite(v) and v >= 0 for v in sample):
@@ -133,6 +153,7 @@ class AdmissionControl:
         """Predicted TTFT of a `prompt_len`-token prompt on prefill node `node` (module doc), of
         which `cached_len` come from its prefix cache; `exclude`: a request whose own admitted
         work is not queue ahead of itself."""
+        self._know(node)
         cost = self.prefill_cost[node.name]
         chunk = self.chunk_size[node.name]
         queued = self._queued(node, exclude)

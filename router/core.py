@@ -117,6 +117,7 @@ class Router:
         self._room_changed = asyncio.Event()  # set when a decode hold ends (preempted waits)
         self._closing = False
         self.router_id = secrets.token_hex(8)  # new at every start: nodes drop the old one's work
+        self.autoscaler = None  # router.autoscaler.Autoscaler under `duet up --autoscale`
         self._build_parts()
 
     def _build_parts(self) -> None:
@@ -224,6 +225,8 @@ class Router:
             asyncio.create_task(self._recv_loop(), name="router-recv"),
             asyncio.create_task(self.watchdog.run(), name="router-watchdog"),
         ]
+        if self.autoscaler is not None:
+            self._tasks.append(asyncio.create_task(self.autoscaler.run(), name="autoscaler"))
 
     def fail_all(self, message: str = "the router is shutting down") -> None:
         """Refuses new requests and fails every unfinished one (each stream gets its error
@@ -240,6 +243,8 @@ class Router:
         for task in (*self._tasks, *moves):
             task.cancel()
         await asyncio.gather(*self._tasks, *moves, return_exceptions=True)
+        if self.autoscaler is not None:
+            self.autoscaler.close()
         if self.transport is not None:
             self.transport.close()
 
@@ -262,6 +267,7 @@ class Router:
         self.recovery.node_lost(node, what)
         if node.joined and node.status == NodeStatus.DEAD:  # it left: its requests moved
             self.membership.forget(node)
+            self.admission.forget_node(node.name)
 
     # ---- the parts' public faces -------------------------------------------------------------
     @property

@@ -1,0 +1,193 @@
+"""`duet up --autoscale`: the router starts and drains node processes on its host as the load
+asks (`router.autoscale_policy` decides; this module reads the signals and acts).
+
+Every `interval_s` it reads, from the router's own state: per role the ready nodes, the prompt
+tokens queued on the prefill nodes and the share of the decode nodes' KV pages held for
+requests, and the SLA attainment of the requests that finished within the window. A node it
+starts is a joining node (`python -m prefill_node|decode_node --join`, as `duet node` starts
+one) named `auto-<role>-<n>` on free ports of this host, a child of the router whose output goes
+to the router's; the router admits it like any other (`router.membership`). A node it drains
+gets SIGTERM: it takes nothing new, finishes what it holds, stops, and the router forgets it, so
+scaling down loses no request. Each decision is one log line, and `/metrics` has
+`duet_autoscale_nodes{role}` (nodes it runs) and `duet_autoscale_decisions_total{role,
+direction}`. When the router stops, the nodes it started stop with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Gauge
+
+from control.cluster_config import AutoscaleConfig
+from router.autoscale_policy import ROLES, AutoscalePolicy, Decision, RoleSignals
+from router.nodes import NodeStatus
+
+log = logging.getLogger("router")
+
+STOP_WAIT_S = 10.0  # a started node's time to stop when the router stops, then SIGKILL
+
+
+@dataclass
+class _Started:
+    name: str
+    role: str
+    proc: subprocess.Popen
+    draining: bool = False
+
+
+class LocalLauncher:
+    """Starts joining nodes as child processes of this one (the cluster config's file)."""
+
+    def __init__(self, config_path: str, model_dir: str | None, host: str = "127.0.0.1"):
+        self.config_path = config_path
+        self.model_dir = model_dir
+        self.host = host
+
+    def start(self, role: str, name: str) -> subprocess.Popen:
+        ports = _free_ports(self.host, 2 if role == "decode" else 1)
+        cmd = [sys.executable, "-m", f"{role}_node", "--config", self.config_path]
+        cmd += ["--node", name, "--join", "--control-port", str(ports[0])]
+        if role == "decode":
+            cmd += ["--kv-port", str(ports[1])]
+        if self.model_dir:
+            cmd += ["--model", self.model_dir]
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+
+
+class Autoscaler:
+    def __init__(self, router, launcher: LocalLauncher, cfg: AutoscaleConfig):
+        self.router = router
+        self.launcher = launcher
+        self.cfg = cfg
+        self.policy = AutoscalePolicy(cfg)
+        self.started: list[_Started] = []
+        self._count = 0
+        self._has_served = False
+        self._finished: deque[tuple[float, int, int]] = deque()  # (time, finished, within SLA)
+        registry = router.metrics.registry
+        self.nodes_gauge = Gauge(
+            "duet_autoscale_nodes", "Nodes the autoscaler runs", ["role"], registry=registry
+        )
+        self.decisions = Counter(
+            "duet_autoscale_decisions",
+            "Autoscaling decisions",
+            ["role", "direction"],
+            registry=registry,
+        )
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.interval_s)
+            try:
+                self.step(time.monotonic())
+            except Exception:  # never let a bug here stop the router's other work
+                log.exception("autoscaler error")
+
+    def step(self, now: float) -> list[Decision]:
+        """Reads the signals, decides, acts; returns what it decided. Nothing before the
+        cluster first serves: the config's nodes are still starting."""
+        self._reap()
+        if not self._has_served:
+            self._has_served = self.router.is_serving
+            if not self._has_served:
+                return []
+        decisions = self.policy.decide(self.signals(), self.attainment(now), now)
+        for decision in decisions:
+            log.info("autoscale: %s %+d (%s)", decision.role, decision.delta, decision.reason)
+            self.decisions.labels(decision.role, "up" if decision.delta > 0 else "down").inc()
+            if decision.delta > 0:
+                self._start(decision.role)
+            else:
+                self._drain(decision.role)
+        for role in ROLES:
+            self.nodes_gauge.labels(role).set(sum(s.role == role for s in self.started))
+        return decisions
+
+    def signals(self) -> dict[str, RoleSignals]:
+        nodes = self.router.nodes
+        out = {}
+        for role in ROLES:
+            ready = nodes.ready(role)
+            names = {n.name for n in ready}
+            mine = [s for s in self.started if s.role == role and not s.draining]
+            if role == "prefill":
+                load = sum(n.queued_tokens for n in ready) / max(len(ready), 1)
+            else:
+                total = sum(n.total_pages for n in ready)
+                load = sum(n.total_pages - n.free_pages for n in ready) / max(total, 1)
+            # the config's nodes restarting count as starting: they come back by themselves
+            restarting = sum(n.status == NodeStatus.STARTING for n in nodes.of_role(role))
+            out[role] = RoleSignals(
+                ready=len(ready),
+                starting=sum(s.name not in names for s in mine) + restarting,
+                drainable=sum(s.name in names for s in mine),
+                load=load,
+            )
+        return out
+
+    def attainment(self, now: float) -> float | None:
+        """The share of the requests finished within the window that met the SLA."""
+        metrics = self.router.metrics
+        self._finished.append((now, metrics.num_finished, metrics.num_sla_met))
+        while self._finished and now - self._finished[0][0] > self.cfg.window_s:
+            self._finished.popleft()
+        _, finished0, met0 = self._finished[0]
+        finished = metrics.num_finished - finished0
+        return (metrics.num_sla_met - met0) / finished if finished else None
+
+    def _start(self, role: str) -> None:
+        self._count += 1
+        name = f"auto-{role}-{self._count}"
+        proc = self.launcher.start(role, name)
+        self.started.append(_Started(name, role, proc))
+        log.info("autoscale: started %s (pid %d)", name, proc.pid)
+
+    def _drain(self, role: str) -> None:
+        ready = {n.name for n in self.router.nodes.ready(role)}
+        mine = [s for s in self.started if s.role == role and not s.draining and s.name in ready]
+        victim = mine[-1]  # the newest
+        victim.draining = True
+        victim.proc.send_signal(signal.SIGTERM)
+        log.info("autoscale: draining %s (pid %d)", victim.name, victim.proc.pid)
+
+    def _reap(self) -> None:
+        """Forgets started nodes whose process ended (drained, or failed to start)."""
+        for s in [s for s in self.started if s.proc.poll() is not None]:
+            self.started.remove(s)
+            how = "stopped" if s.draining else f"exited with {s.proc.returncode}"
+            log.info("autoscale: %s %s", s.name, how)
+
+    def close(self) -> None:
+        """Stops every node it started (they fail what they hold: the router is stopping)."""
+        for s in self.started:
+            if s.proc.poll() is None:
+                s.proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + STOP_WAIT_S
+        for s in self.started:
+            try:
+                s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                s.proc.kill()
+                s.proc.wait()
+        self.started.clear()
+
+
+def _free_ports(host: str, count: int) -> list[int]:
+    """`count` distinct ports free now (held open together, so none is picked twice)."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
