@@ -201,6 +201,9 @@ class FirstToken:
     token: int
     prompt_len: int
     stage_ms: dict[str, float] = field(default_factory=dict)  # queue, prefill, transfer
+    # Prompt tokens the node served from its prefix cache (pool or disk tier), not computed:
+    # the API's usage.prompt_tokens_details.cached_tokens.
+    cached_tokens: int = 0
     # Raw logprobs (`control.logprobs`), when the sampling asked: the token's own (one entry),
     # its top ids and their logprobs; with `prompt_logprobs`, the same per prompt token after
     # the first (prompt_len - 1 entries each).

@@ -556,6 +556,7 @@ def _first_token(
         tokens[0],
         request.prompt_len,
         stage_ms,
+        cached_tokens=request.num_cached,
         logprob=[] if lp is None else [lp.logprob],
         top_ids=[] if lp is None else lp.top_ids,
         top_logprobs=[] if lp is None else lp.top_logprobs,

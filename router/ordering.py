@@ -66,6 +66,7 @@ class OutputOrdering:
         now = time.monotonic()
         if not req.timings.first_token:  # a moved request keeps the TTFT its client saw
             req.timings.first_token = req.timings.last_token = now
+            req.cached_tokens = min(max(msg.cached_tokens, 0), req.prompt_len)
         self.nodes.release_prefill(req)
         self.admission.first_token(req)
         for stage, ms in msg.stage_ms.items():

@@ -43,12 +43,17 @@ class ResponseShapes:
             "model": self.model,
         }
 
-    def usage(self, num_outputs: list[int], reasoning_tokens: int | None = None) -> dict:
+    def usage(
+        self, num_outputs: list[int], reasoning_tokens: int | None = None, cached_tokens: int = 0
+    ) -> dict:
+        """OpenAI's usage; `cached_tokens`: the prompt tokens served from the prefill nodes'
+        prefix caches (`prompt_tokens_details`, as OpenAI and vLLM report them)."""
         num_prompt, num_output = sum(self.prompt_lens), sum(num_outputs)
         usage: dict[str, Any] = {
             "prompt_tokens": num_prompt,
             "completion_tokens": num_output,
             "total_tokens": num_prompt + num_output,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
         }
         if reasoning_tokens is not None:
             usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
@@ -69,13 +74,19 @@ class ResponseShapes:
         choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
         return {**self._base("text_completion"), "choices": [choice]}
 
-    def usage_chunk(self, num_outputs: list[int], reasoning_tokens: int | None = None) -> dict:
+    def usage_chunk(
+        self, num_outputs: list[int], reasoning_tokens: int | None = None, cached_tokens: int = 0
+    ) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        usage = self.usage(num_outputs, reasoning_tokens)
+        usage = self.usage(num_outputs, reasoning_tokens, cached_tokens)
         return {**self._base(obj), "choices": [], "usage": usage}
 
     def full(
-        self, choices: list[dict[str, Any]], num_outputs: list[int], reasoning_tokens=None
+        self,
+        choices: list[dict[str, Any]],
+        num_outputs: list[int],
+        reasoning_tokens=None,
+        cached_tokens: int = 0,
     ) -> dict[str, Any]:
         """The whole response: `choices` (text, finish_reason, logprobs each; with a reasoning
         or tool parser, reasoning_content and tool_calls) in index order; `num_outputs`: the tokens of every sequence
@@ -100,7 +111,8 @@ class ResponseShapes:
             out = [{"index": i, **c} for i, c in enumerate(choices)]
             out = [{k: c[k] for k in keys} for c in out]
             base = self._base("text_completion")
-        return {**base, "choices": out, "usage": self.usage(num_outputs, reasoning_tokens)}
+        usage = self.usage(num_outputs, reasoning_tokens, cached_tokens)
+        return {**base, "choices": out, "usage": usage}
 
     def error(self, exc: RequestFailed) -> ApiError:
         where = f"prompt[{exc.index}]: " if self.is_batch else ""

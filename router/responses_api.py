@@ -171,6 +171,7 @@ class ResponseBuilder:
         self.body = body
         self.model = model
         self.input_tokens = input_tokens
+        self.cached_tokens = 0  # of the input, served from a prefill node's cache (at the end)
         self.id = f"resp_{secrets.token_hex(12)}"
         self.created_at = int(time.time())
         self.items: list[dict[str, Any]] = []  # output items, the last one maybe still open
@@ -347,7 +348,7 @@ class ResponseBuilder:
             "user": body.user,
             "usage": {
                 "input_tokens": self.input_tokens,
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {"cached_tokens": self.cached_tokens},
                 "output_tokens": output_tokens,
                 "output_tokens_details": {"reasoning_tokens": reasoning or 0},
                 "total_tokens": self.input_tokens + output_tokens,
@@ -375,6 +376,7 @@ async def respond(
                 finish = finish_now or finish
     except RequestFailed as exc:
         raise ApiError(500, exc.event.message, code=f"failed_at_{exc.event.stage}") from None
+    builder.cached_tokens = sub.req.cached_tokens
     builder.end_events(finish, sub.num_output_tokens, _reasoning(sub))
     status = "incomplete" if finish == "length" else "completed"
     return builder.response(status, finish, sub.num_output_tokens, _reasoning(sub))
@@ -392,6 +394,7 @@ async def _stream(
                 for event in builder.push(delta):
                     yield _sse(event)
                 finish = finish_now or finish
+        builder.cached_tokens = sub.req.cached_tokens
         for event in builder.end_events(finish, sub.num_output_tokens, _reasoning(sub)):
             yield _sse(event)
     except RequestFailed as exc:

@@ -564,7 +564,8 @@ class Serving:
                         yield _sse_event(fmt.chunk(index, delta, finish, logprobs))
             if usage:
                 counts = [s.num_output_tokens for s in subs]
-                yield _sse_event(fmt.usage_chunk(counts, _reasoning_tokens(subs)))
+                cached = _cached_tokens(subs)
+                yield _sse_event(fmt.usage_chunk(counts, _reasoning_tokens(subs), cached))
         except RequestFailed as exc:
             # The others are aborted before the client hears of the error, not after it read it.
             self._abort_all([s.req for s in subs], "another prompt of the request failed")
@@ -622,7 +623,8 @@ class Serving:
                 group = range(start, start + best_of)
                 shown += sorted(group, key=lambda i: -subs[i].cumulative_logprob)[: fmt.n]
             choices = [choices[i] for i in shown]
-        return fmt.full(choices, [s.num_output_tokens for s in subs], _reasoning_tokens(subs))
+        counts = [s.num_output_tokens for s in subs]
+        return fmt.full(choices, counts, _reasoning_tokens(subs), _cached_tokens(subs))
 
     async def _abort_on_disconnect(self, request: Request, subs: list[_Sub]) -> None:
         """Waits for the client to go away (the body is already read, so the next ASGI message
@@ -669,6 +671,12 @@ def _reasoning_tokens(subs: list[_Sub]) -> int | None:
     """The output tokens spent reasoning, summed; None without a reasoning parser."""
     outputs = [s.output for s in subs if s.output is not None and s.output.reasoning is not None]
     return sum(o.reasoning_tokens for o in outputs) if outputs else None
+
+
+def _cached_tokens(subs: list[_Sub]) -> int:
+    """Prompt tokens served from the prefill nodes' caches, per prompt (the sequences forked
+    from a prompt count none of their own)."""
+    return sum(s.req.cached_tokens for s in subs)
 
 
 def _sse_event(obj: dict[str, Any]) -> str:

@@ -111,6 +111,7 @@ class RouterRequest:
     kv_endpoint: str = ""  # the decode node's, from its ReserveReply
     kv_key: bytes = field(default=b"", repr=False)  # its transfer key (kv_security = "aead")
     kv_cached_rows: int = 0  # leading prompt rows the decode node holds (not sent again)
+    cached_tokens: int = 0  # prompt tokens the prefill node's cache served (its first attempt)
     reserved_pages: int = 0  # what the decode node reserved (the router's load estimate)
     holds_prefill: bool = False  # counted in the prefill node's queued tokens
     holds_decode: bool = False  # counted in the decode node's reserved pages

@@ -76,3 +76,29 @@ def test_outputs_equal_duet_generate(cluster):
             "bfloat16", MAX_NEW, prompt_ids=prompt, extra=("--ignore-eos", "--chunk-size", "16")
         )
         assert _complete(cluster, prompt) == ref["text"]
+
+
+def test_usage_reports_the_prompt_tokens_served_from_the_cache(cluster):
+    """OpenAI's `usage.prompt_tokens_details.cached_tokens`: the six system pages once a prompt
+    sharing them was prefilled (the index sends it to the node holding them), none cold; a
+    chat sent twice, its whole pages the second time."""
+    cold = [3, 1, 4, 1, 5, 9, 2, 6] * 4  # shares no page with SYSTEM
+    warm = SYSTEM + [77, 78]
+    _complete(cluster, SYSTEM + [1])  # the system pages are cached somewhere (if not already)
+    for prompt, cached in ((cold, 0), (warm, len(SYSTEM))):
+        out = cluster.client().completions.create(
+            model="tiny-model", prompt=prompt, max_tokens=2, temperature=0.0
+        )
+        assert out.usage.prompt_tokens_details.cached_tokens == cached
+    messages = [{"role": "user", "content": " ".join(f"w{i}" for i in range(40))}]
+    usages = [
+        cluster.client()
+        .chat.completions.create(
+            model="tiny-model", messages=messages, max_tokens=2, temperature=0.0
+        )
+        .usage
+        for _ in range(2)
+    ]
+    whole_pages = (usages[1].prompt_tokens - 1) // 16 * 16  # never the last token
+    assert whole_pages > 0
+    assert [u.prompt_tokens_details.cached_tokens for u in usages] == [0, whole_pages]
