@@ -141,6 +141,17 @@ class UpProcess:
             base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120
         )
 
+    def greedy(self, prompt, max_tokens: int, ignore_eos: bool = True):
+        """One greedy completion of `prompt` (text or token ids), `max_tokens` long when
+        `ignore_eos`: the openai client's Completion."""
+        return self.client().completions.create(
+            model="tiny-model",
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            extra_body={"ignore_eos": ignore_eos},
+        )
+
     def metric(self, name: str, **labels: str) -> float:
         want = ",".join(f'{k}="{v}"' for k, v in labels.items())
         key = f"{name}{{{want}}}" if want else name

@@ -49,13 +49,7 @@ def _nodes(cluster) -> dict[str, dict]:
 
 
 def _complete(cluster, prompt) -> str:
-    out = cluster.client().completions.create(
-        model="tiny-model",
-        prompt=prompt,
-        max_tokens=MAX_NEW,
-        temperature=0.0,
-        extra_body={"ignore_eos": True},
-    )
+    out = cluster.greedy(prompt, MAX_NEW)
     assert out.usage.completion_tokens == MAX_NEW and out.choices[0].finish_reason == "length"
     return out.choices[0].text
 

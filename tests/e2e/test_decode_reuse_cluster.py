@@ -38,13 +38,7 @@ def _reference(prompt: list[int]) -> dict:
 
 
 def _complete(cluster, prompt: list[int]) -> str:
-    out = cluster.client().completions.create(
-        model="tiny-model",
-        prompt=prompt,
-        max_tokens=MAX_NEW,
-        temperature=0.0,
-        extra_body={"ignore_eos": True},
-    )
+    out = cluster.greedy(prompt, MAX_NEW)
     return out.choices[0].text
 
 

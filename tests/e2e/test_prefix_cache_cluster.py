@@ -37,13 +37,7 @@ def cluster(tmp_path_factory):
 
 
 def _complete(cluster, prompt):
-    out = cluster.client().completions.create(
-        model="tiny-model",
-        prompt=prompt,
-        max_tokens=MAX_NEW,
-        temperature=0.0,
-        extra_body={"ignore_eos": True},
-    )
+    out = cluster.greedy(prompt, MAX_NEW)
     return out.choices[0].text
 
 
