@@ -1,4 +1,5 @@
-"""The prefill node's prefix cache: a radix tree over token ids whose edges hold KV pages.
+"""A node's prefix cache (a prefill node's; a decode node's of finished prompts with
+`[[decode]] prefix_cache`): a radix tree over token ids whose edges hold KV pages.
 
 Page-granular: an edge holds k whole pages (k * page_size tokens) of the node's own `KVPool`,
 so a match, an insert and a split always fall on a page boundary and a cached page is never
