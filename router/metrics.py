@@ -381,6 +381,11 @@ class PrefixCacheFamilies:
             "Evicted pages the node wrote to the disk tier",
             labels=labels,
         )
+        self.disk_hit_ratio = GaugeMetricFamily(
+            "duet_prefix_cache_disk_hit_ratio",
+            "Share of disk-tier lookups that got pages (0 before any)",
+            labels=labels,
+        )
         self.disk_corrupt = CounterMetricFamily(
             "duet_prefix_cache_disk_corrupt",
             "Disk-tier files that failed a check (deleted, computed instead)",
@@ -405,11 +410,13 @@ class PrefixCacheFamilies:
             self.disk_hit_tokens.add_metric(lv, hb.num_disk_hit_tokens)
             self.disk_stored.add_metric(lv, hb.num_disk_pages_stored)
             self.disk_corrupt.add_metric(lv, hb.num_disk_corrupt)
+            lookups = hb.num_disk_lookups
+            self.disk_hit_ratio.add_metric(lv, hb.num_disk_hits / lookups if lookups else 0.0)
 
     def families(self) -> tuple:
         return (
             *(self.lookups, self.hits, self.hit_tokens, self.evicted, self.pages, self.hit_ratio),
             *(self.rows_sent, self.rows_skipped, self.rows_received),
             *(self.disk_lookups, self.disk_hits, self.disk_hit_tokens, self.disk_stored),
-            self.disk_corrupt,
+            *(self.disk_corrupt, self.disk_hit_ratio),
         )

@@ -58,3 +58,4 @@ def test_a_restarted_prefill_node_serves_from_the_disk_tier(cluster):
     loaded = lambda: cluster.metric("duet_prefix_cache_disk_hit_tokens_total", **LABELS)  # noqa: E731
     assert wait_until(lambda: loaded() == 96, 30)  # the six pages, from the restarted node's reads
     assert cluster.metric("duet_prefix_cache_hit_tokens_total", **LABELS) == 0  # its pool was cold
+    assert cluster.metric("duet_prefix_cache_disk_hit_ratio", **LABELS) == 1.0  # 1 of 1 lookups
