@@ -43,7 +43,7 @@ HEADER = struct.Struct("<4sIQQ")  # magic, version, payload bytes, xxh3-64 of th
 VERSION = 1
 TRIM_TO = 0.9  # a trim leaves the store at this share of its bound
 STAGING_BYTES = 256 * 2**20  # pages read ahead and not yet taken, at most
-WAIT_FOR_READ_S = 0.5  # `get` waits this long at most for a page the helper is about to read
+WAIT_FOR_READ_S = 0.5  # a prompt's load waits this long in all for pages the helper is reading
 
 
 def layout_key(layout: dict[str, Any]) -> str:
@@ -122,11 +122,12 @@ class DiskKVStore:
         if due:
             self.trim()
 
-    def get(self, name: bytes) -> torch.Tensor | None:
+    def get(self, name: bytes, wait_s: float = WAIT_FOR_READ_S) -> torch.Tensor | None:
         """The page's rows, or None (absent, or a file that failed a check: deleted). A page
-        read ahead comes from memory."""
+        read ahead comes from memory; one the helper is reading is waited for, `wait_s` at
+        most, then read here."""
         with self._read_done:  # the helper reading it now: wait rather than read it twice
-            self._read_done.wait_for(lambda: name not in self._pending, WAIT_FOR_READ_S)
+            self._read_done.wait_for(lambda: name not in self._pending, max(0.0, wait_s))
             rows = self._staged.pop(name, None)
         if rows is None:
             rows = self._read(name)

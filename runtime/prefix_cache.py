@@ -35,12 +35,13 @@ it finishes, as pages it computed).
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from control.kv_events import page_hashes
 from model.kv_pool import KVPool, PageTable
-from runtime.kv_disk_store import DiskKVStore
+from runtime.kv_disk_store import WAIT_FOR_READ_S, DiskKVStore
 
 # (stored, removed) page names of one change
 ChangeSink = Callable[[list[bytes], list[bytes]], None]
@@ -264,9 +265,9 @@ class PrefixCache:
         first = start // self.page_size
         if first >= len(names):
             return 0
-        loaded = 0
+        loaded, deadline = 0, time.monotonic() + WAIT_FOR_READ_S  # one wait for the whole load
         for index in range(first, len(names)):
-            rows = self.store.get(names[index])
+            rows = self.store.get(names[index], deadline - time.monotonic())
             if rows is None:
                 break
             self.pool.write_rows(table, 0, index * self.page_size, rows.to(self.pool.dtype))
