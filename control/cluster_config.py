@@ -63,6 +63,7 @@ _HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.\-_]*")  # a host name or an IPv4 add
 _NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.\-_]{0,62}")
 REASONING_PARSERS = ("deepseek_r1",)  # the chat output formats `router.reasoning` splits
 TOOL_PARSERS = ("hermes", "deepseek_v3")  # the tool-call formats `router.tool_parsers` reads
+MAX_ROUTERS = 8  # router replicas in front of one cluster's nodes (`control.router_links`)
 
 
 class _Addresses:
@@ -150,6 +151,29 @@ class RouterConfig(_Addresses):
     # Tool calling (`router.tool_parsers`): how the model writes calls, "hermes" or
     # "deepseek_v3"; "" refuses requests that ask for tool calls.
     tool_parser: str = ""
+    # Routers in front of the same nodes (`control.router_links`): replica i serves HTTP on
+    # port + i and its control socket on control_port + i, on `host`; or, with
+    # `replica_hosts` (one per replica: routers on several hosts, Kubernetes' router pods), on
+    # replica_hosts[i] and the ports as they are. Every node serves every router; one
+    # router's death ends only its own streams.
+    replicas: int = 1
+    replica_hosts: tuple[str, ...] = ()
+
+    def for_replica(self, replica: int) -> RouterConfig:
+        """Replica `replica`'s own addresses (replica 0: this config's, unless
+        `replica_hosts` places it)."""
+        if not 0 <= replica < self.replicas:
+            raise ConfigError(f"[router] has {self.replicas} replicas, no replica {replica}")
+        if self.replica_hosts:
+            return dataclasses.replace(self, host=self.replica_hosts[replica])
+        return dataclasses.replace(
+            self, port=self.port + replica, control_port=self.control_port + replica
+        )
+
+    @property
+    def control_endpoints(self) -> list[str]:
+        """Where a node sends its messages: every replica's control endpoint, in order."""
+        return [self.for_replica(i).control_endpoint for i in range(self.replicas)]
 
 
 @dataclass(frozen=True)
@@ -479,7 +503,23 @@ def _validate(cfg: ClusterConfig) -> None:
     _check_addresses("[router]", cfg.router)
     for node in (*cfg.prefill, *cfg.decode):
         _check_addresses(f"node {node.name}", node)
-    endpoints = [(cfg.router.host, cfg.router.port), (cfg.router.host, cfg.router.control_port)]
+    if not 1 <= cfg.router.replicas <= MAX_ROUTERS:
+        raise ConfigError(
+            f"[router] replicas must be 1 to {MAX_ROUTERS}, got {cfg.router.replicas}"
+        )
+    hosts = cfg.router.replica_hosts
+    if hosts and (len(hosts) != cfg.router.replicas or len(set(hosts)) != len(hosts)):
+        raise ConfigError(
+            f"[router] replica_hosts must name {cfg.router.replicas} distinct hosts (one per "
+            f"replica), got {list(hosts)}"
+        )
+    for host in hosts:
+        if host in WILDCARD_HOSTS or not _HOST.fullmatch(host):
+            raise ConfigError(f"[router] replica_hosts: {host!r} is not a host name or address")
+    endpoints = []
+    for i in range(cfg.router.replicas):
+        replica = cfg.router.for_replica(i)
+        endpoints += [(replica.host, replica.port), (replica.host, replica.control_port)]
     for node in cfg.prefill:
         endpoints.append((node.host, node.control_port))
         if node.group_port:

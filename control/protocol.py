@@ -110,7 +110,9 @@ class Heartbeat:
     timing_samples: list[list[float]] = field(default_factory=list)
     queued_attention: float = 0.0  # prefill: sum of new*prefix over the chunks still to compute
     queued_forwards: int = 0  # prefill: forwards its queued work needs at least
-    last_prefill_seq: int = 0  # prefill: the highest Prefill.seq taken (0 after a router change)
+    # prefill: per router replica (`control.router_links`), the highest Prefill.seq taken from
+    # it (0 after that router changed)
+    prefill_seqs: list[int] = field(default_factory=list)
     # ---- MTP speculative decoding: decode, cumulative (decode_node.speculative_step)
     mtp_drafted: int = 0  # draft tokens verified
     mtp_accepted: int = 0  # of which accepted
@@ -184,7 +186,7 @@ class Prefill:
     kv_endpoint: str
     timeout_s: float
     # The router's count of Prefills sent to this node (1, 2, ...): the node's heartbeat says
-    # the last it took (`Heartbeat.last_prefill_seq`), so the router knows which dispatched
+    # the last it took (`Heartbeat.prefill_seqs`), so the router knows which dispatched
     # requests that heartbeat's queued work includes (SLA admission).
     seq: int = 0
     kv_key: bytes = field(default=b"", repr=False)  # the decode node's (ReserveReply.kv_key)
@@ -366,11 +368,13 @@ class Shutdown:
 
 @dataclass(frozen=True)
 class RouterPing:
-    """Router -> nodes, every heartbeat interval: renews the node's lease on its requests for
-    `lease_s` (see `control.lease`); `router_id` changes when the router restarts."""
+    """Router -> nodes, every heartbeat interval: renews the node's lease on the requests of
+    router replica `replica` for `lease_s` (see `control.lease`); `router_id` changes when
+    the router at that place restarts."""
 
     router_id: str
     lease_s: float
+    replica: int = 0
 
 
 MESSAGE_TYPES: dict[str, type] = {

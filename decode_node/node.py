@@ -43,6 +43,7 @@ from control.protocol import (
     sampling_from_dict,
     step_tokens_messages,
 )
+from control.router_links import replica_of
 from control.sampling_params import SamplingParams
 from control.version import package_version
 from decode_node.scheduler import DecodeRequest, DecodeScheduler, DecodeState, StepOutput
@@ -234,14 +235,20 @@ class DecodeNode(NodeLoop):
         else:
             super().handle(msg)
 
-    def orphan_all(self, reason: str) -> None:
-        self.abort_all(reason)
+    def orphan(self, replica: int, reason: str) -> None:
+        self.abort_all(reason, replica)
 
-    def abort_all(self, reason: str) -> None:
-        """Aborts every held request: no live router owns them any more."""
-        if self.scheduler.requests:
-            log.warning("aborting %d requests: %s", len(self.scheduler.requests), reason)
-        for request in list(self.scheduler.requests):
+    def abort_all(self, reason: str, replica: int | None = None) -> None:
+        """Aborts every held request of router `replica` (None: of every router): no live
+        router owns them any more."""
+        orphans = [
+            r
+            for r in self.scheduler.requests
+            if replica is None or replica_of(r.request_id) == replica
+        ]
+        if orphans:
+            log.warning("aborting %d requests: %s", len(orphans), reason)
+        for request in orphans:
             self._abort(request.request_id, reason)
 
     def _on_reserve(self, msg: Reserve) -> None:

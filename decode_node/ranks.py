@@ -81,7 +81,9 @@ class RankDecodeNode(DecodeNode):
         self.children = children or []
         self._stats = [[0] * NUM_STATS for _ in range(group.world)]
         self._stopped = False
-        self._orphan_reason = ""  # rank 0: the lease lapsed or the router changed; all ranks drop
+        # Rank 0: routers whose lease lapsed or who restarted, [replica, reason] each: every
+        # rank drops their requests.
+        self._orphans: list[list] = []
         self.num_reserved = 0  # Reserve messages this rank was given
 
     def ready_info(self):
@@ -113,8 +115,8 @@ class RankDecodeNode(DecodeNode):
                 msg = protocol.decode(frame)
                 self.num_reserved += isinstance(msg, Reserve)
                 self.dispatch(msg)
-        if body.get("orphan"):
-            self.abort_all(body["orphan"])
+        for replica, reason in body.get("orphans", []):
+            self.abort_all(reason, replica)
         stop = bool(body["stop"])
         self.is_stopping = self.is_stopping or stop
         # 2. KV events, expiry, this rank's batch.
@@ -161,14 +163,14 @@ class RankDecodeNode(DecodeNode):
             num_handled += 1
             msg = self.inbox.recv(0.0) if num_handled < MAX_DRAIN else None
         self.check_lease_and_drain(time.monotonic())
-        orphan, self._orphan_reason = self._orphan_reason, ""
-        body = {"msgs": msgs, "stop": self.is_stopping, "orphan": orphan}
+        orphans, self._orphans = self._orphans, []
+        body = {"msgs": msgs, "stop": self.is_stopping, "orphans": orphans}
         return msgpack.packb(body, use_bin_type=True)
 
-    def orphan_all(self, reason: str) -> None:
-        """On rank 0 (the only one that hears the router): every rank drops its requests at
-        the next step, from the plan."""
-        self._orphan_reason = reason
+    def orphan(self, replica: int, reason: str) -> None:
+        """On rank 0 (the only one that hears the router): every rank drops router `replica`'s
+        requests at the next step, from the plan."""
+        self._orphans.append([replica, reason])
 
     def num_held(self) -> int:
         """The requests of all ranks, as last gathered."""
@@ -310,7 +312,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     """`python -m decode_node.ranks --config F --node N --rank R --dist-host H --dist-port P
     [--model DIR]`
     (started by rank 0; 0 after a clean stop, 1 on failure, reported to the router)."""
-    from control.messaging import PushSocket
+    from control.router_links import connect_routers
     from control.security import cluster_security
     from runtime.node_process import load_model
 
@@ -332,7 +334,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    outbox = PushSocket(cluster.router.control_endpoint, security=security)
+    outbox = connect_routers(cluster.router.control_endpoints, security)
     status = 0
     try:
         shard = shard_of(cluster, cfg, args.model, args.rank)

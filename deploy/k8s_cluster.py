@@ -9,7 +9,9 @@ one pod, `NAME-0`, serving node NAME. Ports stay exactly the TOML's: with `repli
 listens on the entry's ports + i.
 
 The TOML in the ConfigMap (`k8s_cluster`) is the input with
-- every node's host replaced by its pod's DNS name and the router's by its Service's,
+- every node's host replaced by its pod's DNS name and the router's by its Service's (with
+  `[router] replicas`, a StatefulSet of router pods: `replica_hosts` names each pod, which the
+  nodes reach one by one; clients reach any of them through the Service),
 - `bind_host = "0.0.0.0"` everywhere: a socket cannot bind a DNS name (ZeroMQ binds only an IP
   address or an interface), and a Service's address is not the pod's own,
 - [security] pointing at the mounted Secrets (CURVE key pair, API keys), CURVE on even where the
@@ -34,7 +36,8 @@ KEY_DIR = "/etc/duet/keys"
 KEY_FILE = KEY_FILE_NAME  # what `duet keygen` writes
 API_KEY_DIR = "/etc/duet/api"
 API_KEY_FILE = "api_keys"
-ROUTER = "router"  # the router's Deployment and Service
+ROUTER = "router"  # the router's Deployment (StatefulSet with replicas) and Service
+ROUTER_PODS = "router-pods"  # with [router] replicas: the headless Service naming each pod
 BIND_ANY = "0.0.0.0"
 _NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # a DNS-1035 label: Service names need one
 _MAX_SET_NAME = 52  # StatefulSet pods get a `NAME-HASH` revision label of at most 63 characters
@@ -73,6 +76,11 @@ def service_host(name: str, namespace: str) -> str:
 
 def pod_host(node_set: NodeSet, i: int, namespace: str) -> str:
     return f"{node_set.pod(i)}.{service_host(node_set.name, namespace)}"
+
+
+def router_pod_host(i: int, namespace: str) -> str:
+    """Router replica i's DNS name (pod `router-i` of the StatefulSet, `[router] replicas`)."""
+    return f"{ROUTER}-{i}.{service_host(ROUTER_PODS, namespace)}"
 
 
 def node_sets(cluster: ClusterConfig) -> list[NodeSet]:
@@ -149,9 +157,13 @@ def k8s_cluster(cluster: ClusterConfig, namespace: str) -> ClusterConfig:
         insecure=False,
         api_key_file=f"{API_KEY_DIR}/{API_KEY_FILE}",
     )
+    router = _with_bind(cluster.router, service_host(ROUTER, namespace))
+    if router.replicas > 1:  # every pod on the TOML's ports, each under its own name
+        pods = tuple(router_pod_host(i, namespace) for i in range(router.replicas))
+        router = dataclasses.replace(router, replica_hosts=pods)
     return dataclasses.replace(
         cluster,
-        router=_with_bind(cluster.router, service_host(ROUTER, namespace)),
+        router=router,
         prefill=tuple(_with_bind(n, hosts[n.name]) for n in cluster.prefill),
         decode=tuple(_with_bind(n, hosts[n.name]) for n in cluster.decode),
         security=security,

@@ -1,4 +1,5 @@
-"""The Kubernetes objects of one cluster: the router's Deployment and Service, a StatefulSet and
+"""The Kubernetes objects of one cluster: the router's Deployment (a StatefulSet of
+`[router] replicas` pods when there are several) and Service, a StatefulSet and
 a headless Service per node set, a PodDisruptionBudget per role. Pure functions of the
 ClusterConfig (and the model, for the pods' requests); `deploy.k8s_render` puts them in files.
 
@@ -40,6 +41,7 @@ from deploy.k8s_cluster import (
     KEY_DIR,
     KEY_FILE,
     ROUTER,
+    ROUTER_PODS,
     NodeSet,
     config_path,
 )
@@ -323,17 +325,22 @@ def router_manifests(k8s: ClusterConfig, namespace: str, image: str, digest: str
         },
     )
     selector = labels(ROUTER)
-    deployment = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": meta(ROUTER, namespace, selector),
-        "spec": {
-            "replicas": 1,
-            "strategy": {"type": "Recreate"},
-            "selector": {"matchLabels": selector},
-            "template": _pod(ROUTER, None, digest, ROUTER_GRACE_S, container, volumes),
-        },
-    }
+    template = _pod(ROUTER, None, digest, ROUTER_GRACE_S, container, volumes)
+    workloads = [
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": meta(ROUTER, namespace, selector),
+            "spec": {
+                "replicas": 1,
+                "strategy": {"type": "Recreate"},
+                "selector": {"matchLabels": selector},
+                "template": template,
+            },
+        }
+    ]
+    if r.replicas > 1:
+        workloads = _router_replicas(r, namespace, selector, template)
     service = {
         "apiVersion": "v1",
         "kind": "Service",
@@ -363,7 +370,50 @@ def router_manifests(k8s: ClusterConfig, namespace: str, image: str, digest: str
             "ingress": [{"ports": [{"port": r.port, "protocol": "TCP"}]}],
         },
     }
-    return [deployment, service, http_policy]
+    return [*workloads, service, http_policy]
+
+
+def _router_replicas(r, namespace: str, selector: dict, template: Doc) -> list[Doc]:
+    """`[router] replicas` routers: a StatefulSet, so that pod i is replica i (`--replica` its
+    pod name) under a stable DNS name (the headless ROUTER_PODS Service's, `replica_hosts`),
+    which every node connects to. A Deployment's pods have neither."""
+    (container,) = template["spec"]["containers"]
+    container["args"] = [*container["args"], "--replica", "$(POD_NAME)"]
+    container["env"] = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+    ]
+    headless = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta(ROUTER_PODS, namespace, selector),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector,
+            "ports": [
+                {
+                    "name": "control",
+                    "port": r.control_port,
+                    "targetPort": r.control_port,
+                    "protocol": "TCP",
+                }
+            ],
+        },
+    }
+    stateful_set = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": meta(ROUTER, namespace, selector),
+        "spec": {
+            "serviceName": ROUTER_PODS,
+            "replicas": r.replicas,
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate"},
+            "selector": {"matchLabels": selector},
+            "template": template,
+        },
+    }
+    return [headless, stateful_set]
 
 
 # ---- the nodes -----------------------------------------------------------------------------

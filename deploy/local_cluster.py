@@ -4,6 +4,7 @@
     duet up [--model DIR] [--prefill N] [--decode M] [--port P] [--dtype float32|bfloat16]
     duet up ... [--decode-ranks R]   (every decode node runs R ranks: EP/DP)
     duet up ... [--prefill-ranks R]  (every prefill node runs R ranks: tensor parallel)
+    duet up ... [--routers N]        (N routers in front of the same nodes: ports P, P+1, ...)
 
 The shorthand builds a config with N prefill and M decode nodes on free loopback ports. Either
 way the resolved config (model path filled in: with no model, the built-in tiny model, made once)
@@ -59,6 +60,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill", type=int, help="number of prefill nodes (shorthand; default 1)")
     p.add_argument("--decode", type=int, help="number of decode nodes (shorthand; default 1)")
     p.add_argument("--port", type=int, help="the router's HTTP port (default 8000)")
+    p.add_argument(
+        "--routers",
+        type=int,
+        help="routers in front of the same nodes ([router] replicas): HTTP on --port, "
+        "--port + 1, ...; each serves on when another dies",
+    )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default bfloat16")
     p.add_argument("--threads", type=int, default=1, help="threads per node (shorthand)")
     p.add_argument("--decode-ranks", type=int, help="processes per decode node (EP/DP layout)")
@@ -140,13 +147,40 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-def shorthand_config(num_prefill: int, num_decode: int, port: int, threads: int) -> dict:
-    """A config dict: N prefill and M decode nodes, their control/KV ports picked free."""
+def free_port_run(count: int, exclude: frozenset[int] = frozenset()) -> int:
+    """The first of `count` consecutive free ports, none in `exclude` (router replica i's
+    control port is the first + i)."""
+    for _ in range(100):
+        first = free_ports(1, exclude=exclude)[0]
+        run = range(first, first + count)
+        if run[-1] < 65536 and not exclude & set(run) and all(map(_is_free, run)):
+            return first
+    raise ConfigError(f"found no {count} consecutive free ports")
+
+
+def _is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def shorthand_config(
+    num_prefill: int, num_decode: int, port: int, threads: int, routers: int = 1
+) -> dict:
+    """A config dict: N prefill and M decode nodes, their control/KV ports picked free (and
+    `routers` consecutive control ports for the routers)."""
     if num_prefill < 1 or num_decode < 1:
         raise ConfigError("--prefill and --decode must be at least 1")
-    ports = iter(free_ports(1 + num_prefill + 2 * num_decode, exclude=frozenset({port})))
+    http = frozenset(range(port, port + routers))
+    control = free_port_run(routers, exclude=http)
+    taken = http | frozenset(range(control, control + routers))
+    ports = iter(free_ports(num_prefill + 2 * num_decode, exclude=taken))
     return {
-        "router": {"host": "127.0.0.1", "port": port, "control_port": next(ports)},
+        "router": {"host": "127.0.0.1", "port": port, "control_port": control,
+                   "replicas": routers},
         "prefill": [
             {"name": f"prefill-{i}", "control_port": next(ports), "threads": threads}
             for i in range(num_prefill)
@@ -173,11 +207,14 @@ def resolve_config(args: argparse.Namespace) -> dict:
             raise ConfigError(f"{args.config}: invalid TOML ({exc})") from None
         if args.port is not None:
             raw.setdefault("router", {})["port"] = args.port
+        if args.routers is not None:
+            raw.setdefault("router", {})["replicas"] = args.routers
     else:
         port = 8000 if args.port is None else args.port
         num_prefill = 1 if args.prefill is None else args.prefill
         num_decode = 1 if args.decode is None else args.decode
-        raw = shorthand_config(num_prefill, num_decode, port, args.threads)
+        routers = 1 if args.routers is None else args.routers
+        raw = shorthand_config(num_prefill, num_decode, port, args.threads, routers)
     for role, ranks in (("decode", args.decode_ranks), ("prefill", args.prefill_ranks)):
         if ranks is not None:  # each rank runs `threads` kernel threads
             for node in raw.get(role, []):
@@ -263,24 +300,32 @@ class Cluster:
         self.cfg = cfg
         env = {**os.environ, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
         self.children = Supervisor(env, preexec_fn=_die_with_parent)
-        self.url = f"http://{cfg.router.host}:{cfg.router.port}"
+        replicas = [cfg.router.for_replica(i) for i in range(cfg.router.replicas)]
+        self.urls = [f"http://{r.host}:{r.port}" for r in replicas]
+        self.url = self.urls[0]
 
     def start(self) -> None:
         roles = [("router", "launch_router.sh", [])]
+        roles += [
+            (f"router-{i}", "launch_router.sh", ["--replica", str(i)])
+            for i in range(1, len(self.urls))
+        ]
         roles += [(p.name, "launch_prefill.sh", [p.name]) for p in self.cfg.prefill]
         roles += [(d.name, "launch_decode.sh", [d.name]) for d in self.cfg.decode]
         for name, script, extra in roles:
             cmd = ["bash", str(HERE / script), str(self.config_path), *extra]
             # uvicorn stops cleanly on SIGTERM; a node drains on SIGTERM, so it gets SIGINT
-            stop = signal.SIGTERM if name == "router" else signal.SIGINT
+            stop = signal.SIGTERM if name.startswith("router") else signal.SIGINT
             self.children.start(name, cmd, stop)
 
     def exited(self) -> list[tuple[str, int]]:
         return self.children.exited()
 
-    def health(self) -> dict | None:
+    def health(self, url: str | None = None) -> dict | None:
+        """A router's /health body (the first router's by default); None if it does not
+        answer."""
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+            with urllib.request.urlopen((url or self.url) + "/health", timeout=2) as r:
                 return json.loads(r.read())
         except urllib.error.HTTPError as exc:  # 503 while starting still carries the body
             try:
@@ -299,7 +344,8 @@ class _Stop(Exception):
 
 
 def _wait_ready(cluster: Cluster, timeout_s: float, stopping: list[int]) -> None:
-    """Until every node is ready; ConfigError if a child exits, a node fails, or time runs out."""
+    """Until every router sees every node ready; ConfigError if a child exits, a node fails, or
+    time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if stopping:
@@ -307,13 +353,15 @@ def _wait_ready(cluster: Cluster, timeout_s: float, stopping: list[int]) -> None
         if cluster.exited():
             name, code = cluster.exited()[0]
             raise ConfigError(f"{name} exited with status {code} while starting")
-        body = cluster.health()
-        nodes = (body or {}).get("nodes", {})
-        failed = {n: s.get("error", "") for n, s in nodes.items() if s.get("status") == "dead"}
-        if failed:
-            name, error = next(iter(failed.items()))
-            raise ConfigError(f"node {name} failed to start: {error}")
-        if nodes and all(s.get("status") == "ready" for s in nodes.values()):
+        ready = 0
+        for url in cluster.urls:
+            nodes = (cluster.health(url) or {}).get("nodes", {})
+            failed = {n: s.get("error", "") for n, s in nodes.items() if s.get("status") == "dead"}
+            if failed:
+                name, error = next(iter(failed.items()))
+                raise ConfigError(f"node {name} failed to start: {error}")
+            ready += bool(nodes) and all(s.get("status") == "ready" for s in nodes.values())
+        if ready == len(cluster.urls):
             return
         time.sleep(POLL_S)
     raise ConfigError(f"the cluster was not ready after {timeout_s:g} s")
@@ -344,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
             "Ctrl-C stops it",
             flush=True,
         )
+        for i, url in enumerate(cluster.urls[1:], 1):
+            print(f"duet up: router {i} at {url}/v1", flush=True)
         while not stopping:  # supervise: a child that dies is restarted, the rest keep serving
             cluster.children.poll()
             time.sleep(POLL_S)

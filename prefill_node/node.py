@@ -36,6 +36,7 @@ from control.protocol import (
     RequestError,
     sampling_from_dict,
 )
+from control.router_links import by_replica, replica_of
 from control.sampling_params import SamplingParams
 from control.version import package_version
 from kvtransfer import KVSender, KVTransferError, Rendezvous, make_fingerprint
@@ -100,7 +101,8 @@ class PrefillNode(NodeLoop):
         self.kv_rows_sent = 0  # prompt rows sent to decode nodes, cumulative
         self.kv_rows_skipped = 0  # and not sent, the decode node holding them (skip_rows)
         self.num_cancelled_by_decode = 0  # requests stopped by a kv_cancel
-        self.last_prefill_seq = 0  # the router's numbering of its Prefills: the last one taken
+        # Each router's numbering of its Prefills: the last one taken, per router replica.
+        self.prefill_seqs: dict[int, int] = {}
         self._is_stalled = False  # last schedule found nothing to run although work is queued
         self._has_failed = False  # NodeFailed sent (report_failure)
 
@@ -139,8 +141,8 @@ class PrefillNode(NodeLoop):
         self._has_failed = True
         super().report_failure(exc)
 
-    def on_router_restart(self) -> None:
-        self.last_prefill_seq = 0  # the new router numbers its Prefills from 1
+    def on_router_restart(self, replica: int) -> None:
+        self.prefill_seqs.pop(replica, None)  # the new router numbers its Prefills from 1
 
     def step(self) -> None:
         # 1. Block when idle: wait for a control message only if there is nothing to compute.
@@ -188,17 +190,20 @@ class PrefillNode(NodeLoop):
         self.scheduler.abort(request.request_id, f"cancelled by the decode node: {reason}")
         self.num_cancelled_by_decode += 1
 
-    def orphan_all(self, reason: str) -> None:
-        """Drops every held request (no live router owns them) and tells their decode nodes."""
-        if self.scheduler.requests:
-            log.warning("aborting %d requests: %s", len(self.scheduler.requests), reason)
-        for request in list(self.scheduler.requests):
+    def orphan(self, replica: int, reason: str) -> None:
+        """Drops the requests of router `replica` (no live router owns them) and tells their
+        decode nodes."""
+        orphans = [r for r in self.scheduler.requests if replica_of(r.request_id) == replica]
+        if orphans:
+            log.warning("aborting %d requests: %s", len(orphans), reason)
+        for request in orphans:
             log.info("request %s: aborted (%s)", request.request_id, reason)
             self.scheduler.abort(request.request_id, reason)
             self._abort_peer(request, reason)
 
     def _on_prefill(self, msg: Prefill) -> None:
-        self.last_prefill_seq = max(self.last_prefill_seq, msg.seq)  # taken, whatever comes next
+        replica = replica_of(msg.request_id)  # taken, whatever comes next:
+        self.prefill_seqs[replica] = max(self.prefill_seqs.get(replica, 0), msg.seq)
         cfg = self.model.cfg
         try:
             params = sampling_from_dict(msg.sampling)
@@ -513,7 +518,7 @@ class PrefillNode(NodeLoop):
             timing_samples=self.timing_samples.take(),
             queued_attention=float(queued_attention),
             queued_forwards=queued_forwards,
-            last_prefill_seq=self.last_prefill_seq,
+            prefill_seqs=by_replica(self.prefill_seqs),
         )
 
     def close(self, reason: str) -> None:

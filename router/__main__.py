@@ -1,4 +1,6 @@
-"""`python -m router --config FILE [--model DIR] [--port P] [--log-level L]`: the HTTP gateway.
+"""`python -m router --config FILE [--model DIR] [--port P] [--replica I] [--log-level L]`: the
+HTTP gateway. With `[router] replicas` > 1, each router is started with its own `--replica`
+(0, 1, ...): it serves HTTP on port + I and the nodes' messages on control_port + I.
 
 Reads the cluster config (the same file every node reads), loads the tokenizer and the model's
 config.json (no weights), binds the control socket the nodes report to (CURVE with the cluster
@@ -11,15 +13,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import re
 import sys
 from pathlib import Path
 
 from control.errors import DuetError
 
 
-def build_app(cfg, model_dir: str | None = None, security=None, config_path: str = ""):
+def build_app(
+    cfg, model_dir: str | None = None, security=None, config_path: str = "", replica: int = 0
+):
     """The FastAPI app for a `ClusterConfig`, and the (host, port) it should listen on (the
-    router's `bind_host`, else its `host`).
+    router's `bind_host`, else its `host`; replica `replica`'s port).
     `security` (a control.security.CurveSecurity) makes the node sockets CURVE; None: plain.
     `config_path`: the config's file, which the nodes an autoscaling router starts read."""
     from control.builtin_model import ensure_builtin_model
@@ -37,8 +42,9 @@ def build_app(cfg, model_dir: str | None = None, security=None, config_path: str
         max_positions=model_cfg.max_position_embeddings,
         fingerprint=model_cfg.fingerprint(),
         security=security,
+        replica=replica,
     )
-    if cfg.autoscale.enabled:
+    if cfg.autoscale.enabled and replica == 0:  # one router starts and drains nodes
         from router.autoscaler import Autoscaler, LocalLauncher
 
         launcher = LocalLauncher(config_path, model_dir)
@@ -49,7 +55,16 @@ def build_app(cfg, model_dir: str | None = None, security=None, config_path: str
         vocab_size=model_cfg.vocab_size,
         max_positions=model_cfg.max_position_embeddings,
     )
-    return create_app(router, tokenizer, info), (cfg.router.listen_host, cfg.router.port)
+    own = cfg.router.for_replica(replica)
+    return create_app(router, tokenizer, info), (own.listen_host, own.port)
+
+
+def replica_index(text: str) -> int:
+    """`--replica`: "1", or a StatefulSet pod's name ("duet-router-1"), whose ordinal it is."""
+    match = re.fullmatch(r"(?:.*-)?(\d+)", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor a name ending in -N")
+    return int(match.group(1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,10 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="cluster config (TOML)")
     parser.add_argument("--model", help="checkpoint directory (overrides the config's)")
     parser.add_argument("--port", type=int, help="HTTP port (overrides the config's)")
+    parser.add_argument(
+        "--replica",
+        type=replica_index,
+        default=0,
+        help="this router's place among [router] replicas: a number, or a StatefulSet pod "
+        "name (NAME-i is replica i)",
+    )
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s router %(levelname)s %(message)s"
+        level=args.log_level.upper(),
+        format=f"%(asctime)s router{args.replica or ''} %(levelname)s %(message)s",
     )
     from router import request_log
 
@@ -75,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.port is not None:
             cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, port=args.port))
         security = cluster_security(cfg.security, args.config, "the router")
-        app, (host, port) = build_app(cfg, args.model, security, str(Path(args.config).resolve()))
+        cfg.router.for_replica(args.replica)  # ConfigError for a replica the config lacks
+        config_path = str(Path(args.config).resolve())
+        app, (host, port) = build_app(cfg, args.model, security, config_path, args.replica)
     except DuetError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -88,9 +88,12 @@ class _Admitted:
 
 
 class AdmissionControl:
-    def __init__(self, cfg: ClusterConfig, metrics):
-        """`metrics`: the router's RouterMetrics (rejections, TTFT prediction error)."""
+    def __init__(self, cfg: ClusterConfig, metrics, replica: int = 0):
+        """`metrics`: the router's RouterMetrics (rejections, TTFT prediction error);
+        `replica`: the router's place (`control.router_links`), whose Prefill numbering the
+        nodes' heartbeats report back."""
         self.sla = cfg.sla
+        self.replica = replica
         self.metrics = metrics
         self.prefill_cost = {p.name: PrefillCost() for p in cfg.prefill}
         self.decode_cost = {d.name: DecodeCost() for d in cfg.decode}
@@ -139,8 +142,10 @@ class AdmissionControl:
             elif node.role == "decode" and decode is not None:
                 decode.observe(int(x1), int(x2), seconds)  # batch, total context
         if node.role == "prefill":
+            seqs, replica = hb.prefill_seqs, self.replica  # our own numbering's last taken
+            taken = seqs[replica] if replica < len(seqs) else 0
             for entry in self._admitted.values():
-                if entry.node == node.name and 0 < entry.seq <= hb.last_prefill_seq:
+                if entry.node == node.name and 0 < entry.seq <= taken:
                     entry.work = Work()  # the node took its Prefill: its queued figures have it
         if self._changed is not None and not self._changed.done():
             self._changed.set_result(None)

@@ -111,7 +111,7 @@ def create_app(router: Router, tokenizer: Tokenizer, model: ModelInfo) -> FastAP
 
     @app.get("/v1/cluster")
     async def cluster():
-        return cluster_view(router.cfg, router.nodes, router.is_serving)
+        return cluster_view(router.cfg, router.nodes, router.is_serving, replica=router.replica)
 
     @app.get("/v1/kv_index/summary")
     async def kv_index():

@@ -29,10 +29,16 @@ _SHORT_DTYPE = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 
 
 def cluster_view(
-    cfg: ClusterConfig, nodes: NodeRegistry, is_serving: bool, now: float | None = None
+    cfg: ClusterConfig,
+    nodes: NodeRegistry,
+    is_serving: bool,
+    now: float | None = None,
+    replica: int = 0,
 ) -> dict[str, Any]:
-    """The JSON body of `GET /v1/cluster`. `now`: monotonic seconds (default: now)."""
+    """The JSON body of `GET /v1/cluster` from router `replica`. `now`: monotonic seconds
+    (default: now)."""
     now = time.monotonic() if now is None else now
+    own = cfg.router.for_replica(replica)
     return {
         "object": "cluster",
         "version": package_version(),
@@ -41,8 +47,10 @@ def cluster_view(
         "dtype": cfg.dtype,
         "is_serving": is_serving,
         "router": {
-            "url": f"http://{cfg.router.host}:{cfg.router.port}",
-            "control_endpoint": cfg.router.control_endpoint,
+            "url": f"http://{own.host}:{own.port}",
+            "control_endpoint": own.control_endpoint,
+            "replica": replica,
+            "replicas": cfg.router.replicas,
         },
         "nodes": [
             node_view(node, nodes.nodes[node.name], cfg.dtype, now)

@@ -48,6 +48,7 @@ from control.protocol import (
     ReserveReply,
     StepTokens,
 )
+from control.router_links import wire_prefix
 from control.sampling_params import SamplingParams
 from control.security import CurveSecurity
 from router.admission import AdmissionControl, CostModelCollector
@@ -87,6 +88,9 @@ class Router:
             refused (marked dead) at NodeReady.
         security: the cluster's CURVE keys (`control.security.cluster_security`) for the
             sockets; None for plain ones.
+        replica: this router's place among the cluster's routers (`[router] replicas`,
+            `control.router_links`): it binds that replica's control socket and marks its wire
+            ids with it.
     """
 
     def __init__(
@@ -97,6 +101,7 @@ class Router:
         fingerprint: dict[str, Any] | None = None,
         policy: PairingPolicy | None = None,
         security: CurveSecurity | None = None,
+        replica: int = 0,
     ):
         self._cfg = cfg
         self.security = security
@@ -109,7 +114,7 @@ class Router:
         self.policy = policy or default_policy(cfg, self.kv_index)
         self.transport: RouterTransport | None = None
         self.metrics = RouterMetrics(self.nodes, cfg.sla, self._num_bad_frames)
-        self.admission = AdmissionControl(cfg, self.metrics)  # SLA admission
+        self.admission = AdmissionControl(cfg, self.metrics, replica)  # SLA admission
         self.admission.cached_len = self.policy.cached_len  # TTFT leaves out expected cache hits
         self.metrics.registry.register(CostModelCollector(self.admission))
         self.requests: dict[str, RouterRequest] = {}
@@ -117,6 +122,8 @@ class Router:
         self._room_changed = asyncio.Event()  # set when a decode hold ends (preempted waits)
         self._closing = False
         self.router_id = secrets.token_hex(8)  # new at every start: nodes drop the old one's work
+        self.replica = replica
+        self.wire_prefix = wire_prefix(replica)
         self.autoscaler = None  # router.autoscaler.Autoscaler under `duet up --autoscale`
         self._build_parts()
 
@@ -186,6 +193,7 @@ class Router:
             self.requests,
             self.t,
             self.router_id,
+            replica=self.replica,
             send=self._send,
             lost_connections=self._lost_connections,
             node_lost=self._node_lost,
@@ -219,7 +227,8 @@ class Router:
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         endpoints = {n.name: n.control_endpoint for n in self.nodes.nodes.values()}
-        bind = self.cfg.router.control_bind_endpoint  # nodes connect to control_endpoint
+        # Nodes connect to our control_endpoint (this replica's).
+        bind = self.cfg.router.for_replica(self.replica).control_bind_endpoint
         self.transport = RouterTransport(bind, endpoints, self.security)
         self._tasks = [
             asyncio.create_task(self._recv_loop(), name="router-recv"),
@@ -303,9 +312,11 @@ class Router:
                 503, "no prefill or no decode node is ready", "no_node_ready", RETRY_AFTER_S
             )
         stop_ids = sampling.stop_ids(self.eos_ids)  # the nodes' rule (structured: EOS always)
-        if request_id in self.requests:  # a client-chosen id (x-request-id) still running
+        wire_id = self.wire_prefix + request_id  # its first attempt's
+        if wire_id in self.requests:  # a client-chosen id (x-request-id) still running
             raise RouterError(400, f"request id {request_id!r} is in use", "duplicate_request_id")
         req = RouterRequest(request_id, secrets.randbits(63), prompt_ids, sampling, stop_ids)
+        req.wire_prefix = self.wire_prefix
         req.forks = [
             RouterRequest(
                 f"{request_id}/{i}",
@@ -314,11 +325,12 @@ class Router:
                 sampling.for_sequence(i),
                 stop_ids,
                 parent=req,
+                wire_prefix=self.wire_prefix,
             )
             for i in range(1, sampling.n)
         ]
         await self.admission.admit(req, lambda: self.nodes.ready("prefill"))  # may 503 or wait
-        if request_id in self.requests:  # the same id started while this one waited
+        if wire_id in self.requests:  # the same id started while this one waited
             self.admission.forget(req)
             raise RouterError(400, f"request id {request_id!r} is in use", "duplicate_request_id")
         self.requests[req.wire_id] = req

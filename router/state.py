@@ -137,6 +137,8 @@ class RouterRequest:
     # n > 1 (see the module docstring): sequences 1 .. n-1, and for a fork its parent.
     forks: list[RouterRequest] = field(default_factory=list, repr=False, compare=False)
     parent: RouterRequest | None = field(default=None, repr=False, compare=False)
+    # What this router puts in front of its wire ids (`control.router_links.wire_prefix`).
+    wire_prefix: str = ""
 
     @property
     def pending_forks(self) -> list[RouterRequest]:
@@ -155,8 +157,10 @@ class RouterRequest:
 
     @property
     def wire_id(self) -> str:
-        """The id the nodes know the current attempt by (the request id for the first)."""
-        return self.request_id if self.attempt == 0 else f"{self.request_id}~{self.attempt}"
+        """The id the nodes know the current attempt by (the request id for the first, behind
+        the router's wire prefix)."""
+        attempt = f"~{self.attempt}" if self.attempt else ""
+        return f"{self.wire_prefix}{self.request_id}{attempt}"
 
     @property
     def attempt_prompt_ids(self) -> list[int]:

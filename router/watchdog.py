@@ -42,6 +42,7 @@ class Watchdog:
         timeouts: TimeoutConfig,
         router_id: str,
         *,
+        replica: int = 0,
         send: Callable[[str, Any], bool],
         lost_connections: Callable[[], Iterable[str]],
         node_lost: Callable[[NodeState, str], None],
@@ -51,6 +52,7 @@ class Watchdog:
         self.requests = requests
         self.timeouts = timeouts
         self.router_id = router_id
+        self.replica = replica  # which router of the cluster's (`control.router_links`)
         self.send = send
         self.lost_connections = lost_connections  # nodes whose connection dropped since asked
         self.node_lost = node_lost  # (node, what happened to it): its requests move
@@ -66,7 +68,7 @@ class Watchdog:
                 self.check_deadlines(now)
                 if now >= next_ping:  # renew every node's lease on our requests
                     next_ping = now + self.timeouts.heartbeat_s
-                    ping = RouterPing(self.router_id, self.timeouts.lease_s)
+                    ping = RouterPing(self.router_id, self.timeouts.lease_s, self.replica)
                     for node in self.nodes.nodes.values():
                         if node.is_alive:  # a dead one's queue would only fill up
                             self.send(node.name, ping)

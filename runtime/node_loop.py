@@ -8,10 +8,11 @@ and supplies its role's part through these hooks:
                          and `maybe_heartbeat` where its turn has room for them
     handle(msg)          a message of the node's own role (Prefill, Reserve, Abort, ...)
     num_held()           the requests it holds: a drain ends when none is left
-    orphan_all(reason)   drops every held request: the router that owned them is gone
+    orphan(replica, r)   drops the held requests of one router (`control.router_links`): it
+                         is gone or restarted
     heartbeat()          the Heartbeat the router pairs and admits by
     ready_info()         what NodeReady carries
-    on_router_restart()  forgets what the old router numbered (optional)
+    on_router_restart(replica)  forgets what the old router there numbered (optional)
     prefix_cache         the node's `runtime.prefix_cache.PrefixCache`, if it keeps one: built
                          with `on_change=self.publish_cache_change`, so the router's index
                          (`KVEvents`) follows it, and sent whole to a new router
@@ -28,7 +29,7 @@ from typing import Any
 
 from control import kv_events
 from control.cluster_config import TimeoutConfig
-from control.lease import RouterLease
+from control.lease import RouterLeases
 from control.messaging import Inbox, Outbox
 from control.protocol import Heartbeat, KVEvents, NodeFailed, NodeReady, RouterPing, Shutdown
 
@@ -46,7 +47,7 @@ class NodeLoop:
         self.timeouts = timeouts
         self.inbox = inbox
         self.outbox = outbox
-        self.lease = RouterLease()
+        self.leases = RouterLeases()  # one per router replica
         self.is_stopping = False
         self.is_draining = False
         self._drain_deadline = 0.0
@@ -63,7 +64,7 @@ class NodeLoop:
     def num_held(self) -> int:
         raise NotImplementedError
 
-    def orphan_all(self, reason: str) -> None:
+    def orphan(self, replica: int, reason: str) -> None:
         raise NotImplementedError
 
     def heartbeat(self) -> Heartbeat:
@@ -72,7 +73,7 @@ class NodeLoop:
     def ready_info(self) -> dict[str, Any]:
         raise NotImplementedError
 
-    def on_router_restart(self) -> None:
+    def on_router_restart(self, replica: int) -> None:
         pass
 
     def close(self, reason: str) -> None:
@@ -104,25 +105,38 @@ class NodeLoop:
             self._next_heartbeat = 0.0
             log.info("draining: %d requests to finish", self.num_held())
 
-    def send_ready(self) -> None:
-        self.outbox.send(NodeReady(self.name, self.role, {**self.ready_info(), **self.advertised}))
+    def send_ready(self, replica: int | None = None) -> None:
+        """NodeReady to every router, or to one (`replica`, a restarted router)."""
+        msg = NodeReady(self.name, self.role, {**self.ready_info(), **self.advertised})
+        self._send_to(replica, msg)
+
+    def _send_to(self, replica: int | None, msg: Any) -> None:
+        if replica is None or not hasattr(self.outbox, "send_to"):  # one router (tests' queues)
+            self.outbox.send(msg)
+        else:
+            self.outbox.send_to(replica, msg)
 
     def publish_cache_change(
         self, stored: list[bytes], removed: list[bytes], cleared: bool = False
     ) -> None:
         """KVEvents for one change of the prefix cache (in bounded messages, in order)."""
+        self._publish(None, stored, removed, cleared)
+
+    def _publish(
+        self, replica: int | None, stored: list[bytes], removed: list[bytes], cleared: bool
+    ) -> None:
         name, role, page_size = self.name, self.role, self.prefix_cache.page_size
         if cleared:
-            self.outbox.send(KVEvents(name, role, page_size, cleared=True))
+            self._send_to(replica, KVEvents(name, role, page_size, cleared=True))
         for names in kv_events.batches(removed):
-            self.outbox.send(KVEvents(name, role, page_size, removed=names))
+            self._send_to(replica, KVEvents(name, role, page_size, removed=names))
         for names in kv_events.batches(stored):
-            self.outbox.send(KVEvents(name, role, page_size, stored=names))
+            self._send_to(replica, KVEvents(name, role, page_size, stored=names))
 
-    def publish_cache_snapshot(self) -> None:
-        """The whole cache, for an index that starts over (a new router)."""
+    def publish_cache_snapshot(self, replica: int | None = None) -> None:
+        """The whole cache, for an index that starts over (a new router at `replica`)."""
         if self.prefix_cache is not None:
-            self.publish_cache_change(self.prefix_cache.page_names(), [], cleared=True)
+            self._publish(replica, self.prefix_cache.page_names(), [], cleared=True)
 
     # ---- parts of a step -------------------------------------------------------------------
     def take_messages(self, wait: float) -> None:
@@ -137,12 +151,14 @@ class NodeLoop:
     def dispatch(self, msg: Any) -> None:
         """The loop's own messages here; the role's go to `handle`."""
         if isinstance(msg, RouterPing):
-            if self.lease.renew(msg.router_id, msg.lease_s, time.monotonic()):
-                # A new router knows none of our requests, and not us either: start over.
-                self.orphan_all("the router restarted")
-                self.on_router_restart()
-                self.send_ready()
-                self.publish_cache_snapshot()
+            replica = msg.replica
+            if self.leases.renew(replica, msg.router_id, msg.lease_s, time.monotonic()):
+                # A new router knows none of our requests, and not us either: start over with
+                # it (the other routers' requests go on).
+                self.orphan(replica, "the router restarted")
+                self.on_router_restart(replica)
+                self.send_ready(replica)
+                self.publish_cache_snapshot(replica)
         elif isinstance(msg, Shutdown):
             if msg.reason:  # e.g. the router refused this node's join: the reason is here too
                 log.warning("the router stops this node: %s", msg.reason)
@@ -151,10 +167,10 @@ class NodeLoop:
             self.handle(msg)
 
     def check_lease_and_drain(self, now: float) -> None:
-        """Drops everything when the router's lease lapsed; stops a drain once nothing is held
+        """Drops a router's requests when its lease lapsed; stops a drain once nothing is held
         or its time is up (close() fails what is left; the router moves it)."""
-        if self.lease.lapsed(now):
-            self.orphan_all(f"no word from the router for {self.timeouts.lease_s:g} s")
+        for replica in self.leases.lapsed(now):
+            self.orphan(replica, f"no word from the router for {self.timeouts.lease_s:g} s")
         if self.is_draining and (not self.num_held() or now >= self._drain_deadline):
             self.is_stopping = True
 

@@ -26,13 +26,16 @@ import torch
 
 from control.cluster_config import ClusterConfig
 from control.errors import ConfigError, DuetError
-from control.messaging import PullSocket, PushSocket
+from control.messaging import PullSocket
 from control.protocol import NodeFailed
+from control.router_links import RouterLinks, connect_routers
 from control.security import CurveSecurity, cluster_security
 
 # build(cluster, node_cfg, model, inbox, outbox, security) -> a node with run(), ready_info(),
 # is_stopping; `security` (None: plain) is for the node's KV sockets.
-NodeBuilder = Callable[[ClusterConfig, Any, Any, PullSocket, PushSocket, CurveSecurity | None], Any]
+NodeBuilder = Callable[
+    [ClusterConfig, Any, Any, PullSocket, RouterLinks, CurveSecurity | None], Any
+]
 
 
 def _parse(role: str, argv: list[str] | None) -> argparse.Namespace:
@@ -119,7 +122,7 @@ def run_node_process(
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    router = PushSocket(cluster.router.control_endpoint, security=security)
+    router = connect_routers(cluster.router.control_endpoints, security)
     inbox = None
     try:
         inbox = PullSocket(cfg.control_bind_endpoint, bind=True, security=security)
@@ -164,7 +167,7 @@ def run_node_process(
     return status
 
 
-def _close(router: PushSocket, inbox: PullSocket | None) -> None:
+def _close(router: RouterLinks, inbox: PullSocket | None) -> None:
     router.linger(1.0)  # let the last messages (errors, NodeFailed) leave
     router.close()
     if inbox is not None:

@@ -15,6 +15,7 @@ from control.protocol import (
     FirstToken,
     Heartbeat,
     KVEvents,
+    NodeReady,
     Preempted,
     Prefill,
     RequestError,
@@ -119,6 +120,7 @@ class Pair:
         self.heartbeats: list[Heartbeat] = []
         self.steps: list[StepTokens] = []  # every StepTokens D sent, in order
         self.kv_events: list[KVEvents] = []  # both nodes', in the order they were taken
+        self.readies: list[NodeReady] = []  # both nodes' (a router restarted: they start over)
         self._rooms = iter(range(1000, 10**6))
 
     # ---- the router's moves ------------------------------------------------------------------
@@ -179,6 +181,8 @@ class Pair:
                 self.heartbeats.append(msg)
             elif isinstance(msg, KVEvents):
                 self.kv_events.append(msg)
+            elif isinstance(msg, NodeReady):
+                self.readies.append(msg)
             elif isinstance(msg, FirstToken):
                 self.seen[msg.request_id].first_token = msg.token
                 self.seen[msg.request_id].first = msg

@@ -732,3 +732,33 @@ def test_the_prefill_disk_tier_gets_a_host_directory(tiny):
     raw["prefill"][0]["disk_cache_dir"] = "kv"
     with pytest.raises(ConfigError, match="absolute path"):
         render_tree(ClusterConfig.from_dict(raw), tiny, name="c")
+
+
+def test_router_replicas_are_a_stateful_set_each_pod_named_in_the_toml(tiny):
+    """`[router] replicas`: pod i runs `--replica router-i` (its pod name) and binds the
+    TOML's ports; the nodes reach each pod by the headless Service's DNS name, which the TOML's
+    `replica_hosts` lists; clients reach any router through the Service."""
+    from router.__main__ import replica_index
+
+    raw = {**WIDE, "router": {**WIDE["router"], "replicas": 2}}
+    o = _rendered(tiny, raw, WeightsCache())
+    assert not [d for d in o.of("Deployment") if d["metadata"]["name"] == "router"]
+    routers = o.named("StatefulSet", "router")
+    assert routers["spec"]["replicas"] == 2 and routers["spec"]["serviceName"] == "router-pods"
+    container = _container(routers["spec"]["template"])
+    assert container["args"][-2:] == ["--replica", "$(POD_NAME)"]
+    (env,) = container["env"]
+    assert (
+        env["name"] == "POD_NAME" and env["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    )
+    assert [replica_index(_pod(routers, i)) for i in range(2)] == [0, 1]
+    headless = o.named("Service", "router-pods")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["selector"] == routers["spec"]["selector"]["matchLabels"]
+    assert [p["port"] for p in headless["spec"]["ports"]] == [9100]
+    router = o.k8s.router
+    pods = [f"{_pod(routers, i)}.router-pods.duet.svc" for i in range(2)]
+    assert router.replica_hosts == tuple(pods)
+    assert router.control_endpoints == [f"tcp://{pod}:9100" for pod in pods]
+    assert [router.for_replica(i).port for i in range(2)] == [9000, 9000]  # one port, two pods
+    assert o.named("Service", "router")["spec"]["selector"] == headless["spec"]["selector"]

@@ -83,8 +83,14 @@ class UpProcess:
     """`python -m deploy.cli up --port P ARGS...`, output to a log file; `env` adds variables to
     this process's environment for it (the launcher passes its environment to every node)."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
-        self.port = free_port()
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
+    ):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
@@ -152,10 +158,12 @@ class UpProcess:
             extra_body={"ignore_eos": ignore_eos},
         )
 
-    def metric(self, name: str, **labels: str) -> float:
+    def metric(self, name: str, router_url: str = "", **labels: str) -> float:
+        """A sample of the router's /metrics (`router_url`'s: another router of the cluster)."""
         want = ",".join(f'{k}="{v}"' for k, v in labels.items())
         key = f"{name}{{{want}}}" if want else name
-        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+        url = router_url or self.url
+        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
             sample, _, value = line.rpartition(" ")
             if sample == key:
                 return float(value)
@@ -163,10 +171,10 @@ class UpProcess:
 
 
 def start_cluster(
-    args: list[str], tmp_path_factory, env: dict[str, str] | None = None
+    args: list[str], tmp_path_factory, env: dict[str, str] | None = None, port: int | None = None
 ) -> UpProcess:
     log = tmp_path_factory.mktemp("duet-up") / "up.log"
-    up = UpProcess(args, log, env)
+    up = UpProcess(args, log, env, port)
     up.wait_ready()
     return up
 

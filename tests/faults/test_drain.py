@@ -13,7 +13,8 @@ import openai
 
 from deploy.local_cluster import dump_toml
 from tests.e2e.e2e_helpers import cluster_shorthand, start_cluster
-from tests.faults.test_node_faults import _all_ready, _decode_pages_used, _pids, _wait
+from tests.e2e.e2e_helpers import wait_until as _wait
+from tests.faults.fault_helpers import all_ready, child_pids, decode_pages_used
 
 TIMEOUTS = {"heartbeat_s": 0.25, "node_timeout_s": 5.0, "reserve_s": 90.0, "drain_s": 30.0}
 
@@ -70,11 +71,11 @@ class Load:
 def _drain_and_restart(up, load: Load, name: str) -> None:
     """SIGTERM `name`; it exits 0, the launcher starts it again, the cluster serves again."""
     assert _wait(lambda: load.num_ok >= 4, 60)  # load is flowing
-    pid = _pids(up)[name]
+    pid = child_pids(up)[name]
     exits = up.log().count(f"{name} exited with status 0")
     os.kill(pid, signal.SIGTERM)
     assert _wait(lambda: up.log().count(f"{name} exited with status 0") > exits, 60)
-    assert _wait(lambda: _pids(up)[name] != pid and _all_ready(up), 120)
+    assert _wait(lambda: child_pids(up)[name] != pid and all_ready(up), 120)
     served = load.num_ok
     assert _wait(lambda: load.num_ok > served + 4, 60)
 
@@ -97,6 +98,6 @@ def test_rolling_restart_under_load_fails_no_request(tmp_path_factory):
         assert load.num_ok > 12
         log = up.log()
         assert all(f"{n} INFO SIGTERM: draining" in log for n in ("prefill-0", "decode-0"))
-        assert _wait(lambda: _decode_pages_used(up) == [0.0], 30)
+        assert _wait(lambda: decode_pages_used(up) == [0.0], 30)
     finally:
         up.stop()

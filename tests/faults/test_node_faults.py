@@ -12,18 +12,15 @@ bounded wait on a condition.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
 from deploy.local_cluster import dump_toml
@@ -35,14 +32,22 @@ from tests.e2e.e2e_helpers import (
     start_cluster,
 )
 from tests.e2e.e2e_helpers import wait_until as _wait
+from tests.faults.fault_helpers import (
+    MAX_NEW,
+    Streams,
+    all_ready,
+    assert_all_match,
+    assert_recovered,
+    child_pids,
+    dispatched,
+    signal_all,
+)
 from tinymodel.make import make_tiny_model
 
-MAX_NEW = 24
 PROMPTS = [f"Request {i}: tell me about the river" for i in range(8)]
 # Short heartbeats so a hung node is found in seconds; a long reserve timeout so a moved request
 # can wait for a restarting node.
 TIMEOUTS = {"heartbeat_s": 0.25, "node_timeout_s": 3.0, "lease_s": 3.0, "reserve_s": 60.0}
-STREAMS_BOUND_S = 120.0  # every stream ends within this, whatever the fault
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
@@ -75,136 +80,42 @@ def c1p2d(tmp_path_factory):
     up.stop()
 
 
-# ---- helpers -------------------------------------------------------------------------------
-def _pids(up) -> dict[str, int]:
-    """The current pid of every child (the launcher logs each start and restart)."""
-    return {name: int(pid) for name, pid in re.findall(r"started (\S+) \(pid (\d+)\)", up.log())}
-
-
-def _all_ready(up) -> bool:
-    body = httpx.get(up.url + "/health", timeout=5).json()
-    return body["status"] == "ok" and all(n["status"] == "ready" for n in body["nodes"].values())
-
-
-def _decode_pages_used(up) -> list[float]:
-    names = [n for n in _pids(up) if n.startswith("decode")]
-    return [up.metric("duet_kv_pages_used", node=n, role="decode") for n in names]
-
-
-def _dispatched(up, role: str, name: str | None = None) -> float:
-    names = [name] if name else [n for n in _pids(up) if n.startswith(role)]
-    return sum(up.metric("duet_node_requests_total", node=n, role=role) for n in names)
-
-
-def _signal(pids, sig) -> None:
-    for pid in pids:
-        os.kill(pid, sig)
-
-
-class Streams:
-    """One streaming completion per prompt in a background thread (its own event loop):
-    `first` is set once every stream has its first token; `results` holds, per prompt, the
-    text and finish reason, or the exception that ended it."""
-
-    def __init__(self, up, prompts: list[str], max_tokens: int = MAX_NEW):
-        self.up, self.prompts, self.max_tokens = up, prompts, max_tokens
-        self.num_first = 0
-        self.first = threading.Event()
-        self.results: dict[str, tuple] = {}
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-        self.thread.start()
-
-    async def _one(self, client, prompt: str) -> tuple:
-        parts, finish = [], None
-        try:
-            stream = await client.completions.create(
-                model="tiny-model",
-                prompt=prompt,
-                max_tokens=self.max_tokens,
-                temperature=0,
-                stream=True,
-            )
-            async for chunk in stream:
-                if not parts:
-                    self.num_first += 1
-                    if self.num_first == len(self.prompts):
-                        self.first.set()
-                parts.append(chunk.choices[0].text)
-                finish = chunk.choices[0].finish_reason or finish
-        except (openai.APIError, httpx.HTTPError) as exc:
-            return ("error", exc)
-        return ("ok", "".join(parts), finish)
-
-    async def _run(self) -> None:
-        client = openai.AsyncOpenAI(
-            base_url=self.up.url + "/v1", api_key="none", max_retries=0, timeout=STREAMS_BOUND_S
-        )
-        outs = await asyncio.wait_for(
-            asyncio.gather(*(self._one(client, p) for p in self.prompts)), STREAMS_BOUND_S
-        )
-        self.results = dict(zip(self.prompts, outs, strict=True))
-
-    def join(self) -> dict[str, tuple]:
-        self.thread.join(STREAMS_BOUND_S + 10)
-        assert not self.thread.is_alive(), "a client hung"
-        return self.results
-
-
-def _assert_recovered(up) -> None:
-    """The supervisor restarted what died, every node is ready, no KV page is held, and a new
-    request is served."""
-    assert _wait(lambda: _all_ready(up), 120), httpx.get(up.url + "/health", timeout=5).text
-    assert all(alive(pid) for pid in _pids(up).values())
-    assert _wait(lambda: all(u == 0 for u in _decode_pages_used(up)), 30), _decode_pages_used(up)
-    out = up.client().completions.create(model="tiny-model", prompt="Hello", max_tokens=4)
-    assert out.choices[0].finish_reason in ("stop", "length")
-
-
-def _assert_all_match(results, references) -> None:
-    for prompt, result in results.items():
-        assert result[0] == "ok", f"{prompt!r}: {result}"
-        assert result[1] == references[prompt], prompt
-        assert result[2] in ("stop", "length")
-
-
 def _warm_decode_handshakes(up) -> None:
     """The prefill node talks to every decode node once (a first contact needs the decode node
     awake; later tests freeze one). While the prefill node is frozen the router spreads the
     reservations over the decode nodes by the pages it holds on each: one each."""
-    prefill = _pids(up)["prefill-0"]
-    decodes = [n for n in _pids(up) if n.startswith("decode")]
-    before = {n: _dispatched(up, "decode", n) for n in decodes}
-    _signal([prefill], signal.SIGSTOP)
+    prefill = child_pids(up)["prefill-0"]
+    decodes = [n for n in child_pids(up) if n.startswith("decode")]
+    before = {n: dispatched(up, "decode", n) for n in decodes}
+    signal_all([prefill], signal.SIGSTOP)
     try:
         streams = Streams(up, PROMPTS[: len(decodes)], max_tokens=2)
-        assert _wait(
-            lambda: all(_dispatched(up, "decode", n) == before[n] + 1 for n in decodes), 30
-        )
+        assert _wait(lambda: all(dispatched(up, "decode", n) == before[n] + 1 for n in decodes), 30)
     finally:
-        _signal([prefill], signal.SIGCONT)
+        signal_all([prefill], signal.SIGCONT)
     assert all(r[0] == "ok" for r in streams.join().values())
 
 
 # ---- the faults ----------------------------------------------------------------------------
 def test_prefill_node_killed_before_first_token_is_retried_unseen(c2p1d, references):
     up = c2p1d
-    assert _wait(lambda: _all_ready(up), 60)
-    victim = _pids(up)["prefill-0"]
+    assert _wait(lambda: all_ready(up), 60)
+    victim = child_pids(up)["prefill-0"]
     moved = up.metric("duet_request_migrations_total", stage="prefill")
-    on_victim = _dispatched(up, "prefill", "prefill-0")
-    _signal([victim], signal.SIGSTOP)  # its requests stay before their first token
+    on_victim = dispatched(up, "prefill", "prefill-0")
+    signal_all([victim], signal.SIGSTOP)  # its requests stay before their first token
     try:
         streams = Streams(up, PROMPTS)
-        assert _wait(lambda: _dispatched(up, "prefill", "prefill-0") > on_victim, 30)
-        assert _wait(lambda: _dispatched(up, "prefill") >= len(PROMPTS) + on_victim, 30)
+        assert _wait(lambda: dispatched(up, "prefill", "prefill-0") > on_victim, 30)
+        assert _wait(lambda: dispatched(up, "prefill") >= len(PROMPTS) + on_victim, 30)
     finally:
         os.kill(victim, signal.SIGKILL)
-    _assert_all_match(streams.join(), references)
+    assert_all_match(streams.join(), references)
     num_moved = up.metric("duet_request_migrations_total", stage="prefill") - moved
-    assert num_moved == _dispatched(up, "prefill", "prefill-0") - on_victim >= 1
+    assert num_moved == dispatched(up, "prefill", "prefill-0") - on_victim >= 1
     assert _wait(lambda: "prefill-0 exited with status -9; restarting" in up.log(), 30)
-    _assert_recovered(up)
-    assert _pids(up)["prefill-0"] != victim
+    assert_recovered(up)
+    assert child_pids(up)["prefill-0"] != victim
 
 
 def test_router_killed_under_load_leaves_no_orphan(c2p1d):
@@ -212,86 +123,86 @@ def test_router_killed_under_load_leaves_no_orphan(c2p1d):
     prefill nodes, so nothing moves before the kill); the prefill nodes then prefill for nobody. The
     decode node, thawed once its lease ran out, drops all 8 instead of decoding for nobody."""
     up = c2p1d
-    assert _wait(lambda: _all_ready(up), 60)
-    pids = _pids(up)
+    assert _wait(lambda: all_ready(up), 60)
+    pids = child_pids(up)
     prefill, decode = [pids["prefill-0"], pids["prefill-1"]], pids["decode-0"]
-    before = _dispatched(up, "prefill")
+    before = dispatched(up, "prefill")
     frozen = [*prefill]
-    _signal(frozen, signal.SIGSTOP)
+    signal_all(frozen, signal.SIGSTOP)
     try:
         streams = Streams(up, PROMPTS, max_tokens=400)
-        assert _wait(lambda: _dispatched(up, "prefill") == before + len(PROMPTS), 30)
+        assert _wait(lambda: dispatched(up, "prefill") == before + len(PROMPTS), 30)
         os.kill(decode, signal.SIGSTOP)  # it has reserved all 8 (Prefill follows a reservation)
         frozen.append(decode)
         os.kill(pids["router"], signal.SIGKILL)
         killed_at = time.monotonic()
         results = streams.join()
         assert all(r[0] == "error" for r in results.values()), results  # connections dropped
-        _signal(prefill, signal.SIGCONT)
+        signal_all(prefill, signal.SIGCONT)
         frozen = [decode]
         assert _wait(lambda: "restarted router" in up.log(), 60)
         # the decode node is frozen past its lease: thawed, it must find its router gone
         time.sleep(max(0.0, killed_at + TIMEOUTS["lease_s"] + 0.5 - time.monotonic()))
     finally:
-        _signal(frozen, signal.SIGCONT)
+        signal_all(frozen, signal.SIGCONT)
     orphaned = (
         r"decode-0 WARNING aborting 8 requests: (no word from the router|the router restarted)"
     )
     assert _wait(lambda: re.search(orphaned, up.log()), 30), up.log()[-3000:]
     assert _wait(lambda: "router exited with status -9; restarting" in up.log(), 30)
-    _assert_recovered(up)
+    assert_recovered(up)
 
 
 def test_decode_node_killed_mid_stream_moves_its_requests(c1p2d, references):
     up = c1p2d
-    assert _wait(lambda: _all_ready(up), 60)
+    assert _wait(lambda: all_ready(up), 60)
     _warm_decode_handshakes(up)
-    pids = _pids(up)
+    pids = child_pids(up)
     prefill, victim = pids["prefill-0"], pids["decode-0"]
     moved = up.metric("duet_request_migrations_total", stage="decode")
-    on_victim = _dispatched(up, "decode", "decode-0")
-    before = _dispatched(up, "prefill")
-    _signal([prefill], signal.SIGSTOP)
+    on_victim = dispatched(up, "decode", "decode-0")
+    before = dispatched(up, "prefill")
+    signal_all([prefill], signal.SIGSTOP)
     try:
         streams = Streams(up, PROMPTS)
-        assert _wait(lambda: _dispatched(up, "prefill") == before + len(PROMPTS), 30)
+        assert _wait(lambda: dispatched(up, "prefill") == before + len(PROMPTS), 30)
         os.kill(victim, signal.SIGSTOP)  # its requests get their first token and no more
     finally:
-        _signal([prefill], signal.SIGCONT)
+        signal_all([prefill], signal.SIGCONT)
     try:
         assert streams.first.wait(60), "the streams never got their first token"
     finally:
         os.kill(victim, signal.SIGKILL)
-    _assert_all_match(streams.join(), references)
+    assert_all_match(streams.join(), references)
     num_moved = up.metric("duet_request_migrations_total", stage="decode") - moved
-    assert num_moved == _dispatched(up, "decode", "decode-0") - on_victim >= 1
-    _assert_recovered(up)
+    assert num_moved == dispatched(up, "decode", "decode-0") - on_victim >= 1
+    assert_recovered(up)
 
 
 def test_hung_decode_node_is_declared_dead_and_its_requests_move(c1p2d, references):
     up = c1p2d
-    assert _wait(lambda: _all_ready(up), 60)
+    assert _wait(lambda: all_ready(up), 60)
     _warm_decode_handshakes(up)
-    pids = _pids(up)
+    pids = child_pids(up)
     prefill, victim = pids["prefill-0"], pids["decode-1"]
     moved = up.metric("duet_request_migrations_total", stage="decode")
-    before = _dispatched(up, "prefill")
-    _signal([prefill], signal.SIGSTOP)
+    before = dispatched(up, "prefill")
+    signal_all([prefill], signal.SIGSTOP)
     try:
         streams = Streams(up, PROMPTS)
-        assert _wait(lambda: _dispatched(up, "prefill") == before + len(PROMPTS), 30)
+        assert _wait(lambda: dispatched(up, "prefill") == before + len(PROMPTS), 30)
         os.kill(victim, signal.SIGSTOP)  # hangs without dying: only the heartbeat tells
     finally:
-        _signal([prefill], signal.SIGCONT)
+        signal_all([prefill], signal.SIGCONT)
     try:
-        _assert_all_match(streams.join(), references)
+        assert_all_match(streams.join(), references)
         assert up.metric("duet_request_migrations_total", stage="decode") - moved >= 1
         health = httpx.get(up.url + "/health", timeout=5).json()
         assert health["nodes"]["decode-1"]["status"] == "dead"
     finally:
         os.kill(victim, signal.SIGCONT)  # back: it drops the moved requests, rejoins
-    assert _pids(up)["decode-1"] == victim  # not restarted: the same process serves again
-    _assert_recovered(up)
+    assert child_pids(up)["decode-1"] == victim  # not restarted: the same process serves again
+    assert_recovered(up)
 
 
 def test_node_restarted_with_another_model_is_refused_then_rejoins(c2p1d, tmp_path):
@@ -300,10 +211,10 @@ def test_node_restarted_with_another_model_is_refused_then_rejoins(c2p1d, tmp_pa
     right model under the same name then rejoins. The launcher is frozen meanwhile so that it
     does not restart prefill-0 itself."""
     up = c2p1d
-    assert _wait(lambda: _all_ready(up), 60)
+    assert _wait(lambda: all_ready(up), 60)
     other = make_tiny_model(tmp_path / "other", seed=0, overrides={"num_hidden_layers": 2})
     config = re.search(r"config (\S+cluster\.toml)", up.log()).group(1)
-    pids = _pids(up)
+    pids = child_pids(up)
     os.kill(up.proc.pid, signal.SIGSTOP)
     impostor = None
     try:
@@ -318,18 +229,18 @@ def test_node_restarted_with_another_model_is_refused_then_rejoins(c2p1d, tmp_pa
         )
         want = "incompatible model: 'num_hidden_layers' is 2 on the node, 3 here"
         assert _wait(lambda: want in _node(up, "prefill-0").get("error", ""), 60)
-        served = _dispatched(up, "prefill", "prefill-0")
+        served = dispatched(up, "prefill", "prefill-0")
         for prompt in PROMPTS[:4]:  # all on prefill-1
             out = up.client().completions.create(model="tiny-model", prompt=prompt, max_tokens=4)
             assert out.choices[0].finish_reason in ("stop", "length")
-        assert _dispatched(up, "prefill", "prefill-0") == served
+        assert dispatched(up, "prefill", "prefill-0") == served
         assert _node(up, "prefill-0")["status"] == "dead"  # its heartbeats do not revive it
     finally:
         if impostor is not None:
             impostor.send_signal(signal.SIGINT)
             impostor.wait(30)
         os.kill(up.proc.pid, signal.SIGCONT)  # the launcher restarts the real prefill-0
-    _assert_recovered(up)
+    assert_recovered(up)
 
 
 def _node(up, name: str) -> dict:
@@ -342,7 +253,7 @@ def test_ctrl_c_after_the_faults_leaves_no_process_behind(name, request):
     cluster (its private config names every child's command line) is left."""
     up = request.getfixturevalue(name)
     config = re.search(r"config (\S+cluster\.toml)", up.log()).group(1)
-    pids = _pids(up)
+    pids = child_pids(up)
     assert "restarted" in up.log() and all(alive(pid) for pid in pids.values())
     assert up.interrupt() == 0
     assert not [n for n, pid in pids.items() if alive(pid)]

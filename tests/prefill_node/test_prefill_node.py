@@ -236,7 +236,7 @@ def test_heartbeat_reports_queued_tokens(model):
     (hb,) = rig.outbox.take(Heartbeat)
     assert hb.role == "prefill" and hb.queued_tokens == len(PROMPT_A) - 4
     assert hb.num_running == 1 and hb.kv_bytes_sent > 0
-    assert hb.last_prefill_seq == 7  # the router's Prefill number 7 is in these figures
+    assert hb.prefill_seqs == [7]  # the router's Prefill number 7 is in these figures
     rig.close()
 
 

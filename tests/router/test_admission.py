@@ -212,10 +212,10 @@ def test_a_burst_admitted_together_sees_its_own_queue():
             await start(r, "r3")
         # A heartbeat of a node that has not taken that Prefill yet (it was in a forward) does
         # not include it, however late it comes: still counted.
-        r.handle(heartbeat(queued_tokens=0, last_prefill_seq=0))
+        r.handle(heartbeat(queued_tokens=0, prefill_seqs=[0]))
         with pytest.raises(RouterError):
             await start(r, "r3b")
-        r.handle(heartbeat(queued_tokens=0, last_prefill_seq=1))  # taken, and P holds nothing
+        r.handle(heartbeat(queued_tokens=0, prefill_seqs=[1]))  # taken, and P holds nothing
         await reserve_and_dispatch(r, start(r, "r4"), 2)
 
     asyncio.run(main())
