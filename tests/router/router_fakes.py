@@ -32,6 +32,7 @@ from control.protocol import (
     RequestTokens,
     Reserve,
     ReserveReply,
+    RouterPing,
     StepTokens,
 )
 from deploy.local_cluster import free_ports
@@ -82,6 +83,7 @@ class FakeCluster(threading.Thread):
     silent: set[str] = field(default_factory=set)
     tokens_before_first: bool = False
     fail_stages: set[str] = field(default_factory=set)
+    router_replica: int = 0  # the router the fake nodes report to ([router] replicas)
 
     def __post_init__(self):
         threading.Thread.__init__(self, daemon=True)
@@ -108,7 +110,7 @@ class FakeCluster(threading.Thread):
             pull.bind(node.control_endpoint)
             push = self.ctx.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 0)
-            push.connect(self.cfg.router.control_endpoint)
+            push.connect(self.cfg.router.for_replica(self.router_replica).control_endpoint)
             self.pulls[node.name], self.push[node.name] = pull, push
         poller = zmq.Poller()
         by_socket = {}
@@ -264,14 +266,14 @@ class FakeCluster(threading.Thread):
 
 
 class RecordingCluster(FakeCluster):
-    """Keeps every Reserve and Prefill it was sent."""
+    """Keeps every Reserve, Prefill and RouterPing it was sent."""
 
     def __post_init__(self):
         super().__post_init__()
         self.messages: list = []
 
     def _handle(self, node, msg):
-        if isinstance(msg, (Reserve, Prefill)):
+        if isinstance(msg, (Reserve, Prefill, RouterPing)):
             self.messages.append(msg)
         super()._handle(node, msg)
 
@@ -282,10 +284,10 @@ class RecordingCluster(FakeCluster):
 class RouterServer:
     """The real router app (router.__main__.build_app) under uvicorn in a background thread."""
 
-    def __init__(self, cfg: ClusterConfig, model_dir: str):
+    def __init__(self, cfg: ClusterConfig, model_dir: str, replica: int = 0):
         from router.__main__ import build_app
 
-        app, (host, port) = build_app(cfg, model_dir)
+        app, (host, port) = build_app(cfg, model_dir, replica=replica)
         self.url = f"http://{host}:{port}"
         self.app = app
         self.server = uvicorn.Server(
