@@ -266,7 +266,7 @@ def build_rank(
     from kvtransfer import ZmqReceiver, make_fingerprint
 
     timeout = collective_timeout_s(cluster.timeouts.node_timeout_s)
-    group = RankGroup(rank, cfg.ranks, rendezvous, timeout)
+    group = RankGroup(rank, cfg.ranks, rendezvous, timeout, node=cfg.name, security=security)
     try:
         ep = ExpertParallel(model, rank, cfg.ranks)
         mcfg = model.cfg

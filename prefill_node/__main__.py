@@ -75,7 +75,9 @@ class _Rank0(RankZero):
         from prefill_node.ranks import join_tensor_parallel
 
         try:
-            group, all_reduce = join_tensor_parallel(cluster, cfg, model, 0, self.listener)
+            group, all_reduce = join_tensor_parallel(
+                cluster, cfg, model, 0, self.listener, security=security
+            )
             ranks = {"group": group, "all_reduce": all_reduce, "children": self.children}
             return _build(cluster, cfg, model, inbox, outbox, security, ranks)
         except BaseException:

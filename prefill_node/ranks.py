@@ -81,15 +81,23 @@ STOP = msgpack.packb({"op": "stop"})
 
 # ---- joining the group -----------------------------------------------------------------------
 def join_tensor_parallel(
-    cluster: ClusterConfig, cfg: PrefillNodeConfig, model, rank: int, rendezvous, comm=None
+    cluster: ClusterConfig,
+    cfg: PrefillNodeConfig,
+    model,
+    rank: int,
+    rendezvous,
+    comm=None,
+    security=None,
 ) -> tuple[RankGroup, object]:
-    """Joins the node's group (`rendezvous` as in RankGroup) and, unless `comm` is the
+    """Joins the node's group (`rendezvous` as in RankGroup; its store secured with `security`,
+    the cluster's CURVE keys, or None) and, unless `comm` is the
     collectives of an earlier session (a rank on another host meets each rank 0 anew), makes
     `model`, this rank's shard, run its scheme (cfg.parallel: "tp" all-reduces, "tp_sp" runs
     sequence-split) over cfg.all_reduce ("shm" or "gloo"); returns the group and the
     collectives."""
     timeout = collective_timeout_s(cluster.timeouts.node_timeout_s)
-    group = RankGroup(rank, cfg.ranks, rendezvous, timeout, cfg.hosts_of_ranks[rank])
+    bind = cfg.hosts_of_ranks[rank]
+    group = RankGroup(rank, cfg.ranks, rendezvous, timeout, bind, node=cfg.name, security=security)
     if comm is not None:  # gloo on the default group: the new group's, from now on
         return group, comm
     try:
@@ -239,6 +247,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     `deploy/launch_prefill_rank.sh`): it serves every rank 0 that comes (a restarted one
     too), until a signal stops it."""
     from control.placement import place_rank
+    from control.security import cluster_security
     from runtime.node_process import load_model
 
     args = rank_args("prefill_node.ranks", argv)
@@ -258,6 +267,7 @@ def worker_main(argv: list[str] | None = None) -> int:
                 "rank_hosts"
             )
         place_rank(cfg, args.rank)
+        security = cluster_security(cluster.security, args.config, f"{args.node} rank {args.rank}")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -274,21 +284,23 @@ def worker_main(argv: list[str] | None = None) -> int:
         return 1
     if spawned:
         rendezvous = (args.dist_host, args.dist_port)
-        return _session(cluster, cfg, model, pool, args.rank, rendezvous, None)[0]
+        return _session(cluster, cfg, model, pool, args.rank, rendezvous, None, security)[0]
     comm = None  # installed in the first session, the gloo collectives of every later one
     while True:  # rank 0's restarts: each is a new session at the same rendezvous
         log.info("rank %d: waiting for rank 0 at %s:%d", args.rank, cfg.host, cfg.group_port)
         rendezvous = (cfg.host, cfg.group_port)
-        status, comm = _session(cluster, cfg, model, pool, args.rank, rendezvous, comm)
+        status, comm = _session(cluster, cfg, model, pool, args.rank, rendezvous, comm, security)
         if status:
             time.sleep(1.0)  # a failed session: rank 0 restarts (with backoff) before the next
 
 
-def _session(cluster, cfg, model, pool, rank: int, rendezvous, comm) -> tuple[int, object]:
+def _session(
+    cluster, cfg, model, pool, rank: int, rendezvous, comm, security
+) -> tuple[int, object]:
     """Meets rank 0, runs its forwards until its stop (status 0) or a failure (1); returns the
     status and the collectives (None if it never joined)."""
     try:
-        group, comm = join_tensor_parallel(cluster, cfg, model, rank, rendezvous, comm)
+        group, comm = join_tensor_parallel(cluster, cfg, model, rank, rendezvous, comm, security)
     except Exception as exc:  # rank 0 fails to meet this rank and reports the node
         log.error("rank %d could not join rank 0: %s", rank, exc)
         return 1, comm

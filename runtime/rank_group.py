@@ -3,7 +3,8 @@ how rank 0 starts the others, where they meet, and the gloo group they talk over
 
 Rank 0 is the process the router knows (`python -m decode_node|prefill_node`): it starts ranks
 1..R-1 as child processes (`spawn_ranks`) that die with it, and the ranks join a gloo group
-through a TCP store rank 0 serves on a free port. The store and the group's own sockets listen
+through a store rank 0 serves on a free port, which only the node's ranks can use
+(`runtime.rank_store`). The store and the group's own sockets listen
 on one address, the node's `group_host` (its bound address, or its `host` when it binds every
 interface; see `rendezvous_listener`), which rank 0 passes to the others: torch alone would bind
 the store to every interface and gloo to whatever the machine's hostname resolves to (often
@@ -26,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from control.errors import ConfigError
+from control.security import CurveSecurity
+from runtime.rank_store import AuthStore, StoreServer, group_token, new_run_token
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +55,30 @@ class RankGroup:
         rendezvous: socket.socket | tuple[str, int],
         timeout_s: float,
         bind_host: str | None = None,
+        *,
+        node: str = "",
+        security: CurveSecurity | None = None,
     ):
+        """`node` and `security` (the cluster's CURVE keys, None: plain) make the group's token
+        and secure its store (`runtime.rank_store`)."""
         wait = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+        token = group_token(node, security)
+        self.server = None
         if rank == 0:
-            (host, port), fd = rendezvous.getsockname()[:2], rendezvous.detach()
-            store = dist.TCPStore(
-                host, port, world, is_master=True, timeout=wait, master_listen_fd=fd
-            )
+            host, port = rendezvous.getsockname()[:2]
+            self.server = StoreServer(rendezvous, token, security)
         else:
             host, port = rendezvous
-            store = dist.TCPStore(host, port, world, is_master=False, timeout=wait)
+        self.store = AuthStore(f"tcp://{host}:{port}", token, security, wait)
         timeout = datetime.timedelta(seconds=timeout_s)
         backend = gloo_on(bind_host or host)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        try:
+            dist.init_process_group(
+                backend, store=self.store, rank=rank, world_size=world, timeout=timeout
+            )
+        except BaseException:
+            self._close_store()
+            raise
         self.rank, self.world = rank, world
 
     def broadcast_bytes(self, payload: bytes | None) -> bytes:
@@ -91,6 +105,12 @@ class RankGroup:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        self._close_store()
+
+    def _close_store(self) -> None:
+        self.store.close()
+        if self.server is not None:
+            self.server.close()
 
 
 def gloo_on(host: str) -> str:
@@ -162,6 +182,7 @@ class RankZero:
         1..R-1 (`python -m <module>`) on this machine to meet there."""
         self.listener = rendezvous_listener(cfg)
         if spawn:
+            new_run_token()  # this run's ranks inherit it; no other process has it
             where = self.listener.getsockname()[:2]
             self.children = spawn_ranks(
                 module, self.args.config, cfg.name, cfg.ranks, where, self.args.model

@@ -1,6 +1,7 @@
 """End to end: a tensor-parallel prefill node whose rank 1 runs "on another host" (`rank_hosts`,
 `group_port`, gloo): rank 0 at 127.0.0.1 under `duet up`, rank 1 at 127.0.0.3 started by its
-own launch script, as on a second machine (loopback addresses: no traffic leaves this one).
+own launch script, as on a second machine (loopback addresses: no traffic leaves this one),
+with the cluster's key file, with which it authenticates to rank 0's rendezvous.
 
 Greedy outputs equal `duet generate`'s; every socket rank 1 listens on is on its own address;
 rank 0 SIGKILLed is restarted by the launcher and rank 1, still running, serves the new rank 0
@@ -23,6 +24,7 @@ from e2e_helpers import (
 from e2e_helpers import wait_until as _wait
 from listeners import listening_sockets
 
+from control.security import write_key_file
 from deploy.local_cluster import dump_toml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +58,10 @@ def test_a_rank_on_another_host_serves_rank_0_and_its_restart(tmp_path):
     raw["prefill"][0].update(
         ranks=2, rank_hosts=[RANK_HOST], group_port=free_port(), all_reduce="gloo", chunk_size=16
     )
+    # One key file for the cluster, as every host of a real one has: rank 1 authenticates to
+    # rank 0's rendezvous with it (`runtime.rank_store`).
+    write_key_file(tmp_path / "cluster.key")
+    raw["security"] = {"curve_key_file": str(tmp_path / "cluster.key")}
     config = tmp_path / "elsewhere.toml"
     config.write_text(dump_toml(raw))
     refs = [
