@@ -21,7 +21,7 @@ COPY . .
 # As the README: torch pinned first (the CPU wheel; a bare `torch` would pull a CUDA build),
 # then the project.
 RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
-    && pip install --no-cache-dir -e .
+    && pip install --no-cache-dir -e ".[k8s]"
 
 # The built-in tiny model (the configs' `model = ""`), made once at build time so that no pod
 # writes it at start; a real checkpoint is mounted at the TOML's `model` path instead.

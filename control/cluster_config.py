@@ -296,9 +296,15 @@ class AutoscaleConfig:
     below the "down" mark for `idle_s`; after a change a role waits `cooldown_s`. SLA
     attainment over `window_s` below `sla_target` (the share of finished requests within the
     SLA) also scales up the role whose load is the higher share of its up mark. The nodes of
-    the config are never drained: the bounds count them."""
+    the config are never drained: the bounds count them.
+
+    `launcher`: "local" starts node processes on the router's host; "kubernetes" scales each
+    role's pool Deployment (`pool_name`, rendered by `duet k8s render`) in `namespace` (default:
+    the router pod's own) through the Kubernetes API."""
 
     enabled: bool = False
+    launcher: str = "local"
+    namespace: str = ""
     min_prefill: int = 1
     max_prefill: int = 2
     min_decode: int = 1
@@ -313,6 +319,12 @@ class AutoscaleConfig:
     prefill_down_tokens: int = 0
     decode_up_share: float = 0.8  # KV pages held per ready decode node
     decode_down_share: float = 0.2
+
+
+def pool_name(role: str) -> str:
+    """The Kubernetes Deployment of a role's joining nodes (its pods are nodes named after
+    themselves); `kubectl scale` or the autoscaler set its replicas."""
+    return f"{role}-pool"
 
 
 @dataclass(frozen=True)
@@ -677,8 +689,16 @@ def _validate_security(security: SecurityConfig) -> None:
         )
 
 
+AUTOSCALE_LAUNCHERS = ("local", "kubernetes")
+
+
 def _validate_autoscale(cfg: ClusterConfig) -> None:
     a = cfg.autoscale
+    if a.launcher not in AUTOSCALE_LAUNCHERS:
+        raise ConfigError(
+            f"[autoscale] launcher must be one of {', '.join(AUTOSCALE_LAUNCHERS)}, got "
+            f"{a.launcher!r}"
+        )
     for role, low, high, fixed in (
         ("prefill", a.min_prefill, a.max_prefill, len(cfg.prefill)),
         ("decode", a.min_decode, a.max_decode, len(cfg.decode)),

@@ -161,9 +161,12 @@ def k8s_cluster(cluster: ClusterConfig, namespace: str) -> ClusterConfig:
     if router.replicas > 1:  # every pod on the TOML's ports, each under its own name
         pods = tuple(router_pod_host(i, namespace) for i in range(router.replicas))
         router = dataclasses.replace(router, replica_hosts=pods)
+    # On Kubernetes the autoscaler scales the pool Deployments, never processes of its pod.
+    autoscale = dataclasses.replace(cluster.autoscale, launcher="kubernetes", namespace=namespace)
     return dataclasses.replace(
         cluster,
         router=router,
+        autoscale=autoscale if cluster.autoscale.enabled else cluster.autoscale,
         prefill=tuple(_with_bind(n, hosts[n.name]) for n in cluster.prefill),
         decode=tuple(_with_bind(n, hosts[n.name]) for n in cluster.decode),
         security=security,

@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from control.cluster_config import ClusterConfig
+from control.cluster_config import ClusterConfig, PrefillNodeConfig, pool_name
 from control.errors import ConfigError
 from control.model_config import ModelConfig
 from deploy.k8s_cluster import (
@@ -83,9 +83,9 @@ def meta(name: str, namespace: str, labels_: dict[str, str]) -> Doc:
 NODE_STARTUP_PROBES = 900  # x 2 s: 30 minutes to load or build the weights
 
 
-def _exec_probe(check: str, period_s: int, failures: int) -> Doc:
+def _exec_probe(check: str, period_s: int, failures: int, args: tuple[str, ...] = ()) -> Doc:
     return {
-        "exec": {"command": [*PROBE, check]},
+        "exec": {"command": [*PROBE, *args, check]},
         "periodSeconds": period_s,
         "timeoutSeconds": 5,
         "failureThreshold": failures,
@@ -341,6 +341,10 @@ def router_manifests(k8s: ClusterConfig, namespace: str, image: str, digest: str
     ]
     if r.replicas > 1:
         workloads = _router_replicas(r, namespace, selector, template)
+    rbac: list[Doc] = []
+    if k8s.autoscale.enabled:  # the router scales the pools: its pods get the API token
+        template["spec"]["automountServiceAccountToken"] = True
+        rbac = autoscaler_rbac(namespace)
     service = {
         "apiVersion": "v1",
         "kind": "Service",
@@ -370,7 +374,43 @@ def router_manifests(k8s: ClusterConfig, namespace: str, image: str, digest: str
             "ingress": [{"ports": [{"port": r.port, "protocol": "TCP"}]}],
         },
     }
-    return [*workloads, service, http_policy]
+    return [*workloads, service, http_policy, *rbac]
+
+
+AUTOSCALER_ROLE = "duet-autoscaler"
+
+
+def autoscaler_rbac(namespace: str) -> list[Doc]:
+    """What the autoscaler may do (`router.k8s_launcher`): read and patch the pools' scale,
+    annotate a pod before the pool drops it. Bound to the pods' ServiceAccount; only the
+    router's pods mount its token."""
+    pools = [pool_name(role) for role in ("prefill", "decode")]
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": meta(AUTOSCALER_ROLE, namespace, labels(ROUTER)),
+        "rules": [
+            {
+                "apiGroups": ["apps"],
+                "resources": ["deployments/scale"],
+                "resourceNames": pools,
+                "verbs": ["get", "patch"],
+            },
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]},
+        ],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": meta(AUTOSCALER_ROLE, namespace, labels(ROUTER)),
+        "subjects": [{"kind": "ServiceAccount", "name": APP, "namespace": namespace}],
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": AUTOSCALER_ROLE,
+        },
+    }
+    return [role, binding]
 
 
 def _router_replicas(r, namespace: str, selector: dict, template: Doc) -> list[Doc]:
@@ -427,6 +467,59 @@ def node_ports(node_set: NodeSet) -> list[tuple[str, int]]:
     return out
 
 
+def _node_pod(
+    cluster: ClusterConfig,
+    node,
+    model: ModelConfig,
+    image: str,
+    args: list[str],
+    ports: list[tuple[str, int]],
+    env: list[Doc],
+    weights_cache: WeightsCache,
+    probe_args: tuple[str, ...] = (),
+) -> tuple[Doc, list[Doc], list[Doc]]:
+    """(container, volumes, init containers) of a pod running `node` (a node set's, or a pool's
+    template); `probe_args` go to `deploy.probe` before the check."""
+    role = "prefill" if isinstance(node, PrefillNodeConfig) else "decode"
+    volumes = [_CONFIG_VOLUME, _CURVE_VOLUME, *_shm_volume(node)]
+    init_containers: list[Doc] = []
+    if uses_weights_cache(node):  # a set's nodes differ in names and ports only
+        if weights_cache.kind == "none":
+            raise ConfigError(
+                f"node {node.name}: weights_cache = true builds its packed weights "
+                "in the cache, which --weights-cache none leaves without a writable volume: set "
+                "weights_cache = false (or a pack) on the node, or render with --weights-cache "
+                "hostpath or pvc"
+            )
+        volumes += weights_cache.volumes()
+        init_containers = weights_cache.init_containers(image)
+        # The image sets the same: pinned here, as the volume is mounted under it.
+        env = [*env, {"name": "DUET_CACHE_DIR", "value": CACHE_DIR}]
+    disk_volumes, disk_init, disk_paths = _kv_disk(node, image)
+    volumes += disk_volumes
+    init_containers += disk_init
+    container = _container(
+        role,
+        image,
+        args,
+        volumes,
+        disk_paths,
+        env=env,
+        ports=[{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in ports],
+        resources=node_resources(model, cluster.dtype, node, cluster.uses_mtp).k8s(),
+        # A decode node opens its KV port after loading: the first start on a host may build
+        # the pack of a full-depth model (minutes), or wait on another pod building it.
+        startupProbe=_exec_probe("live", 2, NODE_STARTUP_PROBES, probe_args),
+        livenessProbe=_exec_probe("live", 10, 3, probe_args),
+        readinessProbe=_exec_probe("ready", 5, 2, probe_args),
+    )
+    return container, volumes, init_containers
+
+
+_POD_NAME = {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+_POD_IP = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+
+
 def node_set_manifests(
     cluster: ClusterConfig,
     node_set: NodeSet,
@@ -437,43 +530,17 @@ def node_set_manifests(
     weights_cache: WeightsCache = WeightsCache(),
 ) -> list[Doc]:
     role = node_set.role
-    volumes = [_CONFIG_VOLUME, _CURVE_VOLUME, *_shm_volume(node_set.nodes[0])]
-    env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
-    init_containers: list[Doc] = []
-    if uses_weights_cache(node_set.nodes[0]):  # the set's nodes differ in names and ports only
-        if weights_cache.kind == "none":
-            raise ConfigError(
-                f"node {node_set.nodes[0].name}: weights_cache = true builds its packed weights "
-                "in the cache, which --weights-cache none leaves without a writable volume: set "
-                "weights_cache = false (or a pack) on the node, or render with --weights-cache "
-                "hostpath or pvc"
-            )
-        volumes += weights_cache.volumes()
-        init_containers = weights_cache.init_containers(image)
-        # The image sets the same: pinned here, as the volume is mounted under it.
-        env.append({"name": "DUET_CACHE_DIR", "value": CACHE_DIR})
-    disk_volumes, disk_init, disk_paths = _kv_disk(node_set.nodes[0], image)
-    volumes += disk_volumes
-    init_containers += disk_init
     # One pod: its node's name. Several: pod i is node NAME-i, so the pod's own name.
     node_arg = node_set.nodes[0].name if node_set.replicas == 1 else "$(POD_NAME)"
-    container = _container(
-        role,
+    container, volumes, init_containers = _node_pod(
+        cluster,
+        node_set.nodes[0],
+        model,
         image,
         [config_path(), node_arg],
-        volumes,
-        disk_paths,
-        env=env,
-        ports=[
-            {"name": name, "containerPort": port, "protocol": "TCP"}
-            for name, port in node_ports(node_set)
-        ],
-        resources=node_resources(model, cluster.dtype, node_set.nodes[0], cluster.uses_mtp).k8s(),
-        # A decode node opens its KV port after loading: the first start on a host may build
-        # the pack of a full-depth model (minutes), or wait on another pod building it.
-        startupProbe=_exec_probe("live", 2, NODE_STARTUP_PROBES),
-        livenessProbe=_exec_probe("live", 10, 3),
-        readinessProbe=_exec_probe("ready", 5, 2),
+        node_ports(node_set),
+        [_POD_NAME],
+        weights_cache,
     )
     selector = labels(role, node_set.name)
     service = {
@@ -507,6 +574,60 @@ def node_set_manifests(
         },
     }
     return [service, stateful_set]
+
+
+def pool_manifests(
+    cluster: ClusterConfig,
+    role: str,
+    model: ModelConfig,
+    namespace: str,
+    image: str,
+    digest: str,
+    weights_cache: WeightsCache = WeightsCache(),
+) -> list[Doc]:
+    """A role's pool (`control.cluster_config.pool_name`): a Deployment of joining nodes,
+    none at first. Each pod is a node named after itself at its own address (`duet node`,
+    the config's first node of the role as template, on that node's ports); the router
+    admits it as it comes. `kubectl scale`, or the autoscaler on Kubernetes, sets the
+    replicas; a pod going away drains first. None for a role whose template runs several
+    ranks (a joining node runs one)."""
+    template = (cluster.prefill if role == "prefill" else cluster.decode)[0]
+    if template.ranks > 1:
+        return []
+    name = pool_name(role)
+    ports = [("control", template.control_port)]
+    join = ["--role", role, "--config", config_path(), "--name", "$(POD_NAME)"]
+    join += ["--control-port", str(template.control_port), "--host", "$(POD_IP)"]
+    if role == "decode":
+        ports.append(("kv", template.kv_port))
+        join += ["--kv-port", str(template.kv_port)]
+    container, volumes, init_containers = _node_pod(
+        cluster,
+        template,
+        model,
+        image,
+        join,
+        ports,
+        [_POD_NAME, _POD_IP],
+        weights_cache,
+        probe_args=("--role", role),  # the node named after the pod (its hostname)
+    )
+    container["command"] = [f"{APP_DIR}/deploy/launch_join.sh"]
+    selector = labels(role, name)
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": meta(name, namespace, selector),
+        "spec": {
+            "replicas": 0,
+            "strategy": {"type": "RollingUpdate"},
+            "selector": {"matchLabels": selector},
+            "template": _pod(
+                role, name, digest, node_grace_s(cluster), container, volumes, init_containers
+            ),
+        },
+    }
+    return [deployment]
 
 
 def disruption_budgets(namespace: str) -> list[Doc]:

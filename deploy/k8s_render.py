@@ -50,6 +50,7 @@ from deploy.k8s_manifests import (
     disruption_budgets,
     meta,
     node_set_manifests,
+    pool_manifests,
     router_manifests,
 )
 from deploy.k8s_yaml import dump_all
@@ -95,7 +96,7 @@ def overlay_files(
             for doc in node_set_manifests(
                 cluster, s, model, namespace, image, digest, weights_cache
             )
-        ]
+        ] + pool_manifests(cluster, role, model, namespace, image, digest, weights_cache)
     files["pdb.yaml"] = disruption_budgets(namespace)
     return files
 

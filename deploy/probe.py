@@ -1,6 +1,6 @@
 """Health checks for a cluster's processes, run by Kubernetes probes inside the pods:
 
-    python -m deploy.probe --config FILE [--node NAME] live|ready|router-live
+    python -m deploy.probe --config FILE [--node NAME] [--role ROLE] live|ready|router-live
 
 - `live` (a node): the node still holds its sockets: a TCP connect to its control port (and a
   decode node's KV port) succeeds. A crashed process fails it (and is restarted anyway); a hung
@@ -14,7 +14,10 @@
   ready): the event loop serves HTTP. Its readiness is /health's 200 itself (an httpGet probe).
 
 The node defaults to the one whose host's first DNS label is this machine's hostname: a
-StatefulSet pod's hostname is its pod name, and its node's host is `POD.SERVICE.NS.svc`. Local
+StatefulSet pod's hostname is its pod name, and its node's host is `POD.SERVICE.NS.svc`. With
+`--role`, the node joined the cluster (a pool pod, `duet node`): it is named `--node`, else
+this machine's hostname (a pool pod's name), with the settings and ports of the config's first
+node of that role. Local
 sockets are reached on the bind address when the config has one (127.0.0.1 for 0.0.0.0), so
 `live` does not depend on cluster DNS. Exit status 0 passed, 1 failed (one line on stdout, which
 Kubernetes shows in the pod's events), 2 a bad command line or config. Standard library only:
@@ -53,6 +56,13 @@ def find_node(cluster: ClusterConfig, hostname: str):
         if node.host.split(".", 1)[0] == hostname:
             return node
     raise ConfigError(f"no node of the config has a host named after this pod ({hostname!r})")
+
+
+def joined_node(cluster: ClusterConfig, role: str, name: str):
+    """A joining node as `duet node` starts one in a pool pod: the role's template under its
+    own name, on the template's ports."""
+    template = (cluster.prefill if role == "prefill" else cluster.decode)[0]
+    return cluster.joining_node(role, name, template.control_port, getattr(template, "kv_port", 0))
 
 
 def check_live(node) -> str:
@@ -110,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m deploy.probe", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="cluster config (TOML)")
     p.add_argument("--node", help="the node's name (default: the one named after this host)")
+    p.add_argument(
+        "--role", choices=("prefill", "decode"), help="a joining node of this role (a pool pod)"
+    )
     p.add_argument("check", choices=("live", "ready", "router-live"))
     args = p.parse_args(argv)
     try:
@@ -117,7 +130,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.check == "router-live":
             print(check_router_live(cluster))
             return 0
-        node = cluster.node(args.node) if args.node else find_node(cluster, socket.gethostname())
+        if args.role:
+            node = joined_node(cluster, args.role, args.node or socket.gethostname())
+        elif args.node:
+            node = cluster.node(args.node)
+        else:
+            node = find_node(cluster, socket.gethostname())
         print(check_live(node) if args.check == "live" else check_ready(cluster, node))
         return 0
     except ConfigError as exc:

@@ -47,7 +47,12 @@ def build_app(
     if cfg.autoscale.enabled and replica == 0:  # one router starts and drains nodes
         from router.autoscaler import Autoscaler, LocalLauncher
 
-        launcher = LocalLauncher(config_path, model_dir)
+        if cfg.autoscale.launcher == "kubernetes":
+            from router.k8s_launcher import K8sLauncher
+
+            launcher = K8sLauncher(cfg.autoscale)
+        else:
+            launcher = LocalLauncher(config_path, model_dir)
         router.autoscaler = Autoscaler(router, launcher, cfg.autoscale)
     info = ModelInfo(
         name=Path(model_dir).name,

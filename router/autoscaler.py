@@ -1,5 +1,7 @@
 """`duet up --autoscale`: the router starts and drains node processes on its host as the load
-asks (`router.autoscale_policy` decides; this module reads the signals and acts).
+asks (`router.autoscale_policy` decides; this module reads the signals and acts through a
+`Launcher`: `LocalLauncher` here, or on Kubernetes `router.k8s_launcher.K8sLauncher`, which
+scales each role's pool Deployment instead).
 
 Every `interval_s` it reads, from the router's own state: per role the ready nodes, the prompt
 tokens queued on the prefill nodes and the share of the decode nodes' KV pages held for
@@ -24,6 +26,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import Counter, Gauge
 
@@ -44,15 +47,54 @@ class _Started:
     draining: bool = False
 
 
+class Launcher(Protocol):
+    """Where the autoscaler's nodes come from: node processes on this host (`LocalLauncher`) or
+    a role's pool Deployment (`router.k8s_launcher.K8sLauncher`)."""
+
+    def counts(self, role: str, ready: set[str]) -> tuple[int, int]:
+        """(nodes it started that are not ready yet, ready ones it may drain), given the
+        names of the role's ready nodes."""
+
+    def running(self, role: str) -> int:
+        """The nodes of `role` it runs (the `duet_autoscale_nodes` gauge)."""
+
+    def start(self, role: str) -> str:
+        """Starts one more node of `role`; says which (a log line's words)."""
+
+    def drain(self, role: str, ready: set[str]) -> str:
+        """Drains one of its ready nodes of `role`; says which."""
+
+    def reap(self) -> None:
+        """Forgets nodes that have ended."""
+
+    def close(self) -> None:
+        """The router stops."""
+
+
 class LocalLauncher:
-    """Starts joining nodes as child processes of this one (the cluster config's file)."""
+    """Starts joining nodes as child processes of this one (the cluster config's file), named
+    `auto-<role>-<n>`, and drains the newest first."""
 
     def __init__(self, config_path: str, model_dir: str | None, host: str = "127.0.0.1"):
         self.config_path = config_path
         self.model_dir = model_dir
         self.host = host
+        self.started: list[_Started] = []
+        self._count = 0
 
-    def start(self, role: str, name: str) -> subprocess.Popen:
+    def _mine(self, role: str) -> list[_Started]:
+        return [s for s in self.started if s.role == role and not s.draining]
+
+    def counts(self, role: str, ready: set[str]) -> tuple[int, int]:
+        mine = self._mine(role)
+        return sum(s.name not in ready for s in mine), sum(s.name in ready for s in mine)
+
+    def running(self, role: str) -> int:
+        return sum(s.role == role for s in self.started)
+
+    def start(self, role: str) -> str:
+        self._count += 1
+        name = f"auto-{role}-{self._count}"
         ports = _free_ports(self.host, 2 if role == "decode" else 1)
         cmd = [sys.executable, "-m", f"{role}_node", "--config", self.config_path]
         cmd += ["--node", name, "--join", "--control-port", str(ports[0])]
@@ -60,17 +102,44 @@ class LocalLauncher:
             cmd += ["--kv-port", str(ports[1])]
         if self.model_dir:
             cmd += ["--model", self.model_dir]
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        self.started.append(_Started(name, role, proc))
+        return f"{name} (pid {proc.pid})"
+
+    def drain(self, role: str, ready: set[str]) -> str:
+        victim = [s for s in self._mine(role) if s.name in ready][-1]  # the newest
+        victim.draining = True
+        victim.proc.send_signal(signal.SIGTERM)
+        return f"{victim.name} (pid {victim.proc.pid})"
+
+    def reap(self) -> None:
+        """Forgets started nodes whose process ended (drained, or failed to start)."""
+        for s in [s for s in self.started if s.proc.poll() is not None]:
+            self.started.remove(s)
+            how = "stopped" if s.draining else f"exited with {s.proc.returncode}"
+            log.info("autoscale: %s %s", s.name, how)
+
+    def close(self) -> None:
+        """Stops every node it started (they fail what they hold: the router is stopping)."""
+        for s in self.started:
+            if s.proc.poll() is None:
+                s.proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + STOP_WAIT_S
+        for s in self.started:
+            try:
+                s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                s.proc.kill()
+                s.proc.wait()
+        self.started.clear()
 
 
 class Autoscaler:
-    def __init__(self, router, launcher: LocalLauncher, cfg: AutoscaleConfig):
+    def __init__(self, router, launcher: Launcher, cfg: AutoscaleConfig):
         self.router = router
         self.launcher = launcher
         self.cfg = cfg
         self.policy = AutoscalePolicy(cfg)
-        self.started: list[_Started] = []
-        self._count = 0
         self._has_served = False
         self._finished: deque[tuple[float, int, int]] = deque()  # (time, finished, within SLA)
         registry = router.metrics.registry
@@ -95,7 +164,7 @@ class Autoscaler:
     def step(self, now: float) -> list[Decision]:
         """Reads the signals, decides, acts; returns what it decided. Nothing before the
         cluster first serves: the config's nodes are still starting."""
-        self._reap()
+        self.launcher.reap()
         if not self._has_served:
             self._has_served = self.router.is_serving
             if not self._has_served:
@@ -105,11 +174,13 @@ class Autoscaler:
             log.info("autoscale: %s %+d (%s)", decision.role, decision.delta, decision.reason)
             self.decisions.labels(decision.role, "up" if decision.delta > 0 else "down").inc()
             if decision.delta > 0:
-                self._start(decision.role)
+                which = self.launcher.start(decision.role)
+                log.info("autoscale: started %s", which)
             else:
-                self._drain(decision.role)
+                ready = {n.name for n in self.router.nodes.ready(decision.role)}
+                log.info("autoscale: draining %s", self.launcher.drain(decision.role, ready))
         for role in ROLES:
-            self.nodes_gauge.labels(role).set(sum(s.role == role for s in self.started))
+            self.nodes_gauge.labels(role).set(self.launcher.running(role))
         return decisions
 
     def signals(self) -> dict[str, RoleSignals]:
@@ -117,8 +188,7 @@ class Autoscaler:
         out = {}
         for role in ROLES:
             ready = nodes.ready(role)
-            names = {n.name for n in ready}
-            mine = [s for s in self.started if s.role == role and not s.draining]
+            starting, drainable = self.launcher.counts(role, {n.name for n in ready})
             if role == "prefill":
                 load = sum(n.queued_tokens for n in ready) / max(len(ready), 1)
             else:
@@ -128,8 +198,8 @@ class Autoscaler:
             restarting = sum(n.status == NodeStatus.STARTING for n in nodes.of_role(role))
             out[role] = RoleSignals(
                 ready=len(ready),
-                starting=sum(s.name not in names for s in mine) + restarting,
-                drainable=sum(s.name in names for s in mine),
+                starting=starting + restarting,
+                drainable=drainable,
                 load=load,
             )
         return out
@@ -144,41 +214,8 @@ class Autoscaler:
         finished = metrics.num_finished - finished0
         return (metrics.num_sla_met - met0) / finished if finished else None
 
-    def _start(self, role: str) -> None:
-        self._count += 1
-        name = f"auto-{role}-{self._count}"
-        proc = self.launcher.start(role, name)
-        self.started.append(_Started(name, role, proc))
-        log.info("autoscale: started %s (pid %d)", name, proc.pid)
-
-    def _drain(self, role: str) -> None:
-        ready = {n.name for n in self.router.nodes.ready(role)}
-        mine = [s for s in self.started if s.role == role and not s.draining and s.name in ready]
-        victim = mine[-1]  # the newest
-        victim.draining = True
-        victim.proc.send_signal(signal.SIGTERM)
-        log.info("autoscale: draining %s (pid %d)", victim.name, victim.proc.pid)
-
-    def _reap(self) -> None:
-        """Forgets started nodes whose process ended (drained, or failed to start)."""
-        for s in [s for s in self.started if s.proc.poll() is not None]:
-            self.started.remove(s)
-            how = "stopped" if s.draining else f"exited with {s.proc.returncode}"
-            log.info("autoscale: %s %s", s.name, how)
-
     def close(self) -> None:
-        """Stops every node it started (they fail what they hold: the router is stopping)."""
-        for s in self.started:
-            if s.proc.poll() is None:
-                s.proc.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + STOP_WAIT_S
-        for s in self.started:
-            try:
-                s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                s.proc.kill()
-                s.proc.wait()
-        self.started.clear()
+        self.launcher.close()
 
 
 def _free_ports(host: str, count: int) -> list[int]:

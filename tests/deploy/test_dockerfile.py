@@ -43,7 +43,9 @@ def test_install_steps_are_the_readmes():
     runs = " && ".join(rest for w, rest in _instructions() if w == "RUN")
     # The CPU wheel of the same pinned torch, then the project, in that order.
     torch_at = runs.index(f"--index-url https://download.pytorch.org/whl/cpu {readme_pin.group(1)}")
-    assert torch_at < runs.index("pip install --no-cache-dir -e .")
+    assert torch_at < runs.index(
+        'pip install --no-cache-dir -e ".[k8s]"'
+    )  # + the autoscaler's client
     assert "python -m tinymodel" in runs  # the configs' `model = ""` is in the image
 
 
@@ -62,7 +64,8 @@ def test_image_layout_is_what_the_manifests_run():
             if doc.get("kind") in ("Deployment", "StatefulSet"):
                 (container,) = doc["spec"]["template"]["spec"]["containers"]
                 commands.add(container["command"][0])
-    assert commands == {f"{APP_DIR}/deploy/launch_{r}.sh" for r in ("router", "prefill", "decode")}
+    roles = ("router", "prefill", "decode", "join")  # join: the pools' joining nodes
+    assert commands == {f"{APP_DIR}/deploy/launch_{r}.sh" for r in roles}
     for command in commands | set(entrypoint):
         script = ROOT / Path(command).relative_to(APP_DIR)
         assert script.is_file() and script.stat().st_mode & 0o111, script

@@ -118,8 +118,17 @@ class Overlay:
         return doc
 
     def pod_templates(self) -> list[tuple[dict, dict]]:
-        """(workload, its pod template) of the router Deployment and every StatefulSet."""
+        """(workload, its pod template) of every Deployment (the router's, the pools') and
+        StatefulSet."""
         return [(w, w["spec"]["template"]) for w in self.of("Deployment") + self.of("StatefulSet")]
+
+
+def _is_router(workload: dict) -> bool:
+    return workload["metadata"]["labels"]["app.kubernetes.io/component"] == "router"
+
+
+def _is_pool(workload: dict) -> bool:
+    return workload["metadata"]["name"].endswith("-pool")
 
 
 @pytest.fixture(scope="module")
@@ -335,7 +344,9 @@ def test_probes_run_real_commands_against_real_ports(overlays, tmp_path, monkeyp
         for workload, template in o.pod_templates():
             container = _container(template)
             config_mount = _mount_of(template, "configMap")
-            assert container["args"][0] == f"{config_mount}/cluster.toml"
+            args = container["args"]
+            config_arg = args[args.index("--config") + 1] if _is_pool(workload) else args[0]
+            assert config_arg == f"{config_mount}/cluster.toml"
             script = Path(container["command"][0]).relative_to(APP_DIR)
             assert (ROOT / script).is_file() and (ROOT / script).stat().st_mode & 0o111
             for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -345,10 +356,11 @@ def test_probes_run_real_commands_against_real_ports(overlays, tmp_path, monkeyp
                     continue
                 command = spec["exec"]["command"]
                 assert command[:3] == ["python", "-m", "deploy.probe"]
-                assert command[3:5] == ["--config", container["args"][0]]
+                assert command[3:5] == ["--config", config_arg]
                 # In this pod (its hostname is its pod name) the probe checks this pod's node:
                 # nothing listens here, so it fails (1), never a usage or config error (2).
-                for i in range(workload["spec"]["replicas"]):
+                # A pool has no pod yet: one as the ReplicaSet would name it.
+                for i in range(max(workload["spec"]["replicas"], _is_pool(workload))):
                     pod = _pod(workload, i)
                     monkeypatch.setattr(probe.socket, "gethostname", lambda pod=pod: pod)
                     monkeypatch.setattr(probe, "TIMEOUT_S", 0.2)
@@ -357,13 +369,18 @@ def test_probes_run_real_commands_against_real_ports(overlays, tmp_path, monkeyp
                     argv = ["--config", str(config), *command[5:]]
                     assert probe.main(argv) == 1
                     out = capsys.readouterr().out
-                    if command[5] == "ready":  # it asks the router, by its Service's name
+                    check = command[-1]
+                    if check == "ready":  # it asks the router, by its Service's name
                         url = f"http://router.{o.namespace}.svc:{o.k8s.router.port}/health"
                         assert no_router.urls.pop() == url
                     if workload["kind"] == "StatefulSet":
                         node = _node_of_pod(o.k8s, workload, i)
                         assert f"node {node.name}:" in out
-                    if command[5] == "live":  # its own control port first, on loopback
+                    elif _is_pool(workload):  # the pod's node: joined, on the template's ports
+                        assert command[5:7] == ["--role", workload["metadata"]["name"][:-5]]
+                        node = _pool_template(o.k8s, workload)
+                        assert f"node {pod}:" in out
+                    if check == "live":  # its own control port first, on loopback
                         assert no_router.addresses.pop() == ("127.0.0.1", node.control_port)
         # The router behind the probes serves /health (an app built from this very TOML).
         cfg = dataclasses.replace(o.k8s, security=SecurityConfig(insecure=True))
@@ -389,7 +406,14 @@ class _NoRouter:
 
 
 def _pod(workload: dict, i: int) -> str:
+    if _is_pool(workload):  # a ReplicaSet's pod: NAME-<hash>-<suffix>
+        return f"{workload['metadata']['name']}-5d8f7c9b6-x7k2p"
     return f"{workload['metadata']['name']}-{i}" if workload["kind"] == "StatefulSet" else "x"
+
+
+def _pool_template(k8s: ClusterConfig, pool: dict):
+    role = pool["metadata"]["labels"]["app.kubernetes.io/component"]
+    return (k8s.prefill if role == "prefill" else k8s.decode)[0]
 
 
 def _node_of_pod(k8s: ClusterConfig, sts: dict, i: int):
@@ -438,7 +462,7 @@ def test_termination_grace_covers_the_drain(tiny, drain_s):
     )
     for workload, template in o.pod_templates():
         grace = template["spec"]["terminationGracePeriodSeconds"]
-        if workload["kind"] == "StatefulSet":
+        if not _is_router(workload):  # a node set's or a pool's
             assert grace >= drain_s + DRAIN_MARGIN_S and grace == math.ceil(drain_s) + 30
         else:
             assert grace == ROUTER_GRACE_S
@@ -457,8 +481,7 @@ def test_secrets_are_mounted_where_the_toml_looks_and_never_shipped(cases, overl
         for workload, template in o.pod_templates():
             curve = _mount_of(template, "secret", "duet-curve-key")
             assert o.k8s.security.curve_key_file == f"{curve}/cluster.key"
-            is_router = workload["kind"] == "Deployment"
-            if is_router:
+            if _is_router(workload):
                 api = _mount_of(template, "secret", "duet-api-keys")
                 assert o.k8s.security.api_key_file == f"{api}/api_keys"
             else:  # the nodes never see the API keys
@@ -525,7 +548,7 @@ def test_node_pods_share_a_host_directory_for_the_weights_cache(overlays):
     restarts), made the image user's by a chown-only init container; never on the router."""
     for o in overlays:
         for workload, template in o.pod_templates():
-            if workload["kind"] == "Deployment":
+            if _is_router(workload):
                 _no_cache(template)
                 continue
             assert _cache_volume(template) == {
@@ -556,7 +579,7 @@ def test_weights_cache_on_a_persistent_volume_claim(tiny):
     o = _rendered(tiny, WIDE, WeightsCache("pvc", claim="duet-packs"))
     assert not o.of("PersistentVolumeClaim")  # referenced, made beforehand
     for workload, template in o.pod_templates():
-        if workload["kind"] == "Deployment":
+        if _is_router(workload):
             _no_cache(template)
             continue
         volume = _cache_volume(template)
@@ -728,7 +751,7 @@ def test_the_prefill_disk_tier_gets_a_host_directory(tiny):
         assert mounts["kv-disk-cache"] == {"name": "kv-disk-cache", "mountPath": "/var/lib/duet-kv"}
         owners = [c for c in template["spec"]["initContainers"] if c["name"] == "kv-disk-owner"]
         assert owners[0]["command"][-1] == "/var/lib/duet-kv"
-    assert seen == 2  # the prefill sets "fast" and "slow"
+    assert seen == 3  # the prefill sets "fast" and "slow", and the prefill pool
     raw["prefill"][0]["disk_cache_dir"] = "kv"
     with pytest.raises(ConfigError, match="absolute path"):
         render_tree(ClusterConfig.from_dict(raw), tiny, name="c")
@@ -762,3 +785,90 @@ def test_router_replicas_are_a_stateful_set_each_pod_named_in_the_toml(tiny):
     assert router.control_endpoints == [f"tcp://{pod}:9100" for pod in pods]
     assert [router.for_replica(i).port for i in range(2)] == [9000, 9000]  # one port, two pods
     assert o.named("Service", "router")["spec"]["selector"] == headless["spec"]["selector"]
+
+
+def test_each_role_has_a_pool_of_joining_nodes(overlays, tmp_path, capsys):
+    """A Deployment per role (none at first) whose pods join as nodes named after themselves,
+    at their own address, on the template's ports: `kubectl scale` adds nodes with no config
+    change. A role whose first node runs several ranks has none (a joining node runs one)."""
+    for o in overlays:
+        for role in ("prefill", "decode"):
+            template = (o.k8s.prefill if role == "prefill" else o.k8s.decode)[0]
+            pools = [d for d in o.of("Deployment") if d["metadata"]["name"] == f"{role}-pool"]
+            if template.ranks > 1:
+                assert not pools
+                continue
+            (pool,) = pools
+            assert pool["spec"]["replicas"] == 0
+            labels_ = pool["spec"]["template"]["metadata"]["labels"]
+            assert labels_["app.kubernetes.io/component"] == role
+            assert pool["spec"]["selector"]["matchLabels"] == labels_
+            container = _container(pool["spec"]["template"])
+            assert container["command"] == [f"{APP_DIR}/deploy/launch_join.sh"]
+            want = ["--role", role, "--config", "/etc/duet/config/cluster.toml"]
+            want += ["--name", "$(POD_NAME)", "--control-port", str(template.control_port)]
+            want += ["--host", "$(POD_IP)"]
+            ports = {template.control_port}
+            if role == "decode":
+                want += ["--kv-port", str(template.kv_port)]
+                ports.add(template.kv_port)
+            assert container["args"] == want
+            assert {p["containerPort"] for p in container["ports"]} == ports
+            fields = {
+                e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
+                for e in container["env"]
+                if "valueFrom" in e
+            }
+            assert fields["POD_NAME"] == "metadata.name" and fields["POD_IP"] == "status.podIP"
+            # What `duet node` makes of those arguments: a valid joining node of that role.
+            pod, ip = _pod(pool, 0), "10.1.2.3"
+            joined = o.k8s.joining_node(
+                role, pod, template.control_port, getattr(template, "kv_port", 0), ip
+            )
+            assert joined.control_endpoint == f"tcp://{ip}:{template.control_port}"
+            assert joined.bind_host == "0.0.0.0"
+            # The launch script's arguments are `duet node`'s: it gets as far as the config.
+            args = [a.replace("$(POD_NAME)", pod).replace("$(POD_IP)", ip) for a in want]
+            args[args.index("--config") + 1] = str(tmp_path / "absent.toml")
+            assert duet(["node", *args]) != 0
+            assert "absent.toml: cannot read" in capsys.readouterr().err
+        budgets = {
+            d["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]: d
+            for d in o.of("PodDisruptionBudget")
+        }
+        for pool in [d for d in o.of("Deployment") if _is_pool(d)]:  # drains count too
+            role = pool["metadata"]["labels"]["app.kubernetes.io/component"]
+            selector = budgets[role]["spec"]["selector"]["matchLabels"]
+            assert selector.items() <= pool["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_autoscale_on_kubernetes_scales_the_pools_with_a_role_to_do_it(tiny):
+    decode = [{**WIDE["decode"][0], "ranks": 1}, *WIDE["decode"][1:]]  # joining nodes: 1 rank
+    raw = {
+        **WIDE,
+        "decode": decode,
+        "autoscale": {"enabled": True, "max_prefill": 6, "max_decode": 5},
+    }
+    o = _rendered(tiny, raw, WeightsCache())  # every document against the schemas
+    assert o.k8s.autoscale.launcher == "kubernetes" and o.k8s.autoscale.namespace == "duet"
+    role = o.named("Role", "duet-autoscaler")
+    scale, pods = role["rules"]
+    assert scale == {
+        "apiGroups": ["apps"],
+        "resources": ["deployments/scale"],
+        "resourceNames": ["prefill-pool", "decode-pool"],
+        "verbs": ["get", "patch"],
+    }
+    assert pods == {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}
+    binding = o.named("RoleBinding", "duet-autoscaler")
+    assert binding["roleRef"]["name"] == "duet-autoscaler"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "duet-serve", "namespace": "duet"}
+    ]
+    for workload, template in o.pod_templates():  # only the router holds the API token
+        assert template["spec"]["serviceAccountName"] == "duet-serve"
+        assert template["spec"]["automountServiceAccountToken"] is _is_router(workload)
+    assert len([d for d in o.of("Deployment") if _is_pool(d)]) == 2
+    plain = _rendered(tiny, WIDE, WeightsCache())
+    assert not plain.of("Role") and not plain.of("RoleBinding")
+    assert plain.k8s.autoscale.launcher == "local"  # off: as the input says
