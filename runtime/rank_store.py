@@ -16,9 +16,9 @@ derived from the cluster's secret key and the node's name, which only holders of
 key can compute. Without CURVE keys (`insecure = true`) such ranks use no token: insecure
 clusters authenticate nothing.
 
-After the rendezvous the ranks talk over gloo's own sockets, which take a connection only as
-one of the pairs the store announced: a stranger's connection there carries no pair the group
-waits for (tests/runtime/test_rank_store.py checks that the group works on).
+After the rendezvous the ranks talk over gloo's own sockets, which learned their peers from this
+store; a stranger's connection there leaves the group working (tests/runtime/test_rank_store.py
+sends junk to every port of a working group). Gloo's traffic itself is not encrypted.
 """
 
 from __future__ import annotations
