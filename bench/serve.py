@@ -219,11 +219,14 @@ async def run_requests(
     seed: int,
     tokenizer,
     progress: bool | None = None,
+    arrivals: np.ndarray | None = None,
 ) -> tuple[list[RequestRecord], float]:
-    """Send every request on schedule; returns (records in request order, duration in s)."""
+    """Send every request on schedule (`arrivals`, else Poisson at `rate`); returns (records
+    in request order, duration in s)."""
     from tqdm import tqdm
 
-    arrivals = arrival_times(len(requests), rate, seed)
+    if arrivals is None:
+        arrivals = arrival_times(len(requests), rate, seed)
     limit = max_concurrency or len(requests)
     sem = asyncio.Semaphore(limit)
     timeout = httpx.Timeout(target.timeout_s, connect=min(CONNECT_TIMEOUT_S, target.timeout_s))
@@ -278,6 +281,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="the request's `model` field (default: GET /v1/models)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson (inf)")
+    p.add_argument(
+        "--load-steps",
+        metavar="RATE:SECONDS,...",
+        help="a stepped load instead of one rate (e.g. 2:45,8:45,2:45): Poisson arrivals at "
+        "each rate for its seconds (their count replaces --num-prompts); the summary adds each "
+        "step's SLA attainment and the node-seconds the cluster spent (bench.stepped_load)",
+    )
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--dataset", choices=(*DATASETS, "multi-turn"), default="random")
     p.add_argument(
@@ -346,6 +356,17 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise ConfigError("--max-concurrency must be >= 1")
     if args.timeout <= 0 or args.ttft_ms <= 0 or args.tpot_ms <= 0:
         raise ConfigError("--timeout, --ttft-ms and --tpot-ms must be positive")
+    if args.load_steps is not None:
+        from bench.stepped_load import parse_steps, stepped_arrivals
+
+        if args.dataset == "multi-turn":
+            raise ConfigError(
+                "--load-steps: not with the multi-turn dataset (turns wait on answers)"
+            )
+        args.load_steps = parse_steps(args.load_steps)
+        args.num_prompts = len(stepped_arrivals(args.load_steps, args.seed))
+        if args.num_prompts < 1:
+            raise ConfigError("--load-steps: no request arrives in those steps")
     if args.endpoint == "auto":
         args.endpoint = "completions" if args.dataset == "random" else "chat"
     args.extra_body = parse_extra_body(args.extra_body)
@@ -398,6 +419,8 @@ def run(args: argparse.Namespace, tokenizer=None) -> dict[str, Any]:
     )
     target = _target(args)
     progress = False if args.no_progress else None
+    if args.load_steps is not None:
+        return _run_stepped(args, target, requests, tokenizer, progress)
     records, duration = asyncio.run(
         run_requests(
             target,
@@ -410,6 +433,30 @@ def run(args: argparse.Namespace, tokenizer=None) -> dict[str, Any]:
         )
     )
     summary = summarize(records, duration, args.ttft_ms, args.tpot_ms)
+    write_outputs(Path(args.out), args, summary, records)
+    return summary
+
+
+def _run_stepped(args, target: Target, requests, tokenizer, progress) -> dict[str, Any]:
+    from bench.stepped_load import NodeWatcher, by_step, stepped_arrivals
+
+    arrivals = stepped_arrivals(args.load_steps, args.seed)
+    with NodeWatcher(args.url + "/metrics") as nodes:
+        records, duration = asyncio.run(
+            run_requests(
+                target,
+                requests,
+                math.inf,
+                args.max_concurrency,
+                args.seed,
+                tokenizer,
+                progress,
+                arrivals=arrivals,
+            )
+        )
+    summary = summarize(records, duration, args.ttft_ms, args.tpot_ms)
+    summary["load_steps"] = by_step(records, args.load_steps, args.ttft_ms, args.tpot_ms, arrivals)
+    summary["nodes"] = nodes.summary()
     write_outputs(Path(args.out), args, summary, records)
     return summary
 
@@ -480,10 +527,22 @@ def write_outputs(out: Path, args, summary: dict[str, Any], records: list[Reques
 def main(argv: list[str] | None = None) -> int:
     args = resolve(build_parser().parse_args(argv))
     summary = run(args)
+    load = f"rate {args.request_rate:g}/s"
+    if args.load_steps is not None:
+        load = "steps " + ", ".join(f"{r:g}/s x {t:g} s" for r, t in args.load_steps)
     title = (
-        f"Serving benchmark: {args.url} ({args.dataset}, rate {args.request_rate:g}/s, "
+        f"Serving benchmark: {args.url} ({args.dataset}, {load}, "
         f"concurrency {args.max_concurrency or 'unlimited'})"
     )
     print(format_table(summary, title))
+    for step in summary.get("load_steps", []):
+        print(
+            f"step {step['rate']:g}/s for {step['seconds']:g} s: {step['requests']} requests, "
+            f"{step['completed']} completed, SLA attainment {step['sla_attainment']:.1%}, "
+            f"p99 TTFT {step['ttft_ms']['p99'] or 0:.0f} ms"
+        )
+    if "nodes" in summary:
+        nodes = summary["nodes"]
+        print(f"node-seconds {nodes['node_seconds']:.1f} (peak {nodes['peak_nodes']:g} nodes)")
     print(f"results: {args.out}")
     return 0

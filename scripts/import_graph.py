@@ -69,6 +69,7 @@ TORCH_FREE_MODULES = {
     "bench.plots",
     "bench.sweep",
     "bench.occupancy",
+    "bench.stepped_load",
     "bench.pack_serving",
     "bench.router_start",
     # the shape rules the cluster tools size nodes with
