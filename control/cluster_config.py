@@ -295,7 +295,7 @@ class AutoscaleConfig:
     prompt tokens queued per node; decode: the share of KV pages held), and down when it stays
     below the "down" mark for `idle_s`; after a change a role waits `cooldown_s`. SLA
     attainment over `window_s` below `sla_target` (the share of finished requests within the
-    SLA) also scales up the role whose load is the higher share of its up mark. The nodes of
+    SLA) also scales up the role that misses its part most (TTFT: prefill, TPOT: decode). The nodes of
     the config are never drained: the bounds count them.
 
     `launcher`: "local" starts node processes on the router's host; "kubernetes" scales each

@@ -7,8 +7,10 @@ KV pages the router holds for requests. Hysteresis: a role scales up once its lo
 or above its up mark for `sustain_s`, down once it has been at or below its down mark for
 `idle_s`; a single spike or lull changes nothing. Cool-down: a role changes at most once per
 `cooldown_s`, and not while a node it started is still starting. SLA: when the share of finished
-requests within the SLA over the window falls below `sla_target`, the role whose load is the
-higher share of its up mark (the bottleneck) scales up even below its mark. Bounds: the ready
+requests within the SLA over the window falls below `sla_target`, the role that misses its part
+scales up even below its mark: prefill when more requests missed the TTFT target than the TPOT
+one (the TTFT is the prefill queue's and compute's), else decode; the role whose load is the
+higher share of its up mark when both parts are missed alike. Bounds: the ready
 and starting nodes of a role stay within [min, max]; only nodes the autoscaler started are
 drained, never the config's.
 """
@@ -30,6 +32,16 @@ class RoleSignals:
     starting: int  # nodes it started that are not ready yet
     drainable: int  # ready nodes it started (the only ones it may drain)
     load: float  # prefill: queued prompt tokens per ready node; decode: KV share held
+
+
+@dataclass(frozen=True)
+class Attainment:
+    """The requests finished within the window: the shares that met the whole SLA, its TTFT
+    target and its TPOT target."""
+
+    met: float
+    ttft: float
+    tpot: float
 
 
 @dataclass(frozen=True)
@@ -63,16 +75,21 @@ class AutoscalePolicy:
         return (c.min_prefill, c.max_prefill) if role == "prefill" else (c.min_decode, c.max_decode)
 
     def decide(
-        self, signals: dict[str, RoleSignals], attainment: float | None, now: float
+        self, signals: dict[str, RoleSignals], attainment: Attainment | None, now: float
     ) -> list[Decision]:
-        """At most one decision per role; `attainment` is the SLA share over the window (None
-        when nothing finished in it)."""
-        pressure = {r: s.load / max(self.marks(r)[0], 1e-9) for r, s in signals.items()}
-        sla_short = attainment is not None and attainment < self.cfg.sla_target
-        bottleneck = max(pressure, key=pressure.get) if sla_short else None
+        """At most one decision per role; `attainment` over the window (None when nothing
+        finished in it)."""
+        bottleneck = None
+        if attainment is not None and attainment.met < self.cfg.sla_target:
+            missed = {"prefill": 1.0 - attainment.ttft, "decode": 1.0 - attainment.tpot}
+            if missed["prefill"] != missed["decode"]:
+                bottleneck = max(missed, key=missed.get)
+            else:
+                pressure = {r: s.load / max(self.marks(r)[0], 1e-9) for r, s in signals.items()}
+                bottleneck = max(pressure, key=pressure.get)
         out = []
         for role, s in signals.items():
-            decision = self._decide_role(role, s, now, role == bottleneck and s.load > 0)
+            decision = self._decide_role(role, s, now, role == bottleneck)
             if decision is not None:
                 self._state[role].last_change = now
                 self._state[role].above_since = self._state[role].below_since = None
@@ -101,8 +118,12 @@ class AutoscalePolicy:
                 role, +1, f"load {s.load:.4g} >= {up:g} for {now - st.above_since:.1f} s"
             )
         if total < high and sla:
+            part = "TTFT" if role == "prefill" else "TPOT"
             return Decision(
-                role, +1, f"SLA attainment under {self.cfg.sla_target:g}, load {s.load:.4g}"
+                role,
+                +1,
+                f"SLA attainment under {self.cfg.sla_target:g}, its {part} part missed most, "
+                f"load {s.load:.4g}",
             )
         idle = st.below_since is not None and now - st.below_since >= self.cfg.idle_s
         if idle and s.drainable and total > low:

@@ -31,7 +31,7 @@ from typing import Protocol
 from prometheus_client import Counter, Gauge
 
 from control.cluster_config import AutoscaleConfig
-from router.autoscale_policy import ROLES, AutoscalePolicy, Decision, RoleSignals
+from router.autoscale_policy import ROLES, Attainment, AutoscalePolicy, Decision, RoleSignals
 from router.nodes import NodeStatus
 
 log = logging.getLogger("router")
@@ -141,7 +141,8 @@ class Autoscaler:
         self.cfg = cfg
         self.policy = AutoscalePolicy(cfg)
         self._has_served = False
-        self._finished: deque[tuple[float, int, int]] = deque()  # (time, finished, within SLA)
+        # (time, finished, within the SLA, within its TTFT, within its TPOT)
+        self._finished: deque[tuple[float, int, int, int, int]] = deque()
         registry = router.metrics.registry
         self.nodes_gauge = Gauge(
             "duet_autoscale_nodes", "Nodes the autoscaler runs", ["role"], registry=registry
@@ -204,15 +205,22 @@ class Autoscaler:
             )
         return out
 
-    def attainment(self, now: float) -> float | None:
-        """The share of the requests finished within the window that met the SLA."""
-        metrics = self.router.metrics
-        self._finished.append((now, metrics.num_finished, metrics.num_sla_met))
+    def attainment(self, now: float) -> Attainment | None:
+        """The requests finished within the window: the shares that met the SLA and each of
+        its parts (None when none finished)."""
+        m = self.router.metrics
+        self._finished.append((now, m.num_finished, m.num_sla_met, m.num_ttft_met, m.num_tpot_met))
         while self._finished and now - self._finished[0][0] > self.cfg.window_s:
             self._finished.popleft()
-        _, finished0, met0 = self._finished[0]
-        finished = metrics.num_finished - finished0
-        return (metrics.num_sla_met - met0) / finished if finished else None
+        _, finished0, met0, ttft0, tpot0 = self._finished[0]
+        finished = m.num_finished - finished0
+        if not finished:
+            return None
+        return Attainment(
+            (m.num_sla_met - met0) / finished,
+            (m.num_ttft_met - ttft0) / finished,
+            (m.num_tpot_met - tpot0) / finished,
+        )
 
     def close(self) -> None:
         self.launcher.close()

@@ -130,6 +130,8 @@ class RouterMetrics:
         )
         self.num_finished = 0  # plain counts for the SLA share (read at scrape time)
         self.num_sla_met = 0
+        self.num_ttft_met = 0  # and for each part of it (the autoscaler's bottleneck)
+        self.num_tpot_met = 0
         # ---- SLA admission: goodput and the TTFT prediction's error ------
         # Goodput as a counter is duet_sla_met_requests (rate() gives requests/s); this gauge is
         # the same over the last GOODPUT_WINDOW_S, for a dashboard without PromQL.
@@ -155,10 +157,11 @@ class RouterMetrics:
             self.tpot.observe(tpot)
         self.e2e.observe(latency)
         self.num_finished += 1
-        within = ttft * 1000 <= self.sla.ttft_ms and (
-            tpot is None or tpot * 1000 <= self.sla.tpot_ms
-        )
-        if within:
+        ttft_met = ttft * 1000 <= self.sla.ttft_ms
+        tpot_met = tpot is None or tpot * 1000 <= self.sla.tpot_ms
+        self.num_ttft_met += ttft_met
+        self.num_tpot_met += tpot_met
+        if ttft_met and tpot_met:
             self.num_sla_met += 1
             self.sla_met.inc()
             self._sla_met_times.append(time.monotonic())

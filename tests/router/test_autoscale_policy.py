@@ -1,10 +1,10 @@
 """The autoscaling decisions alone (router.autoscale_policy), on a simulated clock: sustained load
 scales up, a spike does not; a long lull drains a started node, never a configured one; the
 cool-down and a starting node hold further changes; the bounds hold; an SLA shortfall scales the
-bottleneck role."""
+role that misses its part of the SLA (TTFT: prefill, TPOT: decode)."""
 
 from control.cluster_config import AutoscaleConfig
-from router.autoscale_policy import AutoscalePolicy, RoleSignals
+from router.autoscale_policy import Attainment, AutoscalePolicy, RoleSignals
 
 CFG = AutoscaleConfig(
     enabled=True,
@@ -70,9 +70,19 @@ def test_below_min_scales_up_at_once():
     assert [(d.role, d.delta) for d in policy.decide(signals, None, 0.0)] == [("decode", 1)]
 
 
-def test_an_sla_shortfall_scales_the_bottleneck_role():
-    policy = AutoscalePolicy(CFG)
+def test_an_sla_shortfall_scales_the_role_that_misses_its_part():
     signals = {"prefill": RoleSignals(1, 0, 0, 300.0), "decode": RoleSignals(1, 0, 0, 0.5)}
-    # prefill at 0.3 of its mark, decode at 0.5 / 0.8 = 0.625 of its: decode is the bottleneck
-    assert [(d.role, d.delta) for d in policy.decide(signals, 0.5, 0.0)] == [("decode", 1)]
-    assert AutoscalePolicy(CFG).decide(signals, 0.95, 0.0) == []  # within the target
+
+    def scaled(attainment):
+        return [(d.role, d.delta) for d in AutoscalePolicy(CFG).decide(signals, attainment, 0.0)]
+
+    # TTFT missed more than TPOT: prefill, though decode's load is nearer its mark
+    assert scaled(Attainment(met=0.5, ttft=0.55, tpot=0.95)) == [("prefill", 1)]
+    assert scaled(Attainment(met=0.5, ttft=0.9, tpot=0.6)) == [("decode", 1)]
+    # both parts missed alike: the load decides (prefill at 0.3 of its mark, decode at 0.625)
+    assert scaled(Attainment(met=0.5, ttft=0.7, tpot=0.7)) == [("decode", 1)]
+    assert scaled(Attainment(met=0.95, ttft=0.95, tpot=1.0)) == []  # within the target
+    assert (
+        "TTFT part missed most"
+        in AutoscalePolicy(CFG).decide(signals, Attainment(0.5, 0.5, 1.0), 0.0)[0].reason
+    )
