@@ -266,15 +266,19 @@ class FakeCluster(threading.Thread):
 
 
 class RecordingCluster(FakeCluster):
-    """Keeps every Reserve, Prefill and RouterPing it was sent."""
+    """Keeps every Reserve and Prefill it was sent (`messages`), and the RouterPings apart
+    (`pings`)."""
 
     def __post_init__(self):
         super().__post_init__()
         self.messages: list = []
+        self.pings: list[RouterPing] = []
 
     def _handle(self, node, msg):
-        if isinstance(msg, (Reserve, Prefill, RouterPing)):
+        if isinstance(msg, (Reserve, Prefill)):
             self.messages.append(msg)
+        elif isinstance(msg, RouterPing):
+            self.pings.append(msg)
         super()._handle(node, msg)
 
     def sent(self, kind: type) -> list:

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from router_fakes import RecordingCluster, RouterServer, fake_config, stop_all
 
-from control.protocol import Prefill, Reserve, RouterPing
+from control.protocol import Prefill, Reserve
 from control.router_links import replica_of
 from deploy.local_cluster import free_port_run
 
@@ -51,6 +51,6 @@ def test_wire_ids_and_pings_name_replica_one(replica1):
     assert [replica_of(f) for f in reserve.fork_ids] == [1]
     (prefill,) = [m for m in fakes.sent(Prefill) if m.request_id == reserve.request_id]
     assert prefill.seq >= 1
-    pings = fakes.sent(RouterPing)
+    pings = list(fakes.pings)
     assert pings and {p.replica for p in pings} == {1}
     assert len({p.router_id for p in pings}) == 1
