@@ -89,14 +89,62 @@ def make_chunks(args: argparse.Namespace) -> list[tuple[int, torch.Tensor]]:
     ]
 
 
-def run_ours(args: argparse.Namespace, chunks) -> dict:
-    """Seconds to move all requests through ZmqSender -> ZmqReceiver -> KVPool."""
+def _decode_side(args: argparse.Namespace) -> tuple[dict, KVPool, int]:
+    """The receiving node's fingerprint, its KV pool (room for `inflight` prompts) and the pages
+    a prompt takes."""
     dtype = DTYPES[args.dtype]
     fp = make_fingerprint({"bench": "transfer"}, args.layers, args.width, dtype)
     pages_per_request = -(-args.prompt_len // args.decode_page_size)
     pool = KVPool(
         args.layers, pages_per_request * args.inflight, args.decode_page_size, args.width, dtype
     )
+    return fp, pool, pages_per_request
+
+
+def _send_prompt(sender: ZmqSender, args: argparse.Namespace, chunks, i: int, key) -> None:
+    """Request `i`'s rows and its done, as a prefill node streams them."""
+    rdv = Rendezvous(f"bench-{i}", i)
+    for token_start, rows in chunks:
+        sender.send_chunk(rdv, 0, token_start, rows, key)
+    sender.send_done(rdv, args.prompt_len, 1, key=key)
+
+
+def _move_all(args, pool: KVPool, pages_per_request: int, receiver: ZmqReceiver, send) -> dict:
+    """Every request as the decode node takes it: room reserved when the pool has it, the KV
+    expected (under a fresh key with aead), then `send(i, key)` has it sent. Seconds until all
+    are in, and the bytes written."""
+    tables, num_ready = {}, 0
+
+    def handle(events):
+        nonlocal num_ready
+        for event in events:
+            if not event.is_ready:
+                raise RuntimeError(f"transfer failed: {event.reason}")
+            pool.release(tables.pop(event.rendezvous))
+            num_ready += 1
+
+    start = time.perf_counter()
+    for i in range(args.requests):
+        while pool.allocator.num_free < pages_per_request:  # decode admission: wait for room
+            handle(receiver.poll(TIMEOUT) or _fail("no transfer finished in time"))
+        rdv = Rendezvous(f"bench-{i}", i)
+        tables[rdv] = table = pool.new_table()
+        pool.reserve(table, args.prompt_len)
+        key = new_key() if args.security == "aead" else None  # one per transfer
+        receiver.expect(rdv, table, args.prompt_len, time.monotonic() + TIMEOUT, key)
+        send(i, key)
+    while num_ready < args.requests:
+        handle(receiver.poll(TIMEOUT) or _fail("no transfer finished in time"))
+    seconds = time.perf_counter() - start
+    stats = receiver.stats()
+    if stats.num_dropped:
+        raise RuntimeError(f"receiver dropped chunks: {stats.dropped}")
+    return {"seconds": seconds, "bytes": stats.bytes_written}
+
+
+def run_ours(args: argparse.Namespace, chunks) -> dict:
+    """Seconds to move all requests through ZmqSender -> ZmqReceiver -> KVPool."""
+    fp, pool, pages_per_request = _decode_side(args)
     # One context (one zmq I/O thread) per side, as in two processes.
     recv_ctx, send_ctx = zmq.Context(), zmq.Context()
     security = _security(args)
@@ -104,35 +152,13 @@ def run_ours(args: argparse.Namespace, chunks) -> dict:
     sender = ZmqSender("bench", context=send_ctx, security=security)
     try:
         sender.connect(receiver.endpoint, fp, TIMEOUT)
-        tables, num_ready = {}, 0
-
-        def handle(events):
-            nonlocal num_ready
-            for event in events:
-                if not event.is_ready:
-                    raise RuntimeError(f"transfer failed: {event.reason}")
-                pool.release(tables.pop(event.rendezvous))
-                num_ready += 1
-
-        start = time.perf_counter()
-        for i in range(args.requests):
-            while pool.allocator.num_free < pages_per_request:  # decode admission: wait for room
-                handle(receiver.poll(TIMEOUT) or _fail("no transfer finished in time"))
-            rdv = Rendezvous(f"bench-{i}", i)
-            tables[rdv] = table = pool.new_table()
-            pool.reserve(table, args.prompt_len)
-            key = new_key() if args.security == "aead" else None  # one per transfer
-            receiver.expect(rdv, table, args.prompt_len, time.monotonic() + TIMEOUT, key)
-            for token_start, rows in chunks:
-                sender.send_chunk(rdv, 0, token_start, rows, key)
-            sender.send_done(rdv, args.prompt_len, 1, key=key)
-        while num_ready < args.requests:
-            handle(receiver.poll(TIMEOUT) or _fail("no transfer finished in time"))
-        seconds = time.perf_counter() - start
-        stats = receiver.stats()
-        if stats.num_dropped:
-            raise RuntimeError(f"receiver dropped chunks: {stats.dropped}")
-        return {"seconds": seconds, "bytes": stats.bytes_written}
+        return _move_all(
+            args,
+            pool,
+            pages_per_request,
+            receiver,
+            lambda i, key: _send_prompt(sender, args, chunks, i, key),
+        )
     finally:
         sender.close(timeout=TIMEOUT)
         receiver.close(timeout=TIMEOUT)
@@ -153,11 +179,7 @@ def _sender_process(args: argparse.Namespace, endpoint: str, fp, orders) -> None
         sender.connect(endpoint, fp, TIMEOUT)
         orders.send_bytes(b"connected")
         while order := orders.recv_bytes():  # msgpack [index, key or None]; b"" ends
-            i, key = msgpack.unpackb(order)
-            rdv = Rendezvous(f"bench-{i}", i)
-            for token_start, rows in chunks:
-                sender.send_chunk(rdv, 0, token_start, rows, key)
-            sender.send_done(rdv, args.prompt_len, 1, key=key)
+            _send_prompt(sender, args, chunks, *msgpack.unpackb(order))
     finally:
         sender.close(timeout=TIMEOUT)
         send_ctx.term()
@@ -166,15 +188,11 @@ def _sender_process(args: argparse.Namespace, endpoint: str, fp, orders) -> None
 def run_ours_two_processes(args: argparse.Namespace, chunks) -> dict:
     """`run_ours` with the sender in a process of its own (a prefill node's), the receiver and
     its pool here (a decode node's): the two ends' passes over the bytes (checksums, seals)
-    run side by side, as between two nodes, instead of taking turns on one interpreter."""
+    run side by side, as between two nodes, instead of taking turns on one interpreter.
+    (`chunks` are made again in the sender.)"""
     import multiprocessing
 
-    dtype = DTYPES[args.dtype]
-    fp = make_fingerprint({"bench": "transfer"}, args.layers, args.width, dtype)
-    pages_per_request = -(-args.prompt_len // args.decode_page_size)
-    pool = KVPool(
-        args.layers, pages_per_request * args.inflight, args.decode_page_size, args.width, dtype
-    )
+    fp, pool, pages_per_request = _decode_side(args)
     recv_ctx = zmq.Context()
     receiver = ZmqReceiver(pool, fp, context=recv_ctx)
     spawn = multiprocessing.get_context("spawn")
@@ -184,33 +202,13 @@ def run_ours_two_processes(args: argparse.Namespace, chunks) -> dict:
     try:
         if not orders.poll(TIMEOUT) or orders.recv_bytes() != b"connected":
             raise RuntimeError("the sending process did not connect")
-        tables, num_ready = {}, 0
-
-        def handle(events):
-            nonlocal num_ready
-            for event in events:
-                if not event.is_ready:
-                    raise RuntimeError(f"transfer failed: {event.reason}")
-                pool.release(tables.pop(event.rendezvous))
-                num_ready += 1
-
-        start = time.perf_counter()
-        for i in range(args.requests):
-            while pool.allocator.num_free < pages_per_request:  # decode admission: wait for room
-                handle(receiver.poll(TIMEOUT) or _fail("no transfer finished in time"))
-            rdv = Rendezvous(f"bench-{i}", i)
-            tables[rdv] = table = pool.new_table()
-            pool.reserve(table, args.prompt_len)
-            key = new_key() if args.security == "aead" else None  # one per transfer
-            receiver.expect(rdv, table, args.prompt_len, time.monotonic() + TIMEOUT, key)
-            orders.send_bytes(msgpack.packb([i, key]))
-        while num_ready < args.requests:
-            handle(receiver.poll(TIMEOUT) or _fail("no transfer finished in time"))
-        seconds = time.perf_counter() - start
-        stats = receiver.stats()
-        if stats.num_dropped:
-            raise RuntimeError(f"receiver dropped chunks: {stats.dropped}")
-        return {"seconds": seconds, "bytes": stats.bytes_written}
+        return _move_all(
+            args,
+            pool,
+            pages_per_request,
+            receiver,
+            lambda i, key: orders.send_bytes(msgpack.packb([i, key])),
+        )
     finally:
         orders.send_bytes(b"")
         child.join(TIMEOUT)
