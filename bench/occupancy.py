@@ -22,15 +22,24 @@ def decode_running(metrics_text: str) -> float:
     return sum(float(v) for v in RUNNING.findall(metrics_text))
 
 
-class OccupancyWatcher:
+class MetricsWatcher:
+    """Reads the router's /metrics every `period_s` in a thread while a benchmark runs (a
+    context manager), appending `sample(page)` to `samples`; a scrape that fails under load is
+    skipped. `SAMPLE_AT_START`: the first sample at once, not after a period."""
+
+    SAMPLE_AT_START = False
+
     def __init__(self, metrics_url: str, period_s: float = 0.25):
         self.url = metrics_url
         self.period_s = period_s
-        self.samples: list[float] = []
+        self.samples: list = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="occupancy", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="metrics", daemon=True)
 
-    def __enter__(self) -> OccupancyWatcher:
+    def sample(self, page: str):
+        raise NotImplementedError
+
+    def __enter__(self):
         self._thread.start()
         return self
 
@@ -40,11 +49,20 @@ class OccupancyWatcher:
 
     def _run(self) -> None:
         with httpx.Client(timeout=5.0, trust_env=False) as client:
-            while not self._stop.wait(self.period_s):
+            if not self.SAMPLE_AT_START and self._stop.wait(self.period_s):
+                return
+            while True:
                 try:
-                    self.samples.append(decode_running(client.get(self.url).text))
+                    self.samples.append(self.sample(client.get(self.url).text))
                 except httpx.HTTPError:
                     pass  # a slow scrape under load: skip this sample
+                if self._stop.wait(self.period_s):
+                    return
+
+
+class OccupancyWatcher(MetricsWatcher):
+    def sample(self, page: str) -> float:
+        return decode_running(page)
 
     def summary(self) -> dict[str, float]:
         if not self.samples:

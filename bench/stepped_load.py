@@ -10,13 +10,12 @@ run. A fixed 1P1D spends 2 node-seconds a second; an autoscaled cluster what it 
 from __future__ import annotations
 
 import re
-import threading
 import time
 from typing import Any
 
-import httpx
 import numpy as np
 
+from bench.occupancy import MetricsWatcher
 from bench.serve_metrics import RequestRecord, stats_ms
 from control.errors import ConfigError
 
@@ -92,34 +91,17 @@ def nodes_up(metrics_text: str) -> dict[str, float]:
     return counts
 
 
-class NodeWatcher:
-    """Polls /metrics for the nodes up while a load runs; `summary()` integrates them."""
+class NodeWatcher(MetricsWatcher):
+    """The nodes up while a load runs, (time, per role) from the start; `summary()` integrates
+    them."""
+
+    SAMPLE_AT_START = True
 
     def __init__(self, metrics_url: str, period_s: float = 0.5):
-        self.url = metrics_url
-        self.period_s = period_s
-        self.samples: list[tuple[float, dict[str, float]]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="nodes", daemon=True)
+        super().__init__(metrics_url, period_s)
 
-    def __enter__(self) -> NodeWatcher:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=5.0, trust_env=False) as client:
-            while True:
-                try:
-                    page = client.get(self.url).text
-                    self.samples.append((time.monotonic(), nodes_up(page)))
-                except httpx.HTTPError:
-                    pass  # a slow scrape under load: skip this sample
-                if self._stop.wait(self.period_s):
-                    return
+    def sample(self, page: str) -> tuple[float, dict[str, float]]:
+        return time.monotonic(), nodes_up(page)
 
     def summary(self) -> dict[str, Any]:
         """Node-seconds per role and in all (each sample held until the next), and the peak."""
