@@ -419,41 +419,51 @@ def _router_replicas(r, namespace: str, selector: dict, template: Doc) -> list[D
     which every node connects to. A Deployment's pods have neither."""
     (container,) = template["spec"]["containers"]
     container["args"] = [*container["args"], "--replica", "$(POD_NAME)"]
-    container["env"] = [
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+    container["env"] = [_POD_NAME]
+    ports = [("control", r.control_port)]
+    return [
+        _headless_service(ROUTER_PODS, namespace, selector, ports),
+        _stateful_set(ROUTER, namespace, selector, ROUTER_PODS, r.replicas, template),
     ]
-    headless = {
+
+
+def _headless_service(
+    name: str, namespace: str, selector: dict, ports: list[tuple[str, int]]
+) -> Doc:
+    """A Service without an address that names each pod of a StatefulSet (`POD.NAME.NS.svc`),
+    not-ready pods too: they register before anyone calls them ready."""
+    return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": meta(ROUTER_PODS, namespace, selector),
+        "metadata": meta(name, namespace, selector),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
             "selector": selector,
             "ports": [
-                {
-                    "name": "control",
-                    "port": r.control_port,
-                    "targetPort": r.control_port,
-                    "protocol": "TCP",
-                }
+                {"name": port_name, "port": port, "targetPort": port, "protocol": "TCP"}
+                for port_name, port in ports
             ],
         },
     }
-    stateful_set = {
+
+
+def _stateful_set(
+    name: str, namespace: str, selector: dict, service: str, replicas: int, template: Doc
+) -> Doc:
+    return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": meta(ROUTER, namespace, selector),
+        "metadata": meta(name, namespace, selector),
         "spec": {
-            "serviceName": ROUTER_PODS,
-            "replicas": r.replicas,
+            "serviceName": service,
+            "replicas": replicas,
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate"},
             "selector": {"matchLabels": selector},
             "template": template,
         },
     }
-    return [headless, stateful_set]
 
 
 # ---- the nodes -----------------------------------------------------------------------------
@@ -543,37 +553,15 @@ def node_set_manifests(
         weights_cache,
     )
     selector = labels(role, node_set.name)
-    service = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": meta(node_set.name, namespace, selector),
-        "spec": {
-            "clusterIP": "None",
-            "publishNotReadyAddresses": True,
-            "selector": selector,
-            "ports": [
-                {"name": name, "port": port, "targetPort": port, "protocol": "TCP"}
-                for name, port in node_ports(node_set)
-            ],
-        },
-    }
-    grace = node_grace_s(cluster)
-    stateful_set = {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": meta(node_set.name, namespace, selector),
-        "spec": {
-            "serviceName": node_set.name,
-            "replicas": node_set.replicas,
-            "podManagementPolicy": "Parallel",
-            "updateStrategy": {"type": "RollingUpdate"},
-            "selector": {"matchLabels": selector},
-            "template": _pod(
-                role, node_set.name, digest, grace, container, volumes, init_containers
-            ),
-        },
-    }
-    return [service, stateful_set]
+    template = _pod(
+        role, node_set.name, digest, node_grace_s(cluster), container, volumes, init_containers
+    )
+    return [
+        _headless_service(node_set.name, namespace, selector, node_ports(node_set)),
+        _stateful_set(
+            node_set.name, namespace, selector, node_set.name, node_set.replicas, template
+        ),
+    ]
 
 
 def pool_manifests(
