@@ -7,11 +7,13 @@ import asyncio
 import os
 import re
 import threading
+from pathlib import Path
 
 import httpx
 import openai
 
-from tests.e2e.e2e_helpers import alive
+from deploy.local_cluster import dump_toml
+from tests.e2e.e2e_helpers import alive, cluster_shorthand
 from tests.e2e.e2e_helpers import wait_until as _wait
 
 MAX_NEW = 24
@@ -25,6 +27,17 @@ try:
     DROPPED += (httpx2.HTTPError,)
 except ImportError:
     pass
+
+
+def fault_config(path, num_prefill: int, num_decode: int, timeouts: dict, **router) -> Path:
+    """A float32 cluster config on free ports with the test's `timeouts` (and `[router]`
+    fields), written to `path`."""
+    raw = cluster_shorthand(num_prefill, num_decode)
+    raw["router"].update(router)
+    raw["dtype"] = "float32"
+    raw["timeouts"] = timeouts
+    path.write_text(dump_toml(raw))
+    return path
 
 
 def child_pids(up) -> dict[str, int]:

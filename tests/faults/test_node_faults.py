@@ -23,10 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deploy.local_cluster import dump_toml
 from tests.e2e.e2e_helpers import (
     alive,
-    cluster_shorthand,
     generate_reference,
     processes_mentioning,
     start_cluster,
@@ -40,6 +38,7 @@ from tests.faults.fault_helpers import (
     assert_recovered,
     child_pids,
     dispatched,
+    fault_config,
     signal_all,
 )
 from tinymodel.make import make_tiny_model
@@ -52,11 +51,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
 def _config(path, num_prefill: int, num_decode: int):
-    raw = cluster_shorthand(num_prefill, num_decode)
-    raw["dtype"] = "float32"
-    raw["timeouts"] = TIMEOUTS
-    path.write_text(dump_toml(raw))
-    return path
+    return fault_config(path, num_prefill, num_decode, TIMEOUTS)
 
 
 @pytest.fixture(scope="module")

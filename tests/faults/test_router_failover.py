@@ -18,9 +18,7 @@ import signal
 import httpx
 import pytest
 
-from deploy.local_cluster import dump_toml
 from tests.e2e.e2e_helpers import (
-    cluster_shorthand,
     free_port_pair,
     generate_reference,
     start_cluster,
@@ -32,6 +30,7 @@ from tests.faults.fault_helpers import (
     assert_all_match,
     child_pids,
     decode_pages_used,
+    fault_config,
 )
 
 PROMPTS = [f"Request {i}: tell me about the river" for i in range(8)]
@@ -47,12 +46,8 @@ def references():
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
-    raw = cluster_shorthand(1, 1)
-    raw["router"].update(control_port=free_port_pair(), replicas=2)
-    raw["dtype"] = "float32"
-    raw["timeouts"] = TIMEOUTS
     path = tmp_path_factory.mktemp("cfg") / "two-routers.toml"
-    path.write_text(dump_toml(raw))
+    fault_config(path, 1, 1, TIMEOUTS, control_port=free_port_pair(), replicas=2)
     port = free_port_pair()
     up = start_cluster(["--config", str(path)], tmp_path_factory, port=port)
     up.router1 = f"http://127.0.0.1:{port + 1}"
