@@ -238,14 +238,9 @@ class DecodeNode(NodeLoop):
     def orphan(self, replica: int, reason: str) -> None:
         self.abort_all(reason, replica)
 
-    def abort_all(self, reason: str, replica: int | None = None) -> None:
-        """Aborts every held request of router `replica` (None: of every router): no live
-        router owns them any more."""
-        orphans = [
-            r
-            for r in self.scheduler.requests
-            if replica is None or replica_of(r.request_id) == replica
-        ]
+    def abort_all(self, reason: str, replica: int) -> None:
+        """Aborts every held request of router `replica`: no live router owns them any more."""
+        orphans = [r for r in self.scheduler.requests if replica_of(r.request_id) == replica]
         if orphans:
             log.warning("aborting %d requests: %s", len(orphans), reason)
         for request in orphans:

@@ -9,7 +9,7 @@ import pytest
 from pd_harness import Pair
 
 from control.cluster_config import TimeoutConfig
-from control.protocol import RouterPing
+from control.protocol import Heartbeat, Prefill, RouterPing, sampling_to_dict
 from control.router_links import wire_prefix
 from control.sampling_params import SamplingParams
 
@@ -59,13 +59,10 @@ def test_a_lost_router_takes_only_its_own_requests(pair, offline, how):
 
 
 def test_prefill_numbering_is_reported_per_router(pair):
-    from control.protocol import Heartbeat, Prefill, sampling_to_dict
-
     sampling = sampling_to_dict(greedy(1))
     endpoint = pair.receiver.endpoint
     pair.p_in.put(Prefill("cmpl-a", 1, PROMPT_A, sampling, endpoint, 5.0, seq=4))
     pair.p_in.put(Prefill(wire_prefix(2) + "cmpl-b", 2, PROMPT_B, sampling, endpoint, 5.0, seq=9))
-    pair.prefill.is_draining = False
     pair.prefill.step()
     hb = pair.prefill.heartbeat()
     assert isinstance(hb, Heartbeat) and hb.prefill_seqs == [4, 0, 9]
