@@ -31,38 +31,66 @@ def lm_head_scheme(quant_lm_head: bool) -> str:
     return "int8" if quant_lm_head else "none"
 
 
-# The matrices a scheme other than "none" quantizes (model/quant.py): every MLA projection but
-# kv_b_proj, and every MLP and expert projection. The rest (embedding, LM head, kv_b, norms,
-# router gate) stays in the model dtype; the LM head goes int8 with `quant_lm_head` alone.
+# The matrices a scheme other than "none" quantizes (model/quant.py), in two classes of their
+# own scheme each: the MLA projections but kv_b_proj (a node's `quant_attention`, see
+# `attention_scheme`) and every MLP and expert projection (the node's `quant`). The rest
+# (embedding, LM head, kv_b, norms, router gate) stays in the model dtype; the LM head goes int8
+# with `quant_lm_head` alone.
 _ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
-_QUANTIZED = _ATTENTION + _MLP
 FP8_BLOCK = 128
 INT4_GROUP_SIZE = 64  # the inputs sharing an int4 scale (native/reference_int4.py, model/quant.py)
 
 
-def is_quantized(name: str) -> bool:
-    """Whether a scheme other than "none" quantizes the checkpoint tensor `name`."""
+def attention_scheme(quant: str | None, quant_attention: str | None = None) -> str:
+    """The attention projections' scheme on a node of `quant`: `quant_attention` when set (None
+    or "", a TOML node's default, is unset), else `quant` itself, but "int8" under "int4" (the
+    attention's error feeds the KV cache and every later token, so 4 bits there is opt in)."""
+    quant = parse_quant(quant)
+    if quant_attention is None or quant_attention == "":
+        return "int8" if quant == "int4" else quant
+    return parse_quant(quant_attention, "quant_attention")
+
+
+def _is_layer_weight(name: str, projections: tuple[str, ...]) -> bool:
     return name.startswith("model.layers.") and name.endswith(
-        tuple(f".{p}.weight" for p in _QUANTIZED)
+        tuple(f".{p}.weight" for p in projections)
     )
 
 
-def is_int4(name: str) -> bool:
-    """Whether the "int4" scheme holds checkpoint tensor `name` in 4 bits: the MLP and expert
-    projections (dense, shared, routed); its attention projections run W8A8 int8."""
-    return name.startswith("model.layers.") and name.endswith(tuple(f".{p}.weight" for p in _MLP))
+def is_quantized(name: str) -> bool:
+    """Whether some scheme other than "none" may hold checkpoint tensor `name` (an attention,
+    MLP or expert projection); `tensor_scheme` says which one a node does."""
+    return _is_layer_weight(name, _ATTENTION + _MLP)
 
 
-def quantized_bytes(quant: str, shape: tuple[int, ...], name: str = "") -> int:
-    """Bytes a quantized matrix [N, K] (checkpoint tensor `name`) is held in: 1 per weight, plus
-    per row an fp32 scale and an int32 compensation (int8, and the "int4" scheme's attention), a
-    half per weight plus an fp32 scale per group of INT4_GROUP_SIZE inputs of a row (int4), or an
-    fp32 scale per 128x128 block (fp8)."""
+def tensor_scheme(name: str, quant: str | None, quant_attention: str | None = None) -> str:
+    """The scheme checkpoint tensor `name` is held in on a node of `quant` and
+    `quant_attention`: the attention scheme (`attention_scheme`) for an attention projection,
+    `quant` for an MLP or expert projection, "none" (the model dtype) for the rest. The LM head
+    has its own (`lm_head_scheme`)."""
+    if _is_layer_weight(name, _ATTENTION):
+        return attention_scheme(quant, quant_attention)
+    if _is_layer_weight(name, _MLP):
+        return parse_quant(quant)
+    return "none"
+
+
+def quantized_bytes(
+    quant: str, shape: tuple[int, ...], name: str = "", quant_attention: str | None = None
+) -> int:
+    """Bytes a quantized matrix [N, K] is held in: in scheme `quant`, or with `name` (a
+    checkpoint tensor) in the scheme a node of `quant` and `quant_attention` holds it in
+    (`tensor_scheme`; ValueError if that is "none"). int8: 1 per weight, plus per row an fp32
+    scale and an int32 compensation; int4: a half per weight plus an fp32 scale per group of
+    INT4_GROUP_SIZE inputs of a row; fp8: 1 per weight plus an fp32 scale per 128x128 block."""
+    scheme = tensor_scheme(name, quant, quant_attention) if name else quant
     n, k = shape
-    if quant == "int4" and is_int4(name):
+    if scheme == "int4":
         return n * k // 2 + 4 * n * -(-k // INT4_GROUP_SIZE)
-    if quant in ("int8", "int4"):
+    if scheme == "int8":
         return n * k + 8 * n
-    blocks = -(-n // FP8_BLOCK) * -(-k // FP8_BLOCK)
-    return n * k + 4 * blocks
+    if scheme == "fp8":
+        blocks = -(-n // FP8_BLOCK) * -(-k // FP8_BLOCK)
+        return n * k + 4 * blocks
+    raise ValueError(f"{name or 'the matrix'} is not quantized under quant = {quant!r}")

@@ -41,8 +41,9 @@ class DeepseekModel:
     the packed copy of a matrix are never both held for the whole model; from a
     CheckpointReader (`from_pretrained`) each tensor is read only as it is packed, so loading
     holds the model as held plus one tensor in flight. `quant` ("none", "int8", "fp8", "int4"; None =
-    "none") is the scheme of the projections and experts (`model.quant`); `quant_lm_head` runs
-    the LM head (the MTP layer's too: it is the same head) in int8 whatever `quant` is. With
+    "none") is the scheme of the MLPs and experts (`model.quant`), `quant_attention` the attention
+    projections' (None: `quant`'s, "int8" under "int4"); `quant_lm_head` runs the LM head (the
+    MTP layer's too: it is the same head) in int8 whatever `quant` is. With
     `mtp`, the checkpoint's MTP layer is loaded too (`model.mtp`, the draft of speculative
     decoding) and the KV pool has one more layer, its cache. With `tensor_parallel` = (rank, world) the model
     holds rank `rank`'s shard (`model.sharding`: its heads, MLP columns and experts), whose
@@ -62,6 +63,7 @@ class DeepseekModel:
         parallel: str = "tp",
         sink: PackWriter | None = None,
         quant_lm_head: bool = False,
+        quant_attention: str | None = None,
     ):
         self.cfg = cfg
         self.tensor_parallel = tensor_parallel
@@ -69,7 +71,7 @@ class DeepseekModel:
         # The sequence-split forward (`model.sequence_parallel.install_sequence_parallel`).
         self.sequence_parallel = None
         num_heads = None
-        q = quantizer(quant, dtype, quant_lm_head)
+        q = quantizer(quant, dtype, quant_lm_head, quant_attention)
         if tensor_parallel is not None:
             rank, world = tensor_parallel
             if not isinstance(weights, PackSource):  # a pack holds the shard as it was cut
@@ -79,7 +81,8 @@ class DeepseekModel:
                 expert_range = expert_range or expert_shard(cfg.n_routed_experts, rank, world)
         if not isinstance(weights, PackSource):
             weights = CheckpointSource(weights, q, sink)
-        self.quant = q.name
+        self.quant = q.name  # the MLPs' and experts' scheme
+        self.attention_quant = q.attention_scheme  # the attention projections' scheme
         self.lm_head_quant = q.head_scheme  # the LM head's scheme: "none" | "int8"
         # Where it was loaded from (`from_pretrained`): structured output loads the tokenizer
         # there. None for a model built from weights in memory.
@@ -133,16 +136,18 @@ class DeepseekModel:
         tensor_parallel: tuple[int, int] | None = None,
         parallel: str = "tp",
         quant_lm_head: bool = False,
+        quant_attention: str | None = None,
     ) -> DeepseekModel:
         """Loads config.json and the safetensors, each tensor read as the model packs it;
         `expert_range` limits the routed experts held (an expert-parallel rank loads only its
         shard); `quant` is the weights' scheme (`model.quant`: "none", "int8", "fp8", "int4"),
-        `quant_lm_head` the LM head's (int8 when true);
+        `quant_attention` the attention projections' (the same names; None: `quant`'s, "int8"
+        under "int4"), `quant_lm_head` the LM head's (int8 when true);
         `tensor_parallel` = (rank, world): a tensor-parallel rank's shard of the `parallel`
         scheme ("tp" or "tp_sp", see the class). `model.pack_cache.load_model` loads through a
         packed weight store instead."""
         args = (dtype, expert_range, progress, quant, mtp, tensor_parallel, parallel)
-        with cls.open_checkpoint(model_dir, *args) as (cfg, weights, expert_range):
+        with cls.open_checkpoint(model_dir, *args, quant_attention) as (cfg, weights, expert_range):
             model = cls(
                 cfg,
                 weights,
@@ -153,6 +158,7 @@ class DeepseekModel:
                 tensor_parallel,
                 parallel,
                 quant_lm_head=quant_lm_head,
+                quant_attention=quant_attention,
             )
         model.model_dir = Path(model_dir)
         return model
@@ -160,7 +166,16 @@ class DeepseekModel:
     @classmethod
     @contextmanager
     def open_checkpoint(
-        cls, model_dir, dtype, expert_range, progress, quant, mtp, tensor_parallel, parallel
+        cls,
+        model_dir,
+        dtype,
+        expert_range,
+        progress,
+        quant,
+        mtp,
+        tensor_parallel,
+        parallel,
+        quant_attention=None,
     ):
         """(config, CheckpointReader of the tensors these arguments read, the experts held);
         on leaving, checks that the model built from it read every one."""
@@ -177,7 +192,7 @@ class DeepseekModel:
             shapes.update(mtp_shapes(cfg, keep))
         block = cfg.quant.weight_block_size if cfg.quant else None
         gptq = cfg.quant if cfg.quant and cfg.quant.method == "gptq" else None
-        keep_stored = quantizer(quant, dtype).keeps_stored
+        keep_stored = quantizer(quant, dtype, quant_attention=quant_attention).keeps_stored
         with CheckpointReader(
             model_dir, shapes, dtype, block, keep_stored, progress, gptq
         ) as weights:
@@ -198,11 +213,12 @@ class DeepseekModel:
         tensor_parallel: tuple[int, int] | None,
         parallel: str,
         quant_lm_head: bool = False,
+        quant_attention: str | None = None,
     ) -> DeepseekModel:
         """The model around a mapped pack's weights (`model.weight_pack`), which must be of
         these arguments (`model.pack_cache.load_model` checks its spec)."""
         whole = pack.spec.expert_range is None and pack.spec.tensor_parallel is None
-        q = quantizer(quant, dtype, quant_lm_head)
+        q = quantizer(quant, dtype, quant_lm_head, quant_attention)
         source = PackSource(pack, q, cfg.n_routed_experts if whole else None)
         model = cls(
             cfg,
@@ -214,6 +230,7 @@ class DeepseekModel:
             tensor_parallel,
             parallel,
             quant_lm_head=quant_lm_head,
+            quant_attention=quant_attention,
         )
         if unused := set(pack.keys()) - source.taken:
             raise PackError(f"pack {pack.path}: holds {len(unused)} weights the model did not take")

@@ -16,20 +16,26 @@ bf16 and fp32 activations, so the head goes int8 in either model dtype (not floa
 - "int8": W8A8. Weights int8 symmetric per output channel, activations quantized per token inside
   the kernel (`ops.linear_int8`, `ops.fused_moe_int8`). An FP8 checkpoint is dequantized to fp32
   and re-quantized per channel.
-- "int4": W4A8 for the MLP and expert projections (dense, shared, routed: most of the bytes read
-  per decoded token): 4-bit weights with an fp32 scale per group of INT4_GROUP_SIZE inputs of a
-  row, activations quantized per token to int8 (`ops.linear_int4`, `ops.fused_moe_int4`); the
-  attention projections run the "int8" scheme (their error feeds the KV cache and every later
-  token). An FP8 checkpoint is dequantized to fp32 first, as for int8. A GPTQ 4-bit checkpoint's
-  MLP and expert weights are kept as stored when symmetric (`model.gptq`: bit for bit, at the
-  checkpoint's group size); other GPTQ forms, and every other scheme, dequantize it.
+- "int4": W4A8: 4-bit weights with an fp32 scale per group of INT4_GROUP_SIZE inputs of a row,
+  activations quantized per token to int8 (`ops.linear_int4`, `ops.fused_moe_int4`). An FP8
+  checkpoint is dequantized to fp32 first, as for int8. A GPTQ 4-bit checkpoint's weights are
+  kept as stored when symmetric (`model.gptq`: bit for bit, at the checkpoint's group size);
+  other GPTQ forms, and every other scheme, dequantize it.
 - "fp8": weight-only e4m3 with 128x128 block scales, converted to bf16 in registers
   (`ops.linear_fp8`, `ops.fused_moe_fp8`). An FP8 checkpoint's weights are kept as stored (its
   blocks must be 128x128; a fused gate|up projection whose gate rows are not whole blocks is
   zero-padded to them); a bf16 checkpoint is block-quantized at load.
 
-A `Quantizer` turns the weights the loader hands over (`torch.Tensor`, or `Fp8Weight` from an FP8
-checkpoint) into callables: `Linear` (x -> x W^T) and `Experts` (the routed experts). The
+The attention projections (q_proj / q_a_proj / q_b_proj / kv_a_proj_with_mqa / o_proj, and the
+MTP layer's eh_proj, which loads as they do) have a scheme of their own, `attention_scheme`: the
+node's `quant_attention` when set, else `quant`'s, but "int8" under "int4" (their error feeds
+the KV cache and every later token; `control.quant_schemes.attention_scheme`). A quantizer of
+that scheme packs them, so any of the four goes with any `quant`: "int4" MLPs with attention in
+the model dtype, or everything in 4 bits. Its FP8 and GPTQ inputs are handled as in its scheme
+above (dequantized by "none", kept by "fp8", a symmetric GPTQ one kept by "int4").
+
+A `Quantizer` turns the weights the loader hands over (`torch.Tensor`, or `Fp8Weight` /
+`GptqWeight` from an FP8 or GPTQ checkpoint) into callables: `Linear` (x -> x W^T) and `Experts` (the routed experts). The
 weights come one at a time and each is released once packed (model.checkpoint_reader).
 """
 
@@ -40,7 +46,13 @@ from collections.abc import Callable
 import torch
 
 from control.errors import ConfigError
-from control.quant_schemes import INT4_GROUP_SIZE, QUANT_SCHEMES, lm_head_scheme, parse_quant
+from control.quant_schemes import (
+    INT4_GROUP_SIZE,
+    QUANT_SCHEMES,
+    attention_scheme,
+    lm_head_scheme,
+    parse_quant,
+)
 from model.checkpoint_reader import Fp8Weight
 from model.gptq import GptqWeight
 from native import ops
@@ -90,19 +102,44 @@ def as_tensor(source: Source, dtype: torch.dtype) -> torch.Tensor:
 
 class Quantizer:
     """Scheme "none": the model dtype's kernels. Subclasses override `_pack_linear`,
-    `_pack_experts` and their ops; `keeps_stored` asks the loader for FP8 weights as stored.
-    `head_scheme` is the LM head's ("none": the model dtype, "int8"; see the module)."""
+    `_pack_experts` and their ops. `name` is the scheme of the MLPs and experts,
+    `attention_scheme` the attention projections' (packed by a quantizer of that scheme),
+    `head_scheme` the LM head's ("none": the model dtype, "int8"); see the module."""
 
     name = "none"
-    keeps_stored = False
+    key = "quant"  # the config key that chose this scheme, for messages
+    _reads_stored = False  # the scheme quantizes FP8 / GPTQ weights from their stored form
 
-    def __init__(self, dtype: torch.dtype, quant_lm_head: bool = False):
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        quant_lm_head: bool = False,
+        quant_attention: str | None = None,
+    ):
         self.dtype = dtype
         self.head_scheme = lm_head_scheme(quant_lm_head)
+        self.attention_scheme = attention_scheme(self.name, quant_attention)
+        if self.attention_scheme == self.name:
+            self._attention = self
+        else:  # one of that scheme's own, whose attention is itself
+            scheme = self.attention_scheme
+            self._attention = _SCHEMES[scheme](dtype, quant_attention=scheme)
+            self._attention.key = "quant_attention"
+
+    @property
+    def keeps_stored(self) -> bool:
+        """Whether the loader hands FP8 and GPTQ weights over as stored (`CheckpointReader`):
+        when either class's scheme reads them so; "none" dequantizes what it gets itself."""
+        return self._reads_stored or self._attention._reads_stored
 
     def linear(self, *parts: Source) -> Linear:
-        """The projection of `parts` stacked by rows (gate and up: one GEMM)."""
+        """The projection of `parts` stacked by rows (gate and up: one GEMM) in this scheme, an
+        MLP's; an attention projection is `attention`'s."""
         return Linear(self._pack_linear(list(parts)), self._linear_op)
+
+    def attention(self, *parts: Source) -> Linear:
+        """An attention projection of `parts` stacked by rows, in `attention_scheme`."""
+        return self._attention.linear(*parts)
 
     def gated_mlp(self, gate: Source, up: Source, down: Source) -> tuple[Linear, Linear]:
         """(w13, w2) of down(silu(gate(x)) * up(x)): gate and up stacked into one GEMM."""
@@ -130,6 +167,19 @@ class Quantizer:
     def wrap_linear(self, packed) -> Linear:
         """The projection of a weight this scheme packed (`linear(...).weight`)."""
         return Linear(packed, self._linear_op)
+
+    def wrap_attention(self, packed) -> Linear:
+        """The attention projection of a weight `attention` packed (in `attention_scheme`)."""
+        return self._attention.wrap_linear(packed)
+
+    def attention_key(self, names: tuple[str, ...]) -> str:
+        """The pack key of the attention projection of checkpoint tensors `names`: `linear:`
+        when it runs in this scheme's default (`attention_scheme(name)`, as in packs made
+        before the attention had a scheme of its own), else naming its scheme, so a pack of
+        one is never read as the other even past its spec check (`PackSpec.attention`)."""
+        default = attention_scheme(self.name) == self.attention_scheme
+        kind = "linear" if default else f"linear_{self.attention_scheme}"
+        return f"{kind}:{'+'.join(names)}"
 
     def wrap_dense(self, packed) -> Linear:
         """The model-dtype projection of a weight `dense` packed."""
@@ -170,7 +220,7 @@ class Int8Quantizer(Quantizer):
     loses no more than its own rounding), per-token int8 activations."""
 
     name = "int8"
-    keeps_stored = True
+    _reads_stored = True
     _linear_op = staticmethod(ops.linear_int8)
     _moe_op = staticmethod(ops.fused_moe_int8)
 
@@ -183,23 +233,18 @@ class Int8Quantizer(Quantizer):
         )
 
 
-class Int4Quantizer(Int8Quantizer):
-    """W4A8 MLPs and experts (per-group int4 weights, per-token int8 activations); the attention
-    projections stay W8A8 int8 (`Int8Quantizer`)."""
+class Int4Quantizer(Quantizer):
+    """W4A8: per-group int4 weights (a symmetric GPTQ checkpoint's as stored, anything else
+    quantized from floats), per-token int8 activations. Its attention projections run W8A8 int8
+    unless the node's `quant_attention` says otherwise (see the module)."""
 
     name = "int4"
-
-    def gated_mlp(self, gate: Source, up: Source, down: Source) -> tuple[Linear, Linear]:
-        w13 = ops.prepack_linear_int4(_int4_or_float([gate, up]), INT4_GROUP_SIZE)
-        w2 = ops.prepack_linear_int4(_int4_or_float([down]), INT4_GROUP_SIZE)
-        return Linear(w13, ops.linear_int4), Linear(w2, ops.linear_int4)
-
-    def wrap_linear(self, packed) -> Linear:
-        """A projection packed before: int4 (an MLP's) or int8 (attention's), by its type."""
-        int4 = isinstance(packed, (ops.PackedLinearInt4, ops.Int4Weight))
-        return Linear(packed, ops.linear_int4 if int4 else ops.linear_int8)
-
+    _reads_stored = True
+    _linear_op = staticmethod(ops.linear_int4)
     _moe_op = staticmethod(ops.fused_moe_int4)
+
+    def _pack_linear(self, parts: list[Source]):
+        return ops.prepack_linear_int4(_int4_or_float(parts), INT4_GROUP_SIZE)
 
     def _pack_experts(self, w13, w2):
         def expert(load: Loader) -> Callable[[], torch.Tensor | ops.Int4Weight]:
@@ -214,13 +259,13 @@ class Fp8Quantizer(Quantizer):
     """Weight-only FP8 e4m3, 128x128 block scales; an FP8 checkpoint's weights kept as stored."""
 
     name = "fp8"
-    keeps_stored = True
+    _reads_stored = True
     _linear_op = staticmethod(ops.linear_fp8)
     _moe_op = staticmethod(ops.fused_moe_fp8)
 
     def _pack_linear(self, parts: list[Source]):
         if all(isinstance(p, Fp8Weight) for p in parts):
-            return ops.prepack_linear_fp8(*_stacked_fp8(parts))
+            return ops.prepack_linear_fp8(*_stacked_fp8(parts, key=self.key))
         return ops.prepack_linear_fp8_from(_stacked(parts))
 
     def gated_mlp(self, gate: Source, up: Source, down: Source) -> tuple[Linear, Linear]:
@@ -289,11 +334,11 @@ def _float_dtype(parts: list[Source]) -> torch.dtype:
     return parts[0].dtype
 
 
-def _check_kernel_block(w: Fp8Weight) -> None:
+def _check_kernel_block(w: Fp8Weight, key: str = "quant") -> None:
     if tuple(w.block) != FP8_KERNEL_BLOCK:
         raise QuantizationError(
-            f'quant = "fp8": the checkpoint\'s FP8 blocks are {list(w.block)} (tensor '
-            f"'{w.name}'); the fp8 kernels take 128x128 blocks as stored. Use quant = "
+            f'{key} = "fp8": the checkpoint\'s FP8 blocks are {list(w.block)} (tensor '
+            f"'{w.name}'); the fp8 kernels take 128x128 blocks as stored. Use {key} = "
             f'"int8" or "none" (both dequantize it)'
         )
 
@@ -306,20 +351,20 @@ def _pad_fp8(w: Fp8Weight, rows: int = 0, cols: int = 0) -> Fp8Weight:
 
 
 def _stacked_fp8(
-    parts: list[Fp8Weight], whole_blocks: bool = True
+    parts: list[Fp8Weight], whole_blocks: bool = True, key: str = "quant"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 matrices stacked by rows with their scales. For one linear (`whole_blocks`) every part
     but the last must end on a block boundary, or a block would mix two matrices' scales; the
     experts' kernel keeps each half's blocks apart and takes any row count."""
     for p in parts:
-        _check_kernel_block(p)
+        _check_kernel_block(p, key)
     for p in parts[:-1] if whole_blocks else ():
         rows = p.weight.shape[0]
         if rows % FP8_KERNEL_BLOCK[0]:
             raise QuantizationError(
-                f"quant = \"fp8\": tensor '{p.name}' has {rows} rows, not a multiple of the "
+                f"{key} = \"fp8\": tensor '{p.name}' has {rows} rows, not a multiple of the "
                 f"{FP8_KERNEL_BLOCK[0]}-row FP8 blocks, so it cannot share one block-scaled "
-                f'matrix with the next projection as stored. Use quant = "int8" or "none"'
+                f'matrix with the next projection as stored. Use {key} = "int8" or "none"'
             )
     if len(parts) == 1:
         return parts[0].weight, parts[0].scale_inv
@@ -333,16 +378,24 @@ _SCHEMES = {"none": Quantizer, "int8": Int8Quantizer, "fp8": Fp8Quantizer, "int4
 _INT8_HEAD_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def quantizer(quant: str | None, dtype: torch.dtype, quant_lm_head: bool = False) -> Quantizer:
+def quantizer(
+    quant: str | None,
+    dtype: torch.dtype,
+    quant_lm_head: bool = False,
+    quant_attention: str | None = None,
+) -> Quantizer:
     """The Quantizer of `quant` (None = "none") for a model in `dtype`; int8, int4 and fp8 need bf16
-    (their kernels take bf16 activations). `quant_lm_head`: the LM head in int8 (see the
-    module), in a bf16 or fp32 model."""
+    (their kernels take bf16 activations). `quant_attention`: the attention projections' scheme
+    (None: `quant`'s, "int8" under "int4"; see the module). `quant_lm_head`: the LM head in
+    int8 (see the module), in a bf16 or fp32 model."""
     name = parse_quant(quant)
-    if name != "none" and dtype != torch.bfloat16:
-        raise QuantizationError(
-            f'quant = "{name}" needs dtype bfloat16 (its kernels take bf16 activations), '
-            f"got {str(dtype).removeprefix('torch.')}"
-        )
+    attention = attention_scheme(name, quant_attention)
+    for key, scheme in (("quant", name), ("quant_attention", attention)):
+        if scheme != "none" and dtype != torch.bfloat16:
+            raise QuantizationError(
+                f'{key} = "{scheme}" needs dtype bfloat16 (its kernels take bf16 activations), '
+                f"got {str(dtype).removeprefix('torch.')}"
+            )
     if not isinstance(quant_lm_head, bool):
         raise QuantizationError(f"quant_lm_head must be true or false, got {quant_lm_head!r}")
     if quant_lm_head and dtype not in _INT8_HEAD_DTYPES:
@@ -350,4 +403,4 @@ def quantizer(quant: str | None, dtype: torch.dtype, quant_lm_head: bool = False
             "quant_lm_head = true needs dtype bfloat16 or float32 (the int8 kernel takes those "
             f"activations), got {str(dtype).removeprefix('torch.')}"
         )
-    return _SCHEMES[name](dtype, quant_lm_head)
+    return _SCHEMES[name](dtype, quant_lm_head, quant_attention)

@@ -1,9 +1,11 @@
 """Where a model's weights come from, named: what the layers' constructors ask for.
 
 A layer asks its `WeightSource` for each weight by checkpoint name and by how it holds it (`raw`
-as read, a `linear` in the node's scheme, a `dense` one in the model dtype, the LM `head` in its
-own scheme (`model.quant`: the model dtype, or int8 with `quant_lm_head`), the routed `experts`,
-the `absorbed` attention of kv_b_proj); the source returns it ready for the kernels:
+as read, a `linear` projection in the node's attention scheme (the attention projections and
+the MTP layer's eh_proj: `model.quant`, `quant_attention`), a `gated_mlp` in the node's
+`quant`, a `dense` one in the model dtype, the LM `head` in its own scheme (the model dtype, or
+int8 with `quant_lm_head`), the routed `experts`, the `absorbed` attention of kv_b_proj); the
+source returns it ready for the kernels:
 
 - `CheckpointSource` reads the checkpoint (a `CheckpointReader`, a tensor-parallel view of one,
   or a plain dict in tests) and packs each weight with the node's `Quantizer` as it is asked
@@ -73,9 +75,11 @@ class CheckpointSource:
         return tensor  # small (norms, gates) or needed raw by the husk (the embedding)
 
     def linear(self, *names: str) -> Linear:
-        key = f"linear:{'+'.join(names)}"
-        linear = self._quant.linear(*(self._weights.pop(n) for n in names))
-        return self._quant.wrap_linear(self._keep(key, linear.weight))
+        """The projection of `names` stacked by rows, in the quantizer's `attention_scheme`."""
+        linear = self._quant.attention(*(self._weights.pop(n) for n in names))
+        return self._quant.wrap_attention(
+            self._keep(self._quant.attention_key(names), linear.weight)
+        )
 
     def gated_mlp(self, prefix: str) -> tuple[Linear, Linear]:
         gate, up, down = (
@@ -149,7 +153,7 @@ class PackSource:
         return self._get(f"raw:{name}")
 
     def linear(self, *names: str) -> Linear:
-        return self._quant.wrap_linear(self._get(f"linear:{'+'.join(names)}"))
+        return self._quant.wrap_attention(self._get(self._quant.attention_key(names)))
 
     def gated_mlp(self, prefix: str) -> tuple[Linear, Linear]:
         w13, w2 = self._get(f"gated_mlp:{prefix}")
