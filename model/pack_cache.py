@@ -10,7 +10,7 @@
 A pack is keyed by content: `checkpoint_fingerprint` hashes config.json, every safetensors
 file's name, size and header (names, dtypes, shapes, offsets), and 64 KiB samples at four places
 of each file's data; the key adds the scheme, dtype, shard, MTP layer, the LM head's scheme
-(`quant_lm_head`) and packed layout.
+(`quant_lm_head`), the attention projections' (`quant_attention`) and packed layout.
 
 Where the weights live (`weights_backing`): on a host with a tmpfs that serves huge pages
 (`$DUET_HUGEPAGE_DIR`, or /dev/shm when it is mounted `huge=always|within_size|advise`), the
@@ -37,7 +37,7 @@ import torch
 from control.builtin_model import cache_root
 from control.file_lock import FileLock
 from control.model_config import ModelConfig
-from control.quant_schemes import lm_head_scheme
+from control.quant_schemes import attention_scheme, lm_head_scheme
 from model.checkpoint_reader import INDEX_FILE, SINGLE_FILE
 from model.heap import release_free_heap
 from model.weight_pack import MappedPack, PackError, PackSpec, PackWriter, read_manifest
@@ -86,6 +86,7 @@ def pack_spec(
     parallel: str = "tp",
     mtp: bool = False,
     quant_lm_head: bool = False,
+    quant_attention: str | None = None,
 ) -> PackSpec:
     """The spec of the pack a process loading these arguments needs. An expert-parallel rank
     (an `expert_range` without tensor parallelism) maps the whole model's pack and takes its
@@ -101,6 +102,7 @@ def pack_spec(
         parallel=parallel if tensor_parallel is not None else "tp",
         mtp=mtp,
         lm_head=lm_head_scheme(quant_lm_head),
+        attention=attention_scheme(quant, quant_attention),
         layout="native" if ops.native_available() else "reference",
     )
 
@@ -138,6 +140,7 @@ def build_pack(model_dir, out: str | Path, spec: PackSpec, progress: bool = True
             spec.mtp,
             spec.tensor_parallel,
             spec.parallel,
+            spec.attention,
         ) as (cfg, reader, experts):
             DeepseekModel(
                 cfg,
@@ -150,6 +153,7 @@ def build_pack(model_dir, out: str | Path, spec: PackSpec, progress: bool = True
                 spec.parallel,
                 sink=writer,
                 quant_lm_head=spec.lm_head == "int8",
+                quant_attention=spec.attention,
             )
             read = reader.bytes_read
         path = writer.finish()
@@ -174,13 +178,14 @@ def load_model(
     weights_cache: bool = False,
     numa_node: int | None = None,
     quant_lm_head: bool = False,
+    quant_attention: str | None = None,
 ):
     """The model of `model_dir` as `from_pretrained` gives it, through a pack when asked (see
     the module). `numa_node`: the node this process is bound to, on a host of several;
-    `quant_lm_head`: the LM head in int8 (`model.quant`)."""
+    `quant_lm_head`: the LM head in int8, `quant_attention` the attention projections' scheme
+    (None: `quant`'s; `model.quant`)."""
     from model.deepseek import DeepseekModel
 
-    args = (dtype, expert_range, quant, mtp, tensor_parallel, parallel, quant_lm_head)
     if not pack and not weights_cache:
         return DeepseekModel.from_pretrained(
             model_dir,
@@ -192,9 +197,18 @@ def load_model(
             tensor_parallel,
             parallel,
             quant_lm_head=quant_lm_head,
+            quant_attention=quant_attention,
         )
     spec = pack_spec(
-        model_dir, dtype, quant, expert_range, tensor_parallel, parallel, mtp, quant_lm_head
+        model_dir,
+        dtype,
+        quant,
+        expert_range,
+        tensor_parallel,
+        parallel,
+        mtp,
+        quant_lm_head,
+        quant_attention,
     )
     if pack:
         mapped = MappedPack(local_copy(Path(pack), numa_node), expect=spec)
@@ -206,7 +220,18 @@ def load_model(
             log.warning("%s; rebuilding it", exc)
             path = ensure_cached_pack(model_dir, spec, progress, verify=True)
             mapped = MappedPack(local_copy(path, numa_node, refresh=True), expect=spec)
-    model = DeepseekModel.from_pack(ModelConfig.from_model_dir(model_dir), mapped, *args)
+    model = DeepseekModel.from_pack(
+        ModelConfig.from_model_dir(model_dir),
+        mapped,
+        dtype,
+        expert_range,
+        quant,
+        mtp,
+        tensor_parallel,
+        parallel,
+        quant_lm_head=quant_lm_head,
+        quant_attention=quant_attention,
+    )
     model.model_dir = Path(model_dir)
     model.weights_backing, detail = weights_backing(mapped)
     model.weights_detail = f"pack {mapped.path} ({mapped.nbytes / 1e9:.2f} GB), {detail}"
@@ -223,7 +248,9 @@ def ensure_cached_pack(
     folder = cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
     head = "" if spec.lm_head == "none" else f"-{spec.lm_head}head"  # for whoever lists them
-    path = folder / f"{Path(model_dir).name}-{spec.quant}{head}-{key}.pack"
+    default = spec.attention == attention_scheme(spec.quant)
+    attention = "" if default else f"-{spec.attention}attn"
+    path = folder / f"{Path(model_dir).name}-{spec.quant}{attention}{head}-{key}.pack"
     if not verify and _usable(path, spec):
         return path
     with FileLock(folder / f".{path.name}.lock", PACK_LOCK_TIMEOUT_S, f"the pack {path}"):

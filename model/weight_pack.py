@@ -12,7 +12,8 @@ File layout (little-endian):
     manifest offset u64, manifest length u64, crc32 of the manifest u64, magic b"DUETPAK1"]
 
 The manifest holds the `PackSpec` (what the pack is of: checkpoint fingerprint, scheme, dtype,
-shard, MTP layer, the LM head's scheme, packed layout and its version), the data size, and per weight its entry
+shard, MTP layer, the LM head's and the attention projections' schemes, packed layout and its
+version), the data size, and per weight its entry
 (`native.packed_state`: classes by name, sizes, and per tensor offset, bytes, dtype, shape and
 checksum). Mapping checks the footer, the manifest, the size, the spec against what the node
 expects, and (by default) every tensor's checksum (`ops.checksum`, at memory speed), and refuses
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 from control.errors import WeightLoadError
+from control.quant_schemes import attention_scheme
 from native import ops
 from native.packed_state import from_state, to_state
 
@@ -66,7 +68,9 @@ class PackSpec:
     """What a pack holds: the checkpoint (its fingerprint, `model.pack_cache`), the weights'
     scheme and dtype, the shard (routed experts held; tensor-parallel rank and scheme), whether
     the MTP layer is in, the LM head's scheme (`lm_head`: "none" in the model dtype, "int8" with
-    `quant_lm_head`), and the packed layout (`native` kernels' or the `reference` twins')."""
+    `quant_lm_head`), the attention projections' (`attention`: the node's `quant_attention`
+    resolved, `control.quant_schemes.attention_scheme`; "" is `quant`'s default), and the packed
+    layout (`native` kernels' or the `reference` twins')."""
 
     fingerprint: str
     quant: str
@@ -76,8 +80,13 @@ class PackSpec:
     parallel: str = "tp"
     mtp: bool = False
     lm_head: str = "none"
+    attention: str = ""
     layout: str = "native"
     layout_version: int = LAYOUT_VERSION
+
+    def __post_init__(self) -> None:
+        if not self.attention:  # frozen: set once, here
+            object.__setattr__(self, "attention", attention_scheme(self.quant))
 
     def to_json(self) -> dict[str, Any]:
         raw = dataclasses.asdict(self)
@@ -87,6 +96,10 @@ class PackSpec:
         # An int8 head's spec names it, so its key and its manifest differ from those packs'.
         if raw["lm_head"] == "none":
             del raw["lm_head"]
+        # Likewise the attention's scheme: named only where it is not `quant`'s default (packs
+        # made before it had a scheme of its own hold that one), so those stay valid too.
+        if raw["attention"] == attention_scheme(self.quant):
+            del raw["attention"]
         return raw
 
     @classmethod
@@ -209,7 +222,7 @@ class MappedPack:
         manifest = read_manifest(self.path)
         self.spec = PackSpec.from_json(manifest["spec"])
         if expect is not None and (why := expect.mismatch(self.spec)):
-            raise PackError(f"pack {self.path}: made for another model or shard: {why}")
+            raise PackError(f"pack {self.path}: made for another model, scheme or shard: {why}")
         self._entries: dict[str, Any] = manifest["entries"]
         self.data_bytes: int = manifest["data_bytes"]
         self.nbytes = os.path.getsize(self.path)
