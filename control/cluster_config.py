@@ -12,14 +12,20 @@
     [security]  curve_key_file (ZeroMQ CURVE on every inter-node socket), insecure, kv_security,
                 api_key_file / api_keys (HTTP Bearer keys), metrics_need_key
     [[prefill]] name, host, bind_host, control_port, threads, page_size, chunk_size, replicas,
-                device, prefix_cache, disk_cache_dir, disk_cache_gb, quant, quant_lm_head,
-                pack, weights_cache
+                device, prefix_cache, disk_cache_dir, disk_cache_gb, quant, quant_attention,
+                quant_lm_head, pack, weights_cache
     [[decode]]  name, host, bind_host, control_port, kv_port, threads, page_size, num_pages,
                 max_batch, ranks, replicas, device, kv_reservation, kv_headroom_tokens, quant,
-                quant_lm_head, pack, weights_cache, mtp, mtp_tokens, overlap, prefix_cache
+                quant_attention, quant_lm_head, pack, weights_cache, mtp, mtp_tokens, overlap,
+                prefix_cache
 
 `quant` ("none", "int8", "fp8", "int4"; model.quant) is each node's own weight scheme: the KV it
 produces or consumes is the same whatever the scheme, so any prefill node feeds any decode node.
+It covers the MLPs and experts; the attention projections (q / q_a / q_b / kv_a / o_proj) run
+in `quant_attention` ("none", "int8", "fp8", "int4"; default unset: `quant`'s own, but "int8"
+under "int4", `control.quant_schemes.attention_scheme`), e.g. `quant = "int4"` with
+`quant_attention = "none"`: 4-bit MLPs, attention in the model dtype. Every scheme but "none",
+in either key, needs dtype = "bfloat16".
 `quant_lm_head` (bool, default false) runs the node's LM head in int8 W8A8 whatever its `quant`
 ("none" included): the head, the largest matrix a small decode batch reads, in half the bytes,
 for logits within int8 rounding of the model-dtype head's. Its kernel takes bf16 and float32
@@ -200,6 +206,8 @@ class PrefillNodeConfig(_Addresses):
     disk_cache_dir: str = ""
     disk_cache_gb: float = 4.0
     quant: str = "none"  # weight quantization: "none" | "int8" | "fp8" | "int4"
+    # The attention projections' own scheme (same names); "": `quant`'s ("int8" under "int4")
+    quant_attention: str = ""
     quant_lm_head: bool = False  # the LM head in int8 W8A8, whatever `quant` is
     # Packed weights (`model.weight_pack`): `pack` maps this packed weight store (made by
     # `duet pack`) instead of loading the checkpoint; else with `weights_cache` the node builds
@@ -254,6 +262,8 @@ class DecodeNodeConfig(_Addresses):
     kv_reservation: str = "on_demand"
     kv_headroom_tokens: int = 32
     quant: str = "none"  # weight quantization: "none" | "int8" | "fp8" | "int4"
+    # The attention projections' own scheme (same names); "": `quant`'s ("int8" under "int4")
+    quant_attention: str = ""
     quant_lm_head: bool = False  # the LM head in int8 W8A8, whatever `quant` is
     # Packed weights (`model.weight_pack`): `pack` maps this packed weight store (made by
     # `duet pack`) instead of loading the checkpoint; else with `weights_cache` the node builds
@@ -502,6 +512,20 @@ def _nodes(cls, role: str, raw: Any) -> tuple:
     return tuple(nodes)
 
 
+def _validate_quant(node: PrefillNodeConfig | DecodeNodeConfig, dtype: str) -> None:
+    """The node's `quant` and `quant_attention`: known names, and bf16 for any but "none"."""
+    keys = [("quant", parse_quant(node.quant, f"node {node.name}: quant"))]
+    if node.quant_attention:  # "" leaves it to `quant` (control.quant_schemes.attention_scheme)
+        where = f"node {node.name}: quant_attention"
+        keys.append(("quant_attention", parse_quant(node.quant_attention, where)))
+    for key, scheme in keys:
+        if scheme != "none" and dtype != "bfloat16":
+            raise ConfigError(
+                f'node {node.name}: {key} = "{scheme}" needs dtype = "bfloat16" (its '
+                f"kernels take bf16 activations), got {dtype!r}"
+            )
+
+
 def _validate(cfg: ClusterConfig) -> None:
     if cfg.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"dtype must be float32 or bfloat16, got {cfg.dtype!r}")
@@ -545,12 +569,7 @@ def _validate(cfg: ClusterConfig) -> None:
             raise ConfigError(f"node {node.name}: threads, page_size and num_pages must be >= 1")
         if node.device not in ("cpu", "cuda") and not node.device.startswith("cuda:"):
             raise ConfigError(f"node {node.name}: unsupported device {node.device!r}")
-        parse_quant(node.quant, f"node {node.name}: quant")
-        if node.quant != "none" and cfg.dtype != "bfloat16":
-            raise ConfigError(
-                f'node {node.name}: quant = "{node.quant}" needs dtype = "bfloat16" (its '
-                f"kernels take bf16 activations), got {cfg.dtype!r}"
-            )
+        _validate_quant(node, cfg.dtype)
     for node in cfg.decode:
         if node.ranks < 1 or node.max_batch < 1:
             raise ConfigError(f"node {node.name}: ranks and max_batch must be >= 1")

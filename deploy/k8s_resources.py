@@ -5,8 +5,9 @@
 
 - weights: every tensor of the checkpoint (`model.weight_names.checkpoint_shapes`, from the
   model's config.json) at the cluster dtype, the router gate and bias in float32 as loaded
-  (`model.weight_names.keeps_fp32`), except the matrices the node's `quant` scheme quantizes
-  (`control.quant_schemes.quantized_bytes`: a byte per weight plus scales), and the LM head's
+  (`model.weight_names.keeps_fp32`), except the matrices the node's `quant` and
+  `quant_attention` quantize (`control.quant_schemes.tensor_scheme`, `quantized_bytes`: a byte
+  or half a byte per weight plus scales), and the LM head's
   int8 bytes on a `quant_lm_head` node (a tied head is the embedding, counted once as every tied
   head is). An FP8 checkpoint on a quant = "none" node is dequantized at load, so it counts at
   the cluster dtype. A decode
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 
 from control.cluster_config import DecodeNodeConfig, PrefillNodeConfig
 from control.model_config import ModelConfig
-from control.quant_schemes import is_quantized, quantized_bytes
+from control.quant_schemes import quantized_bytes, tensor_scheme
 from model.sharding import SHM_CAPACITY, check_tensor_parallel, expert_shard, shard_shape
 from model.weight_names import checkpoint_shapes, keeps_fp32, mtp_shapes
 
@@ -79,18 +80,19 @@ def weight_bytes(
     tensor_parallel: int = 1,
     parallel: str = "tp",
     quant_lm_head: bool = False,
+    quant_attention: str | None = None,
 ) -> int:
     """Bytes of the weights one process holds; `experts` limits the routed experts (a rank);
     `quant` the node's weight scheme (its quantized matrices take about a byte per weight);
     `mtp`: the MTP layer is loaded too; `tensor_parallel` = R: a tensor-parallel
     rank's share of the matrices its `parallel` scheme splits; `quant_lm_head`: the LM head
-    in int8."""
+    in int8; `quant_attention`: the attention projections' scheme (unset: `quant`'s)."""
     keep = None if experts is None else (lambda e: e in experts)
     size = DTYPE_BYTES[dtype]
 
     def held(name: str, shape: tuple[int, ...]) -> int:
-        if quant != "none" and is_quantized(name):
-            return quantized_bytes(quant, shape, name)
+        if tensor_scheme(name, quant, quant_attention) != "none":
+            return quantized_bytes(quant, shape, name, quant_attention)
         if quant_lm_head and name == "lm_head.weight":
             return quantized_bytes("int8", shape)
         return math.prod(shape) * (4 if keeps_fp32(name) else size)
@@ -132,9 +134,11 @@ def node_resources(
     has routed experts, as the node itself would refuse); `mtp`: the cluster uses MTP
     (`ClusterConfig.uses_mtp`), so every node holds the MTP layer and its cache."""
     ranks = node.ranks
-    quant, head = node.quant, node.quant_lm_head
+    quant, head, attention = node.quant, node.quant_lm_head, node.quant_attention
     if ranks == 1:
-        weights = weight_bytes(model, dtype, quant=quant, mtp=mtp, quant_lm_head=head)
+        weights = weight_bytes(
+            model, dtype, quant=quant, mtp=mtp, quant_lm_head=head, quant_attention=attention
+        )
     else:
         tp = ranks if isinstance(node, PrefillNodeConfig) else 1
         scheme = node.parallel if tp > 1 else "tp"
@@ -145,7 +149,8 @@ def node_resources(
         else:
             shards = (expert_shard(model.n_routed_experts, r, ranks) for r in range(ranks))
         weights = sum(
-            weight_bytes(model, dtype, shard, quant, mtp, tp, scheme, head) for shard in shards
+            weight_bytes(model, dtype, shard, quant, mtp, tp, scheme, head, attention)
+            for shard in shards
         )
     kv = ranks * kv_pool_bytes(model, dtype, node.num_pages, node.page_size, mtp)
     memory = math.ceil((weights + kv) * MARGIN) + ranks * RUNTIME_BYTES + shm_bytes(node)
