@@ -160,6 +160,7 @@ class DecodeNode(NodeLoop):
             "version": package_version(),
             "quant": self.model.quant,  # the weights' scheme: "none" | "int8" | "fp8" | "int4"
             "lm_head": self.model.lm_head_quant,  # the LM head's: "none" | "int8"
+            "attention": self.model.attention_quant,  # the attention projections' scheme
             # Where the weights live: a mapped pack (file or shmem, which pages) or the heap.
             "weights_backing": self.model.weights_backing,
             "weights": self.model.weights_detail,

@@ -17,6 +17,7 @@ from typing import Any
 
 from control.cluster_config import ClusterConfig
 from control.errors import ConfigError, DuetError
+from control.quant_schemes import QUANT_SCHEMES, attention_scheme
 
 TIMEOUT_S = 10.0
 
@@ -29,7 +30,7 @@ COLUMNS = (
     ("KV ADDRESS", lambda n: n["kv_endpoint"]),
     ("DEVICE", lambda n: n["device"]),
     ("THREADS", lambda n: n["threads"]),
-    ("WEIGHTS", lambda n: n["quantization"] + ("+int8 head" if n.get("lm_head") == "int8" else "")),
+    ("WEIGHTS", lambda n: _weights(n)),
     ("PAGE", lambda n: n["page_size"]),
     ("RANKS", lambda n: n["ranks"]),
     ("KV USED/FREE/TOTAL", lambda n: _pages(n["kv_pages"])),
@@ -99,6 +100,18 @@ def render(view: dict[str, Any]) -> str:
         lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     lines += [f"{n['name']}: {n['error']}" for n in view["nodes"] if n["error"]]
     return "\n".join(lines)
+
+
+def _weights(node: dict[str, Any]) -> str:
+    """The weights' scheme (the dtype for "none"), then the attention projections' where it is
+    not that scheme's default, and an int8 LM head."""
+    text = node["quantization"]
+    quant = text if text in QUANT_SCHEMES else "none"
+    attention = node.get("attention") or attention_scheme(quant)
+    if attention != attention_scheme(quant):
+        dense = {"bfloat16": "bf16", "float32": "fp32"}.get(node.get("dtype", ""), "dense")
+        text += f"+{dense if attention == 'none' else attention} attn"
+    return text + ("+int8 head" if node.get("lm_head") == "int8" else "")
 
 
 def _pages(pages: dict[str, int | None] | None) -> str | None:

@@ -36,6 +36,7 @@ from control.protocol import (
     RequestError,
     sampling_from_dict,
 )
+from control.quant_schemes import attention_scheme
 from control.router_links import by_replica, replica_of
 from control.sampling_params import SamplingParams
 from control.version import package_version
@@ -108,10 +109,13 @@ class PrefillNode(NodeLoop):
 
     def _disk_store(self, cfg: PrefillNodeConfig) -> DiskKVStore | None:
         """The prefix cache's disk tier, keyed by everything that makes two nodes' rows equal:
-        the model and KV layout, the page size, and the weights' scheme."""
+        the model and KV layout, the page size, and the weights' schemes."""
         if not cfg.disk_cache_dir:
             return None
         layout = {**self.fingerprint, "page_size": self.pool.page_size, "quant": self.model.quant}
+        if self.model.attention_quant != attention_scheme(self.model.quant):
+            # named only when not `quant`'s default: a default node keeps its existing store
+            layout["attention"] = self.model.attention_quant
         shape = (self.pool.num_layers, self.pool.page_size, self.pool.row_width)
         size = int(cfg.disk_cache_gb * 2**30)
         return DiskKVStore(cfg.disk_cache_dir, layout, shape, self.pool.dtype, size)
@@ -126,6 +130,7 @@ class PrefillNode(NodeLoop):
             "version": package_version(),
             "quant": self.model.quant,  # the weights' scheme: "none" | "int8" | "fp8" | "int4"
             "lm_head": self.model.lm_head_quant,  # the LM head's: "none" | "int8"
+            "attention": self.model.attention_quant,  # the attention projections' scheme
             # Where the weights live: a mapped pack (file or shmem, which pages) or the heap.
             "weights_backing": self.model.weights_backing,
             "weights": self.model.weights_detail,

@@ -11,7 +11,8 @@ settings those of its role's first entry). Each joins three sources:
 
 `quantization`: what the node's weights run in: its `quant` scheme ("int8", "fp8", "int4"; from its
 NodeReady, else the config), or with quant "none" the dtype ("bf16", "fp32"; FP8 checkpoints
-are then dequantized at load).
+are then dequantized at load). `attention`: the attention projections' scheme ("none", "int8",
+"fp8", "int4"; `quant_attention`, by default `quant`'s, "int8" under "int4").
 `version` is the router's package version at the top, each node's own (from its NodeReady) per
 node; None for a node not heard from since the router started.
 """
@@ -22,6 +23,7 @@ import time
 from typing import Any
 
 from control.cluster_config import ClusterConfig, DecodeNodeConfig, PrefillNodeConfig
+from control.quant_schemes import attention_scheme
 from control.version import package_version
 from router.nodes import NodeRegistry, NodeState
 
@@ -93,6 +95,9 @@ def node_view(
         "quantization": _weights_form(str(info.get("quant", node.quant)), dtype),
         # the LM head's own scheme ("none": the model dtype; "int8" with quant_lm_head)
         "lm_head": str(info.get("lm_head", "int8" if node.quant_lm_head else "none")),
+        "attention": str(
+            info.get("attention", attention_scheme(node.quant, node.quant_attention or None))
+        ),
         "weights": str(info.get("weights", "")) or None,  # where they live (a pack, the heap)
         "page_size": state.page_size if is_decode else node.page_size,
         "ranks": int(info.get("ranks", node.ranks)) if is_decode else 1,

@@ -66,8 +66,9 @@ def load_model(
     tensor_parallel: tuple[int, int] | None = None,
     parallel: str = "tp",
 ):
-    """The node's model on its device and threads, its weights in the node's `quant` scheme
-    and its LM head in int8 with `quant_lm_head` (the tiny model when none is named), mapped
+    """The node's model on its device and threads, its weights in the node's `quant` scheme,
+    its attention projections in `quant_attention`'s (unset: `quant`'s) and its LM head in int8
+    with `quant_lm_head` (the tiny model when none is named), mapped
     from its `pack` or the weights cache when the node says so (`model.pack_cache`);
     `expert_range` limits the routed experts held (an expert-parallel rank's shard);
     `tensor_parallel` = (rank, world) loads a tensor-parallel rank's shard of the `parallel`
@@ -88,6 +89,7 @@ def load_model(
             getattr(torch, cluster.dtype),
             quant=node_cfg.quant,
             quant_lm_head=node_cfg.quant_lm_head,
+            quant_attention=node_cfg.quant_attention or None,  # "": unset
             expert_range=expert_range,
             tensor_parallel=tensor_parallel,
             parallel=parallel,
