@@ -87,6 +87,7 @@ def _add_generate(sub) -> None:
     p.add_argument(
         "--decode-quant", choices=QUANT_SCHEMES, help="the decode steps' own (a decode node's)"
     )
+    _add_quant_attention(p)
     _add_quant_lm_head(p)
     p.add_argument(
         "--mtp-tokens",
@@ -152,6 +153,7 @@ def _run_generate(args) -> int:
         pack=args.pack,
         weights_cache=args.weights_cache,
         quant_lm_head=args.quant_lm_head,
+        quant_attention=args.quant_attention,
     )
     model = load(prefill_quant)
     decode_model = None if decode_quant == prefill_quant else load(decode_quant)
@@ -186,6 +188,15 @@ def _add_pack_options(p) -> None:
     )
 
 
+def _add_quant_attention(p) -> None:
+    """--quant-attention: the attention projections' scheme (a node's `quant_attention`)."""
+    p.add_argument(
+        "--quant-attention",
+        choices=QUANT_SCHEMES,
+        help="the attention projections' weight quantization (default: --quant's, int8 under int4)",
+    )
+
+
 def _add_quant_lm_head(p) -> None:
     """--quant-lm-head: the LM head in int8 whatever --quant is (a node's `quant_lm_head`)."""
     p.add_argument(
@@ -214,6 +225,7 @@ def _add_pack(sub) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--out", required=True, help="the pack file to write")
     p.add_argument("--mtp", action="store_true", help="include the MTP layer (mtp = true nodes)")
+    _add_quant_attention(p)
     _add_quant_lm_head(p)
     p.add_argument(
         "--tensor-parallel",
@@ -243,6 +255,7 @@ def _run_pack(args) -> int:
         args.parallel,
         args.mtp,
         args.quant_lm_head,
+        args.quant_attention,
     )
     stats = build_pack(model_dir, args.out, spec, progress=True)
     print(f"{args.out}: {stats}")

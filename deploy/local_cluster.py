@@ -82,6 +82,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="every node runs its LM head in int8 W8A8, whatever its weight quantization",
     )
     p.add_argument(
+        "--quant-attention",
+        choices=QUANT_SCHEMES,
+        help="every node's attention projections' scheme (default: each node's quant's own)",
+    )
+    p.add_argument(
         "--mtp-tokens",
         type=int,
         help="every decode node speculates with the model's MTP layer, this many drafts a step",
@@ -223,6 +228,9 @@ def resolve_config(args: argparse.Namespace) -> dict:
         if quant is not None:  # overrides the config's per-node `quant`
             for node in raw.get(role, []):
                 node["quant"] = quant
+    if args.quant_attention is not None:  # overrides the config's per-node `quant_attention`
+        for node in (*raw.get("prefill", []), *raw.get("decode", [])):
+            node["quant_attention"] = args.quant_attention
     if args.quant_lm_head:  # overrides the config's per-node `quant_lm_head`
         for node in (*raw.get("prefill", []), *raw.get("decode", [])):
             node["quant_lm_head"] = True
