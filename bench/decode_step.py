@@ -33,6 +33,7 @@ import time
 import torch
 
 import decode_node.speculative_step as speculative_step
+from bench.step_split import profile_split, timed_split
 from control.cluster_config import DecodeNodeConfig, TimeoutConfig
 from control.messaging import QueueInbox, QueueOutbox
 from control.quant_schemes import QUANT_SCHEMES
@@ -42,6 +43,9 @@ from decode_node.scheduler import DecodeState
 from kvtransfer import InprocReceiver, make_fingerprint
 from model.deepseek import DeepseekModel
 from native import ops
+
+SHARE_KEYS = ("python_share", "native_kernel_share", "torch_c_share")
+TIMED_KEYS = ("outside_kernels_share", "native_kernel_share")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -148,15 +152,21 @@ def run_batch(model, batch, args, overlap: bool) -> dict:
         walls.append(time.perf_counter() - started)
         node.outbox.take()
     tokens = sum(len(r.output_ids) for r in node.scheduler.requests) - tokens_before
-    shares = dict.fromkeys(("python_share", "native_kernel_share", "torch_c_share"), float("nan"))
+    shares = dict.fromkeys(SHARE_KEYS, float("nan"))
+    timed = dict.fromkeys(TIMED_KEYS, float("nan"))
+
+    def step():
+        node.step()
+        node.outbox.take()
+
     if not overlap:
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(args.steps):
-            node.step()
-            node.outbox.take()
+            step()
         profile.disable()
-        shares = split_profile(pstats.Stats(profile))
+        shares = profile_split(pstats.Stats(profile))
+        timed = timed_split(step, args.steps)
     assert all(r.state == DecodeState.RUNNING for r in node.scheduler.requests)
     out = {
         "batch": batch,
@@ -165,27 +175,12 @@ def run_batch(model, batch, args, overlap: bool) -> dict:
         "tpot_ms": sum(walls) * 1000 / (tokens / batch),
         "tokens_per_step": tokens / (batch * args.steps),
         **shares,
+        **{f"timed_{k}": v for k, v in timed.items()},
     }
     if node.speculative is not None:
         out["acceptance"] = node.speculative.stats.acceptance_rate
     node.close("bench over")
     return out
-
-
-def split_profile(stats: pstats.Stats) -> dict:
-    """Shares of the profiled time: Python bodies, our kernels (native._C), other C calls."""
-    total = python = ours = 0.0
-    for (filename, _, name), (_, _, tottime, _, _) in stats.stats.items():  # type: ignore[attr-defined]
-        total += tottime
-        if filename != "~":
-            python += tottime
-        elif "native._C" in name or "_C." in name and "torch" not in name:
-            ours += tottime
-    return {
-        "python_share": python / total,
-        "native_kernel_share": ours / total,
-        "torch_c_share": (total - python - ours) / total,
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,12 +207,22 @@ def main(argv: list[str] | None = None) -> int:
         f"{' + int8 head' if args.quant_lm_head else ''}, mtp_tokens {args.mtp_tokens}, "
         f"accept {args.accept}"
     )
-    print("batch  overlap  step ms  TPOT ms  tok/step  python  kernels  torch-C  acceptance")
+    print(
+        "shares of the step: from cProfile (python / kernels / torch-C), then from timers around "
+        "our kernels (outside them: torch's operators and Python)"
+    )
+    print(
+        "batch  overlap  step ms  TPOT ms  tok/step  python  kernels  torch-C"
+        "  | kernels  outside  acceptance"
+    )
     for r in rows:
         print(
-            f"{r['batch']:5d}  {'on' if r['overlap'] else 'off':>7}  {r['step_ms']:7.2f}  {r['tpot_ms']:7.2f}  {r['tokens_per_step']:8.2f}"
+            f"{r['batch']:5d}  {'on' if r['overlap'] else 'off':>7}  {r['step_ms']:7.2f}"
+            f"  {r['tpot_ms']:7.2f}  {r['tokens_per_step']:8.2f}"
             f"  {r['python_share']:6.1%}  {r['native_kernel_share']:7.1%}"
-            f"  {r['torch_c_share']:7.1%}  {r.get('acceptance', float('nan')):.2f}"
+            f"  {r['torch_c_share']:7.1%}  | {r['timed_native_kernel_share']:7.1%}"
+            f"  {r['timed_outside_kernels_share']:7.1%}"
+            f"  {r.get('acceptance', float('nan')):.2f}"
         )
     return 0
 
