@@ -33,6 +33,7 @@ import time
 import torch
 
 import decode_node.speculative_step as speculative_step
+from bench.step_phases import phase_timers
 from bench.step_split import profile_split, timed_split
 from control.cluster_config import DecodeNodeConfig, TimeoutConfig
 from control.messaging import QueueInbox, QueueOutbox
@@ -69,6 +70,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the overlapped step (the loop's work on a helper thread); 'both' runs each batch size "
         "in order, then overlapped, then in order again (the host's DRAM rate drifts)",
     )
+    p.add_argument(
+        "--phases",
+        action="store_true",
+        help="also time the main forward (the verify pass) and the MTP draft pass per step, and "
+        "count the routed experts each MoE layer of the main forward reads",
+    )
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
@@ -77,7 +84,9 @@ def make_node(
     model: DeepseekModel, batch: int, context: int, steps: int, mtp_tokens: int, overlap: bool
 ):
     page_size = 16
-    need = batch * (-(-(context + 4 * steps + 64) // page_size) + 1)
+    # Four passes of `steps` (timed, cProfile, timers, phases) after 3 warm-ups, each step up
+    # to mtp_tokens + 1 tokens.
+    need = batch * (-(-(context + 4 * (steps + 3) * (mtp_tokens + 1) + 64) // page_size) + 1)
     pool = model.new_kv_pool(need, page_size)
     fp = make_fingerprint(
         model.cfg.fingerprint(), model.num_kv_layers, model.cfg.kv_row_width, model.dtype
@@ -167,6 +176,12 @@ def run_batch(model, batch, args, overlap: bool) -> dict:
         profile.disable()
         shares = profile_split(pstats.Stats(profile))
         timed = timed_split(step, args.steps)
+    phases = {}
+    if args.phases:
+        with phase_timers(model) as timers:
+            for _ in range(args.steps):
+                step()
+        phases = timers.per_step(args.steps)
     assert all(r.state == DecodeState.RUNNING for r in node.scheduler.requests)
     out = {
         "batch": batch,
@@ -176,6 +191,7 @@ def run_batch(model, batch, args, overlap: bool) -> dict:
         "tokens_per_step": tokens / (batch * args.steps),
         **shares,
         **{f"timed_{k}": v for k, v in timed.items()},
+        **phases,
     }
     if node.speculative is not None:
         out["acceptance"] = node.speculative.stats.acceptance_rate
@@ -224,6 +240,13 @@ def main(argv: list[str] | None = None) -> int:
             f"  {r['timed_outside_kernels_share']:7.1%}"
             f"  {r.get('acceptance', float('nan')):.2f}"
         )
+    for r in rows:
+        if "main_ms" in r:
+            print(
+                f"batch {r['batch']}: main forward {r['main_ms']:.2f} ms, MTP draft "
+                f"{r['draft_ms']:.2f} ms a step; routed experts read per MoE layer "
+                f"{r['experts_per_moe_layer']:.1f}"
+            )
     return 0
 
 
