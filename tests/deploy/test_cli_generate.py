@@ -142,3 +142,26 @@ def test_pack_then_generate_through_it(model_dir, tmp_path):
     assert mapped.returncode == 0, mapped.stderr
     assert json.loads(mapped.stdout)["token_ids"] == json.loads(heap.stdout)["token_ids"]
     assert_one_line_error(duet(*common, "fp8", "--pack", str(pack)), str(pack))
+
+
+def test_pack_and_generate_with_an_attention_scheme(model_dir, tmp_path):
+    """`duet pack --quant int4 --quant-attention none` writes a pack of bf16 attention (its
+    manifest says so) that `duet generate` with the same flags maps to the same greedy tokens as
+    loading the checkpoint with them; without the flag (int8 attention) it is refused in one
+    line naming the file and the field."""
+    from model.weight_pack import read_manifest
+
+    pack = tmp_path / "int4-none.pack"
+    flags = ("--quant", "int4", "--quant-attention", "none")
+    r = duet("pack", "--model", str(model_dir), *flags, "--out", str(pack))
+    assert r.returncode == 0, r.stderr
+    assert read_manifest(pack)["spec"]["attention"] == "none"
+    common = ("generate", "--model", str(model_dir), "--prompt-ids", "5,9,14", "--json")
+    common += ("--max-new-tokens", "6")
+    mapped = duet(*common, *flags, "--pack", str(pack))
+    heap = duet(*common, *flags)
+    assert mapped.returncode == 0 and heap.returncode == 0, mapped.stderr + heap.stderr
+    assert json.loads(mapped.stdout)["token_ids"] == json.loads(heap.stdout)["token_ids"]
+    refused = duet(*common, "--quant", "int4", "--pack", str(pack))
+    assert_one_line_error(refused, "attention is 'none', this process needs 'int8'")
+    assert str(pack) in refused.stderr

@@ -327,3 +327,61 @@ def test_the_husk_holds_no_weights(model_dir, tmp_path):
     assert layer.attn.q_b_proj.weight is None and layer.mlp.experts.w13 is None
     assert husk.lm_head.weight is None
     assert os.path.getsize(tmp_path / "h.pack") > 0
+
+
+# ---- the attention projections' scheme -------------------------------------------------------
+def test_the_attention_scheme_is_part_of_a_packs_spec_and_key(model_dir):
+    """`quant`'s default attention scheme (int8 under int4) leaves the spec as it was before the
+    key: no `attention` in the manifest, so the cache keys of packs made then hold, and a
+    manifest without one reads as the default. Any other names it."""
+    default = pack_spec(model_dir, torch.bfloat16, "int4")
+    explicit = pack_spec(model_dir, torch.bfloat16, "int4", quant_attention="int8")
+    dense = pack_spec(model_dir, torch.bfloat16, "int4", quant_attention="none")
+    assert default == explicit and (default.attention, dense.attention) == ("int8", "none")
+    assert "attention" not in default.to_json() and dense.to_json()["attention"] == "none"
+    for spec in (default, dense):
+        assert PackSpec.from_json(spec.to_json()) == spec
+    assert PackSpec("f", "none", "bfloat16").attention == "none"
+    assert PackSpec("f", "int4", "bfloat16").attention == "int8"
+    assert dense.mismatch(default) == "attention is 'int8', this process needs 'none'"
+
+
+@needs_native
+def test_a_pack_of_one_attention_scheme_maps_only_as_it(model_dir, int8_pack, tmp_path, cache):
+    """int4 MLPs with bf16 attention, and everything int4 (the MTP layer's eh_proj too): each
+    pack maps to the heap model's logits exactly; a process of another attention scheme is
+    refused in one line naming the file and the field; past the spec check (a manifest edited
+    to the default's) the attention weights' keys differ, so none is read as another scheme's;
+    the weights cache keeps a pack per attention scheme."""
+    packs = {}
+    for attention in ("none", "int4"):
+        path = packs[attention] = tmp_path / f"{attention}.pack"
+        spec = pack_spec(model_dir, torch.bfloat16, "int4", mtp=True, quant_attention=attention)
+        build_pack(model_dir, path, spec, progress=False)
+        kwargs = {"mtp": True, "quant_attention": attention}
+        mapped = load_model(model_dir, torch.bfloat16, "int4", pack=path, **kwargs)
+        heap = DeepseekModel.from_pretrained(
+            model_dir, torch.bfloat16, progress=False, quant="int4", **kwargs
+        )
+        assert mapped.attention_quant == attention and mapped.weights_backing != "heap"
+        assert torch.equal(_greedy(mapped), _greedy(heap))
+
+    def refused(path, match, quant="int4", **kwargs):
+        with pytest.raises(PackError, match=match) as err:
+            load_model(model_dir, torch.bfloat16, quant, pack=path, **kwargs)
+        assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+    refused(packs["none"], "attention is 'none', this process needs 'int8'", mtp=True)
+    as_fp8 = {"mtp": True, "quant_attention": "fp8"}
+    refused(packs["int4"], "attention is 'int4', this process needs 'fp8'", **as_fp8)
+    refused(
+        int8_pack, "attention is 'int8', this process needs 'none'", "int8", quant_attention="none"
+    )
+    edited = _copy(packs["int4"], tmp_path / "edited.pack")
+    _rewrite_manifest(edited, lambda m: m["spec"].pop("attention"))
+    refused(edited, "has no weight 'linear:model.layers.0.self_attn.q_a_proj.weight'", mtp=True)
+
+    for attention in (None, "none"):
+        load_model(model_dir, torch.bfloat16, "int4", weights_cache=True, quant_attention=attention)
+    names = sorted(p.name for p in cache.glob("*.pack"))
+    assert len(names) == 2 and sum("-int4-noneattn-" in n for n in names) == 1, names
