@@ -229,3 +229,37 @@ def test_ranks_on_other_hosts_need_gloo_a_group_port_and_one_host_a_rank():
         {**raw, "prefill": [{"name": "p", "replicas": 2, "ranks": 2, "group_port": 7150}]}
     )
     assert [n.group_port for n in two.prefill] == [7150, 7151]
+
+
+def test_quant_attention_is_unset_by_default_and_checked():
+    """`quant_attention` ("" = the node's `quant`'s own scheme) takes the scheme names; a bad
+    name, a non-string, or any scheme but "none" on a float32 cluster is one line naming the node
+    and the key."""
+    default = _cfg(prefill={"quant": "int4"})
+    assert default.prefill[0].quant_attention == "" and default.decode[0].quant_attention == ""
+    for scheme in ("none", "int8", "fp8", "int4"):
+        cfg = _cfg(prefill={"quant": "int4", "quant_attention": scheme})
+        assert cfg.prefill[0].quant_attention == scheme
+    assert _cfg(decode={"quant_attention": "int8"}).decode[0].quant_attention == "int8"
+
+    def refused(match, dtype="bfloat16", **node):
+        raw = {"dtype": dtype, "prefill": [{"name": "p"}], "decode": [{"name": "d", **node}]}
+        with pytest.raises(ConfigError, match=match) as err:
+            ClusterConfig.from_dict(raw)
+        assert "\n" not in str(err.value)
+
+    bad_name = "node d: quant_attention must be one of none, int8, fp8, int4, got 'int5'"
+    refused(bad_name, quant_attention="int5")
+    refused(r"\[decode.d\] quant_attention must be str, got 4", quant_attention=4)
+    f32_attention = 'node d: quant_attention = "int8" needs dtype = "bfloat16"'
+    refused(f32_attention, dtype="float32", quant_attention="int8")
+    f32_quant = 'node d: quant = "int4" needs dtype = "bfloat16"'
+    refused(f32_quant, dtype="float32", quant="int4", quant_attention="none")
+    f32 = ClusterConfig.from_dict(
+        {
+            "dtype": "float32",
+            "prefill": [{"name": "p", "quant_attention": "none"}],
+            "decode": [{"name": "d"}],
+        }
+    )
+    assert f32.prefill[0].quant_attention == "none"  # the model dtype's kernels take fp32

@@ -6,10 +6,14 @@ restarted) over the same directory starts warm. Every output is the offline gene
 P's pages and chunks are 4 tokens, so a prefix served from either tier ends on a chunk boundary
 and P's rows are the offline generator's bit for bit (as in test_pd_prefix.py)."""
 
+import json
+
 import pytest
+import torch
 from pd_harness import Pair
 
 from control.sampling_params import SamplingParams
+from model.deepseek import DeepseekModel
 from runtime.generate import OfflineGenerator
 
 SYSTEM = [3, 44, 18, 250, 9, 71, 130, 5, 66, 301, 12, 40, 77, 8, 19, 23, 31]  # 17 tokens
@@ -81,3 +85,23 @@ def test_another_node_over_the_same_store_starts_warm(model, offline, tmp_path):
         assert cache.num_hit_tokens == 0 and cache.num_store_hit_tokens == 16
     finally:
         second.close()
+
+
+def test_a_node_of_another_attention_scheme_keeps_a_store_of_its_own(tiny_dir, tmp_path):
+    """The KV rows depend on the attention projections' scheme: int4 prefill nodes of the
+    default (int8) and of bf16 attention over one directory write two stores; the default's
+    layout names no `attention`, as before the key (its existing store stays its own)."""
+    layouts = {}
+    for attention in (None, "none"):
+        model = DeepseekModel.from_pretrained(
+            tiny_dir, torch.bfloat16, progress=False, quant="int4", quant_attention=attention
+        )
+        pair = Pair(model, **PAIR, disk_cache_dir=tmp_path)
+        try:
+            store = pair.prefill.prefix_cache.store.dir
+            layouts[store] = json.loads((store / "layout.json").read_text())
+        finally:
+            pair.close()
+    default, dense = layouts.values()
+    assert len(layouts) == 2 and default["quant"] == dense["quant"] == "int4"
+    assert "attention" not in default and dense["attention"] == "none"

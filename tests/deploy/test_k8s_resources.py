@@ -241,6 +241,34 @@ def test_a_quantized_node_asks_for_its_quantized_weights(random_tiny_dir, quant)
     assert node_resources(tiny, "bfloat16", node).weight_bytes == estimate
 
 
+def test_the_attention_scheme_is_counted_apart_from_quant(random_tiny_dir):
+    """`quant_attention` changes the attention projections' bytes alone: each [N, K] of them
+    (q_a, q_b, kv_a, o_proj of every layer, as the checkpoint stores them) counts 2 N K in bf16,
+    N K + 8 N in int8 (the default under int4: a scale and a compensation a row), N K / 2 +
+    4 N ceil(K / 64) in int4 (an fp32 scale a group); the MLPs keep `quant`'s. A node's key
+    reaches its pod's estimate."""
+    tiny = ModelConfig.from_model_dir(random_tiny_dir)
+    projections = (".q_a_proj.weight", ".q_b_proj.weight", ".kv_a_proj_with_mqa.weight")
+    projections += (".o_proj.weight",)
+    with safe_open(str(random_tiny_dir / "model.safetensors"), "pt") as f:
+        shapes = [f.get_slice(n).get_shape() for n in f.keys() if n.endswith(projections)]
+    assert len(shapes) == 4 * tiny.num_hidden_layers
+    size = {
+        "none": lambda n, k: 2 * n * k,
+        "int8": lambda n, k: n * k + 8 * n,
+        "int4": lambda n, k: n * k // 2 + 4 * n * -(-k // 64),
+    }
+    for quant, default in (("int4", "int8"), ("none", "none")):
+        base = weight_bytes(tiny, "bfloat16", quant=quant)
+        for attention in size:
+            got = weight_bytes(tiny, "bfloat16", quant=quant, quant_attention=attention)
+            want = sum(size[attention](n, k) - size[default](n, k) for n, k in shapes)
+            assert got - base == want, (quant, attention)
+            node = DecodeNodeConfig(name="d", quant=quant, quant_attention=attention)
+            assert node_resources(tiny, "bfloat16", node).weight_bytes == got
+            assert (got != base) == (attention != default)
+
+
 def test_a_cluster_with_mtp_sizes_the_mtp_layer_and_its_cache(tmp_path):
     """mtp: every node holds the MTP layer (the checkpoint's tensors but its copies
     of the shared embedding and head) and a KV pool of one more layer."""

@@ -19,6 +19,7 @@ from model.safetensors_reader import SafetensorsFile
 from model.weights import save_checkpoint
 from native import ops
 from native._int4_ops import PackedLinearInt4
+from native._quant_ops import PackedLinearInt8
 from tinymodel.make import make_tiny_model
 
 GROUP = 16  # divides every K of the tiny model (48 for q_b_proj)
@@ -88,6 +89,26 @@ def test_int4_keeps_a_symmetric_checkpoint_as_stored(sym):
         [meant[f"model.layers.1.mlp.experts.3.{p}.weight"] for p in ("gate_proj", "up_proj")]
     )
     assert torch.equal(dequantize_int4(experts.unpack())[3], expert3)
+
+
+@needs_native
+def test_int4_attention_keeps_a_symmetric_checkpoints_attention_as_stored(sym):
+    """With quant_attention = "int4" the attention projections are the checkpoint's grid as
+    well, at its group size (the default, int8 attention, quantizes them again)."""
+    from native.reference_int4 import dequantize_int4
+
+    model_dir, meant = sym
+    model = DeepseekModel.from_pretrained(
+        model_dir, torch.bfloat16, progress=False, quant="int4", quant_attention="int4"
+    )
+    names = {"q_a_proj": "q_a_proj", "q_b_proj": "q_b_proj", "kv_a_proj": "kv_a_proj_with_mqa"}
+    for attr, name in {**names, "o_proj": "o_proj"}.items():
+        weight = getattr(model.layers[1].attn, attr).weight
+        assert isinstance(weight, PackedLinearInt4) and weight.group_size == GROUP
+        want = meant[f"model.layers.1.self_attn.{name}.weight"]
+        assert torch.equal(dequantize_int4(weight.unpack()), want), attr
+    default = _load(model_dir, "int4").layers[1].attn.o_proj.weight
+    assert isinstance(default, PackedLinearInt8)
 
 
 @needs_native

@@ -96,6 +96,20 @@ def test_a_node_that_cannot_run_its_scheme_says_which_node_and_key(tmp_path):
     assert load_model(cfg, cfg.prefill[0], None).quant == "none"  # dequantized at load
 
 
+def test_fp8_attention_that_cannot_run_says_which_node_and_key(tmp_path):
+    """`quant_attention = "fp8"` on a checkpoint of 64x64 FP8 blocks is refused naming that key
+    (its MLPs' `quant = "int4"` would load it)."""
+    model_dir = _fp8_64_blocks(tmp_path)
+    cfg = _cluster(decode={"quant": "int4", "quant_attention": "fp8"}, model=model_dir)
+    with pytest.raises(QuantizationError) as err:
+        load_model(cfg, cfg.decode[0], None)
+    message = str(err.value)
+    assert message.startswith('node d0: quant_attention = "fp8": ') and "\n" not in message
+    assert "[64, 64]" in message and 'Use quant_attention = "int8" or "none"' in message
+    cfg = _cluster(decode={"quant": "int4", "quant_attention": "none"}, model=model_dir)
+    assert load_model(cfg, cfg.decode[0], None).attention_quant == "none"
+
+
 def _duet(*args):
     return subprocess.run(
         [sys.executable, "-m", "deploy.cli", *args],

@@ -77,6 +77,7 @@ def test_cluster_lists_every_configured_node_with_pages_from_heartbeats(make_clu
         assert entry["threads"] == node.threads and entry["device"] == "cpu"
         assert entry["quantization"] == "bf16" and entry["draining"] is False
         assert entry["lm_head"] == "none"  # quant_lm_head is off by default
+        assert entry["attention"] == "none"  # quant_attention unset: quant's, "none"
         # a fresh age: a node silent past node_timeout_s (+ a watchdog period) would be dead
         assert 0 <= entry["last_heartbeat_s"] < cfg.timeouts.node_timeout_s + 0.5
     assert [nodes[p]["role"] for p in ("p0", "p1", "d0")] == ["prefill", "prefill", "decode"]
@@ -316,3 +317,27 @@ def test_status_names_an_int8_lm_head_beside_the_weights():
     with_head, without = render(view).splitlines()[2:]
     assert " int8+int8 head " in with_head
     assert " int8 " in without and "head" not in without
+
+
+def test_status_names_an_attention_scheme_apart_from_the_default():
+    """The WEIGHTS column adds the attention projections' scheme where it is not the node's
+    `quant`'s default ("int8" under "int4", else `quant` itself)."""
+    from deploy.status import render
+
+    node = dict(name="d0", role="decode", status="ready", address="a", kv_endpoint="k")
+    node.update(device="cpu", threads=1, quantization="int4", lm_head="none", page_size=16)
+    node.update(ranks=1, kv_pages=None, error=None, draining=False, last_heartbeat_s=0.1)
+    node.update(queue={"waiting": 0, "running": 0, "queued_tokens": None}, version="v")
+    nodes = [
+        {**node, "attention": "none", "dtype": "bfloat16"},
+        {**node, "name": "d1", "attention": "int8"},
+        {**node, "name": "d2", "attention": "int4", "lm_head": "int8"},
+        {**node, "name": "d3", "quantization": "bf16", "attention": "int8"},
+    ]
+    view = dict(version="v", router={"url": "u"}, ratio="0P4D", dtype="bfloat16")
+    view.update(is_serving=True, nodes=nodes)
+    rows = render(view).splitlines()[2:]
+    assert " int4+bf16 attn " in rows[0]
+    assert " int4 " in rows[1] and "attn" not in rows[1]
+    assert " int4+int4 attn+int8 head " in rows[2]
+    assert " bf16+int8 attn " in rows[3]
