@@ -1,6 +1,6 @@
-"""Per-role quantization: the cluster TOML's `quant` on each node, `duet generate --quant /
---prefill-quant / --decode-quant`, `duet up --prefill-quant / --decode-quant`, what a node loads,
-and the one-line errors that name the node and the key."""
+"""Per-role quantization: the cluster TOML's `quant` (and `quant_attention`) on each node, `duet
+generate --quant / --prefill-quant / --decode-quant`, `duet up --prefill-quant / --decode-quant /
+--quant-attention`, what a node loads, and the one-line errors that name the node and the key."""
 
 import json
 import os
@@ -73,6 +73,34 @@ def test_up_overrides_every_node_of_a_role():
     assert ClusterConfig.from_dict(resolve_config(args)).security.kv_security == "curve"
     args.kv_security = "aead"  # `duet up --kv-security aead`
     assert ClusterConfig.from_dict(resolve_config(args)).security.kv_security == "aead"
+
+
+def test_the_node_loader_and_duet_up_pass_the_key(monkeypatch):
+    """A node's `quant_attention` reaches the loader (unset as None: `quant`'s default), and
+    `duet up --quant-attention` sets it on every node of the config."""
+    from model import pack_cache
+    from native import ops
+    from runtime import node_process
+
+    seen = {}
+    monkeypatch.setattr(pack_cache, "load_model", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(ops, "set_num_threads", lambda n: None)  # the loader sets the node's
+    cluster = ClusterConfig.from_dict(
+        {
+            "model": "/m",
+            "prefill": [{"name": "p", "quant": "int4"}],
+            "decode": [{"name": "d", "quant": "int4", "quant_attention": "none"}],
+        }
+    )
+    node_process.load_model(cluster, cluster.node("d"), None)
+    assert (seen["quant"], seen["quant_attention"]) == ("int4", "none")
+    node_process.load_model(cluster, cluster.node("p"), None)
+    assert (seen["quant"], seen["quant_attention"]) == ("int4", None)
+
+    raw = resolve_config(parse_args(["--prefill", "2", "--quant-attention", "int4"]))
+    assert [n["quant_attention"] for n in (*raw["prefill"], *raw["decode"])] == ["int4"] * 3
+    raw = resolve_config(parse_args([]))
+    assert not any("quant_attention" in n for n in (*raw["prefill"], *raw["decode"]))
 
 
 def test_a_node_loads_its_scheme():
