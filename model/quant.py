@@ -124,7 +124,7 @@ class Quantizer:
         else:  # one of that scheme's own, whose attention is itself
             scheme = self.attention_scheme
             self._attention = _SCHEMES[scheme](dtype, quant_attention=scheme)
-            self._attention.key = "quant_attention"
+            self._attention.key = "quant_attention"  # its errors name the key that chose it
 
     @property
     def keeps_stored(self) -> bool:
