@@ -37,7 +37,7 @@ from bench.step_phases import phase_timers
 from bench.step_split import profile_split, timed_split
 from control.cluster_config import DecodeNodeConfig, TimeoutConfig
 from control.messaging import QueueInbox, QueueOutbox
-from control.quant_schemes import QUANT_SCHEMES
+from control.quant_schemes import DEFAULT_DRAFT_HEAD, DRAFT_HEAD_SCHEMES, QUANT_SCHEMES
 from control.sampling_params import SamplingParams
 from decode_node.node import DecodeNode
 from decode_node.scheduler import DecodeState
@@ -60,6 +60,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--mtp-tokens", type=int, default=0, help="speculate with K drafts (0: off)")
     p.add_argument("--accept", type=float, default=None, help="forced draft acceptance in [0, 1]")
+    p.add_argument(
+        "--draft-head",
+        choices=DRAFT_HEAD_SCHEMES,
+        default=DEFAULT_DRAFT_HEAD,
+        help="the LM head the MTP drafts run through (model.draft_head)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--quant", choices=QUANT_SCHEMES, default="none", help="the weights' scheme")
     p.add_argument("--quant-lm-head", action="store_true", help="the LM head in int8")
@@ -211,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         quant=args.quant,
         quant_lm_head=args.quant_lm_head,
     )
+    if model.mtp is not None:
+        model.set_draft_head(args.draft_head)
     if args.accept is not None:
         force_acceptance(args.accept, model.cfg.vocab_size)
     modes = {"off": [False], "on": [True], "both": [False, True, False]}[args.overlap]
@@ -221,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"context {args.context}, {args.threads} threads, quant {args.quant}"
         f"{' + int8 head' if args.quant_lm_head else ''}, mtp_tokens {args.mtp_tokens}, "
-        f"accept {args.accept}"
+        f"accept {args.accept}, draft head {args.draft_head if args.mtp_tokens else '-'}"
     )
     print(
         "shares of the step: from cProfile (python / kernels / torch-C), then from timers around "

@@ -6,7 +6,7 @@ file (text the model never trained on), offline (`OfflineGenerator` against
 and round, the decode time (generation less its prefill) per token after the first. Reports
 the medians, their ratio and the MTP layer's acceptance.
 
-    python -m bench.mtp_tiny [--drafts 1,2 --tokens 64 --prompts 8 --rounds 3]
+    python -m bench.mtp_tiny [--drafts 1,2 --tokens 64 --prompts 8 --rounds 3] [--draft-head H]
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from control.quant_schemes import DEFAULT_DRAFT_HEAD, DRAFT_HEAD_SCHEMES
 from control.sampling_params import SamplingParams
 from control.tokenizer import Tokenizer
 from model.deepseek import DeepseekModel
@@ -45,12 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--draft-head", choices=DRAFT_HEAD_SCHEMES, default=DEFAULT_DRAFT_HEAD)
     args = p.parse_args(argv)
     ops.set_num_threads(1)
     model_dir = ensure_tiny_model()
     model = DeepseekModel.from_pretrained(
         model_dir, getattr(torch, args.dtype), progress=False, mtp=True
     )
+    model.set_draft_head(args.draft_head)
     tok = Tokenizer(model_dir)
     prompts = [tok.encode_prompt(t[:300]) for t in load_corpus().held_out[: args.prompts]]
     params = SamplingParams(temperature=0.0, max_new_tokens=args.tokens, ignore_eos=True)
@@ -64,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                 times[f"mtp{k}"].append(decode_ms_per_token(spec, ids, params))
     base = statistics.median(times["plain"])
     print(
-        f"trained tiny model, {args.dtype}, 1 thread, {len(prompts)} held-out prompts x "
+        f"trained tiny model, {args.dtype}, draft head {args.draft_head}, 1 thread, "
+        f"{len(prompts)} held-out prompts x "
         f"{args.rounds} rounds, {args.tokens} tokens"
     )
     print(f"plain: TPOT {base:.3f} ms")

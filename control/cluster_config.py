@@ -13,11 +13,11 @@
                 api_key_file / api_keys (HTTP Bearer keys), metrics_need_key
     [[prefill]] name, host, bind_host, control_port, threads, page_size, chunk_size, replicas,
                 device, prefix_cache, disk_cache_dir, disk_cache_gb, quant, quant_attention,
-                quant_lm_head, pack, weights_cache
+                quant_lm_head, mtp_draft_head, pack, weights_cache
     [[decode]]  name, host, bind_host, control_port, kv_port, threads, page_size, num_pages,
                 max_batch, ranks, replicas, device, kv_reservation, kv_headroom_tokens, quant,
-                quant_attention, quant_lm_head, pack, weights_cache, mtp, mtp_tokens, overlap,
-                prefix_cache
+                quant_attention, quant_lm_head, pack, weights_cache, mtp, mtp_tokens,
+                mtp_draft_head, overlap, prefix_cache
 
 `quant` ("none", "int8", "fp8", "int4"; model.quant) is each node's own weight scheme: the KV it
 produces or consumes is the same whatever the scheme, so any prefill node feeds any decode node.
@@ -34,7 +34,10 @@ activations, so it goes with either `dtype`.
 `mtp = true` makes a decode node speculate with the checkpoint's MTP layer, verifying
 `mtp_tokens` drafts a step (`runtime.speculative`). The MTP layer's KV is one more layer of the
 cache, which the prefill nodes compute and send: so every decode node must agree on `mtp`, and
-the prefill nodes run the MTP layer exactly when they do (`ClusterConfig.uses_mtp`).
+the prefill nodes run the MTP layer exactly when they do (`ClusterConfig.uses_mtp`). Every node
+running the MTP layer drafts through a copy of the LM head in `mtp_draft_head` ("int4" by
+default, "int8", or "none": the main head itself), a quarter of a bf16 head's bytes a draft at
+int4; drafts are verified by the main head, so the output is the same whatever it is.
 
 Addresses: `host` is where the other roles (and, for the router, HTTP clients) reach a role; it
 is the address in every endpoint the role names, e.g. a decode node's `kv_endpoint`. `bind_host`
@@ -57,7 +60,7 @@ from typing import Any
 from control.errors import ConfigError
 from control.kv_reservation import MODES as KV_RESERVATION_MODES
 from control.placement import parse_cpu_list
-from control.quant_schemes import parse_quant
+from control.quant_schemes import DEFAULT_DRAFT_HEAD, parse_draft_head, parse_quant
 
 try:
     import tomllib
@@ -209,6 +212,9 @@ class PrefillNodeConfig(_Addresses):
     # The attention projections' own scheme (same names); "": `quant`'s ("int8" under "int4")
     quant_attention: str = ""
     quant_lm_head: bool = False  # the LM head in int8 W8A8, whatever `quant` is
+    # With MTP: the LM head the drafts run through ("int4" | "int8" | "none": the main head);
+    # the main head verifies, so this moves the acceptance, never the output (model.draft_head)
+    mtp_draft_head: str = DEFAULT_DRAFT_HEAD
     # Packed weights (`model.weight_pack`): `pack` maps this packed weight store (made by
     # `duet pack`) instead of loading the checkpoint; else with `weights_cache` the node builds
     # the pack once under the cache dir (keyed by checkpoint, scheme, dtype and shard) and maps
@@ -265,6 +271,9 @@ class DecodeNodeConfig(_Addresses):
     # The attention projections' own scheme (same names); "": `quant`'s ("int8" under "int4")
     quant_attention: str = ""
     quant_lm_head: bool = False  # the LM head in int8 W8A8, whatever `quant` is
+    # With MTP: the LM head the drafts run through ("int4" | "int8" | "none": the main head);
+    # the main head verifies, so this moves the acceptance, never the output (model.draft_head)
+    mtp_draft_head: str = DEFAULT_DRAFT_HEAD
     # Packed weights (`model.weight_pack`): `pack` maps this packed weight store (made by
     # `duet pack`) instead of loading the checkpoint; else with `weights_cache` the node builds
     # the pack once under the cache dir (keyed by checkpoint, scheme, dtype and shard) and maps
@@ -513,7 +522,9 @@ def _nodes(cls, role: str, raw: Any) -> tuple:
 
 
 def _validate_quant(node: PrefillNodeConfig | DecodeNodeConfig, dtype: str) -> None:
-    """The node's `quant` and `quant_attention`: known names, and bf16 for any but "none"."""
+    """The node's `quant` and `quant_attention`: known names, and bf16 for any but "none"; its
+    `mtp_draft_head` a known name (its kernels take either dtype)."""
+    parse_draft_head(node.mtp_draft_head, f"node {node.name}: mtp_draft_head")
     keys = [("quant", parse_quant(node.quant, f"node {node.name}: quant"))]
     if node.quant_attention:  # "" leaves it to `quant` (control.quant_schemes.attention_scheme)
         where = f"node {node.name}: quant_attention"

@@ -31,6 +31,21 @@ def lm_head_scheme(quant_lm_head: bool) -> str:
     return "int8" if quant_lm_head else "none"
 
 
+# The head the MTP layer drafts with (a node's `mtp_draft_head`, model.draft_head): the main head
+# ("none"), or a copy in int8 or int4. Drafts are only proposals the main head verifies, so this
+# moves the acceptance, never the output; int4 reads a quarter of a bf16 head's bytes a draft.
+DRAFT_HEAD_SCHEMES = ("none", "int8", "int4")
+DEFAULT_DRAFT_HEAD = "int4"
+
+
+def parse_draft_head(value: object, where: str = "mtp_draft_head") -> str:
+    """The draft head's scheme; a ConfigError naming `where` for anything but one of
+    DRAFT_HEAD_SCHEMES."""
+    if not isinstance(value, str) or value not in DRAFT_HEAD_SCHEMES:
+        raise ConfigError(f"{where} must be one of {', '.join(DRAFT_HEAD_SCHEMES)}, got {value!r}")
+    return value
+
+
 # The matrices a scheme other than "none" quantizes (model/quant.py), in two classes of their
 # own scheme each: the MLA projections but kv_b_proj (a node's `quant_attention`, see
 # `attention_scheme`) and every MLP and expert projection (the node's `quant`). The rest

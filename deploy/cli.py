@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 
 from control.errors import ConfigError, DuetError
-from control.quant_schemes import QUANT_SCHEMES
+from control.quant_schemes import DEFAULT_DRAFT_HEAD, DRAFT_HEAD_SCHEMES, QUANT_SCHEMES
 from model.sharding import SCHEMES as PARALLEL_SCHEMES
 
 DTYPES = ("float32", "bfloat16")
@@ -95,6 +95,12 @@ def _add_generate(sub) -> None:
         default=0,
         help="speculate with the model's MTP layer, this many drafts a step (0: off)",
     )
+    p.add_argument(
+        "--mtp-draft-head",
+        choices=DRAFT_HEAD_SCHEMES,
+        default=DEFAULT_DRAFT_HEAD,
+        help="the LM head the drafts run through (a node's mtp_draft_head; none: the main head)",
+    )
     _add_pack_options(p)
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--page-size", type=int, default=16)
@@ -162,6 +168,7 @@ def _run_generate(args) -> int:
 
         if decode_model is not None:
             raise InvalidRequestError("--mtp-tokens with two quantizations is not supported")
+        model.set_draft_head(args.mtp_draft_head)
         generator = SpeculativeGenerator(
             model, args.mtp_tokens, page_size=args.page_size, chunk_size=args.chunk_size
         )

@@ -81,12 +81,15 @@ def weight_bytes(
     parallel: str = "tp",
     quant_lm_head: bool = False,
     quant_attention: str | None = None,
+    mtp_draft_head: str = "none",
 ) -> int:
     """Bytes of the weights one process holds; `experts` limits the routed experts (a rank);
     `quant` the node's weight scheme (its quantized matrices take about a byte per weight);
-    `mtp`: the MTP layer is loaded too; `tensor_parallel` = R: a tensor-parallel
-    rank's share of the matrices its `parallel` scheme splits; `quant_lm_head`: the LM head
-    in int8; `quant_attention`: the attention projections' scheme (unset: `quant`'s)."""
+    `mtp`: the MTP layer is loaded too, and with it the draft head's copy of the LM head in
+    `mtp_draft_head` (model.draft_head: none when it is "none", or "int8" over an int8 head);
+    `tensor_parallel` = R: a tensor-parallel rank's share of the matrices its `parallel`
+    scheme splits; `quant_lm_head`: the LM head in int8; `quant_attention`: the attention
+    projections' scheme (unset: `quant`'s)."""
     keep = None if experts is None else (lambda e: e in experts)
     size = DTYPE_BYTES[dtype]
 
@@ -98,12 +101,16 @@ def weight_bytes(
         return math.prod(shape) * (4 if keeps_fp32(name) else size)
 
     shapes = checkpoint_shapes(model, keep)
+    draft_copy = (
+        mtp and mtp_draft_head != "none" and not (mtp_draft_head == "int8" and quant_lm_head)
+    )
     if mtp:
         shapes.update(mtp_shapes(model, keep))
+    head = (model.vocab_size, model.hidden_size)
     return sum(
         held(name, shard_shape(name, shape, tensor_parallel, parallel))
         for name, shape in shapes.items()
-    )
+    ) + (quantized_bytes(mtp_draft_head, head) if draft_copy else 0)
 
 
 def kv_pool_bytes(
@@ -135,9 +142,16 @@ def node_resources(
     (`ClusterConfig.uses_mtp`), so every node holds the MTP layer and its cache."""
     ranks = node.ranks
     quant, head, attention = node.quant, node.quant_lm_head, node.quant_attention
+    draft = node.mtp_draft_head
     if ranks == 1:
         weights = weight_bytes(
-            model, dtype, quant=quant, mtp=mtp, quant_lm_head=head, quant_attention=attention
+            model,
+            dtype,
+            quant=quant,
+            mtp=mtp,
+            quant_lm_head=head,
+            quant_attention=attention,
+            mtp_draft_head=draft,
         )
     else:
         tp = ranks if isinstance(node, PrefillNodeConfig) else 1
@@ -149,7 +163,7 @@ def node_resources(
         else:
             shards = (expert_shard(model.n_routed_experts, r, ranks) for r in range(ranks))
         weights = sum(
-            weight_bytes(model, dtype, shard, quant, mtp, tp, scheme, head, attention)
+            weight_bytes(model, dtype, shard, quant, mtp, tp, scheme, head, attention, draft)
             for shard in shards
         )
     kv = ranks * kv_pool_bytes(model, dtype, node.num_pages, node.page_size, mtp)

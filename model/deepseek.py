@@ -16,13 +16,15 @@ import torch
 
 from control.errors import ConfigError
 from control.model_config import ModelConfig
+from control.quant_schemes import DEFAULT_DRAFT_HEAD
 from model.batch import ForwardBatch
 from model.checkpoint_reader import CheckpointReader
+from model.draft_head import draft_head
 from model.heap import release_free_heap
 from model.kv_pool import KVPool
 from model.layers import DecoderLayer
 from model.mtp import MTPLayer
-from model.quant import quantizer
+from model.quant import Linear, quantizer
 from model.rope import rope_cos_sin
 from model.sharding import ShardedWeights, expert_shard
 from model.weight_names import checkpoint_shapes, mtp_shapes
@@ -123,6 +125,21 @@ class DeepseekModel:
             release_free_heap()
         # The KV pool's layers: the main ones, then the MTP layer's when loaded.
         self.num_kv_layers = cfg.num_hidden_layers + (1 if self.mtp is not None else 0)
+        # The head drafts run through (`model.draft_head`; a pack being written holds no head).
+        self.draft_head_scheme: str | None = None
+        self.draft_lm_head: Linear | None = None
+        if self.mtp is not None and sink is None:
+            self.set_draft_head(DEFAULT_DRAFT_HEAD)
+
+    def set_draft_head(self, scheme: str) -> None:
+        """The MTP layer's drafts run through the LM head in `scheme` (`model.draft_head`:
+        "none" the main head, "int8" / "int4" a copy); nothing changes when it already does."""
+        if self.mtp is None:
+            raise RuntimeError("the model was loaded without its MTP layer (mtp=True)")
+        if scheme != self.draft_head_scheme:
+            self.draft_lm_head = None  # the old copy goes before the new one is made
+            self.draft_lm_head = draft_head(self.lm_head, scheme)
+            self.draft_head_scheme = scheme
 
     @classmethod
     def from_pretrained(
@@ -282,21 +299,22 @@ class DeepseekModel:
         """The MTP layer over `batch`, whose input_ids are the tokens t_{i+1} after the
         positions i it runs at, and `main_hidden` [T, D] the main model's h_i (or, for a
         chained draft, this layer's own output). Writes its KV into the pool's last layer.
-        Returns the logits (rows as `forward`'s: each sequence's last token, then
-        `extra_logit_index`; or, with `logit_rows`, those packed rows only: a draft needs
-        one request's last) and the output hidden states: [T, D], or with `logit_rows` of a
+        Returns the logits of the draft head (`set_draft_head`; rows as `forward`'s: each
+        sequence's last token, then `extra_logit_index`; or, with `logit_rows`, those packed
+        rows only: a draft needs one request's last) and the output hidden states: [T, D], or with `logit_rows` of a
         decode-path batch those rows' only (the other rows stop after writing their KV)."""
         if self.mtp is None:
             raise RuntimeError("the model was loaded without its MTP layer (mtp=True)")
         embedded = self.embed_tokens.index_select(0, batch.input_ids)
         kv_cache = pool.layer(self.cfg.num_hidden_layers)
+        head = self.draft_lm_head or self.lm_head
         if logit_rows is not None and batch.is_decode:
             hidden = self.mtp.hidden(embedded, main_hidden, batch, kv_cache, keep=logit_rows)
-            return self.lm_head(self.mtp.head_input(hidden)).float(), hidden
+            return head(self.mtp.head_input(hidden)).float(), hidden
         hidden = self.mtp.hidden(embedded, main_hidden, batch, kv_cache)
         rows = self.logit_rows(batch) if logit_rows is None else logit_rows
         x = self.mtp.head_input(hidden[rows])
-        return self.lm_head(x).float(), hidden
+        return head(x).float(), hidden
 
     @staticmethod
     def logit_rows(batch: ForwardBatch) -> torch.Tensor:

@@ -68,7 +68,8 @@ def load_model(
 ):
     """The node's model on its device and threads, its weights in the node's `quant` scheme,
     its attention projections in `quant_attention`'s (unset: `quant`'s) and its LM head in int8
-    with `quant_lm_head` (the tiny model when none is named), mapped
+    with `quant_lm_head`, its MTP drafts through `mtp_draft_head` (the tiny model when none is
+    named), mapped
     from its `pack` or the weights cache when the node says so (`model.pack_cache`);
     `expert_range` limits the routed experts held (an expert-parallel rank's shard);
     `tensor_parallel` = (rank, world) loads a tensor-parallel rank's shard of the `parallel`
@@ -84,7 +85,7 @@ def load_model(
     ops.set_num_threads(node_cfg.threads)
     model_dir = model_dir_of(cluster, model_dir)
     try:
-        return load_weights(
+        model = load_weights(
             model_dir,
             getattr(torch, cluster.dtype),
             quant=node_cfg.quant,
@@ -101,6 +102,9 @@ def load_model(
         )
     except DuetError as exc:  # one line that names the node (the router shows it as is)
         raise type(exc)(f"node {node_cfg.name}: {exc}") from None
+    if model.mtp is not None:
+        model.set_draft_head(node_cfg.mtp_draft_head)
+    return model
 
 
 def run_node_process(

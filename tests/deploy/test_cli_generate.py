@@ -165,3 +165,19 @@ def test_pack_and_generate_with_an_attention_scheme(model_dir, tmp_path):
     refused = duet(*common, "--quant", "int4", "--pack", str(pack))
     assert_one_line_error(refused, "attention is 'none', this process needs 'int8'")
     assert str(pack) in refused.stderr
+
+
+def test_generate_with_mtp_is_lossless_whatever_the_draft_head(tmp_path):
+    """`--mtp-draft-head` moves only how often drafts are accepted: greedy output is plain
+    decoding's (no `--mtp-tokens`) under each head."""
+    mtp_dir = make_tiny_model(tmp_path / "mtp", seed=11, overrides={"num_nextn_predict_layers": 1})
+    common = ("generate", "--model", str(mtp_dir), "--prompt-ids", "1,5,9,30,2,7,8", "--json")
+    common += ("--max-new-tokens", "12", "--ignore-eos", "--dtype", "float32")
+    plain = duet(*common)
+    assert plain.returncode == 0, plain.stderr
+    for head in ("none", "int8", "int4"):
+        r = duet(*common, "--mtp-tokens", "2", "--mtp-draft-head", head)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"], head
+    bad = duet(*common, "--mtp-tokens", "2", "--mtp-draft-head", "fp8")
+    assert bad.returncode != 0 and "invalid choice: 'fp8'" in bad.stderr

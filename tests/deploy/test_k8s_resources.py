@@ -271,7 +271,8 @@ def test_the_attention_scheme_is_counted_apart_from_quant(random_tiny_dir):
 
 def test_a_cluster_with_mtp_sizes_the_mtp_layer_and_its_cache(tmp_path):
     """mtp: every node holds the MTP layer (the checkpoint's tensors but its copies
-    of the shared embedding and head) and a KV pool of one more layer."""
+    of the shared embedding and head), the draft head's copy of the head, and a KV pool of one
+    more layer."""
     from model.weight_names import mtp_copy_names
     from tinymodel.make import make_tiny_model
 
@@ -291,5 +292,10 @@ def test_a_cluster_with_mtp_sizes_the_mtp_layer_and_its_cache(tmp_path):
     ) * (layers + 1)
     node = DecodeNodeConfig(name="d", mtp=True)
     res = node_resources(cfg, "float32", node, mtp=True)
-    assert res.weight_bytes == stored
+    # plus the draft head's int4 copy of the head (model.draft_head, the default): half a
+    # byte a weight and an fp32 scale per 64 inputs of each row
+    vocab, hidden = cfg.vocab_size, cfg.hidden_size
+    assert res.weight_bytes == stored + vocab * hidden // 2 + 4 * vocab * -(-hidden // 64)
+    main_head = DecodeNodeConfig(name="d", mtp=True, mtp_draft_head="none")
+    assert node_resources(cfg, "float32", main_head, mtp=True).weight_bytes == stored
     assert res.kv_bytes == kv_pool_bytes(cfg, "float32", node.num_pages, node.page_size, True)

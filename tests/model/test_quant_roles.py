@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -83,7 +84,8 @@ def test_the_node_loader_and_duet_up_pass_the_key(monkeypatch):
     from runtime import node_process
 
     seen = {}
-    monkeypatch.setattr(pack_cache, "load_model", lambda *a, **kw: seen.update(kw))
+    no_mtp = SimpleNamespace(mtp=None)  # what the loader goes on to ask of the model
+    monkeypatch.setattr(pack_cache, "load_model", lambda *a, **kw: seen.update(kw) or no_mtp)
     monkeypatch.setattr(ops, "set_num_threads", lambda n: None)  # the loader sets the node's
     cluster = ClusterConfig.from_dict(
         {
