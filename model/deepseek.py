@@ -125,7 +125,8 @@ class DeepseekModel:
             release_free_heap()
         # The KV pool's layers: the main ones, then the MTP layer's when loaded.
         self.num_kv_layers = cfg.num_hidden_layers + (1 if self.mtp is not None else 0)
-        # The head drafts run through (`model.draft_head`; a pack being written holds no head).
+        # The head drafts run through (`model.draft_head`; None: `lm_head`; a pack being written
+        # holds no head, so it gets none).
         self.draft_head_scheme: str | None = None
         self.draft_lm_head: Linear | None = None
         if self.mtp is not None and sink is None:
@@ -138,7 +139,9 @@ class DeepseekModel:
             raise RuntimeError("the model was loaded without its MTP layer (mtp=True)")
         if scheme != self.draft_head_scheme:
             self.draft_lm_head = None  # the old copy goes before the new one is made
-            self.draft_lm_head = draft_head(self.lm_head, scheme)
+            head = draft_head(self.lm_head, scheme)
+            # None: the main head itself, whatever `lm_head` is when the draft runs
+            self.draft_lm_head = None if head is self.lm_head else head
             self.draft_head_scheme = scheme
 
     @classmethod

@@ -66,11 +66,11 @@ def load_model(
     tensor_parallel: tuple[int, int] | None = None,
     parallel: str = "tp",
 ):
-    """The node's model on its device and threads, its weights in the node's `quant` scheme,
-    its attention projections in `quant_attention`'s (unset: `quant`'s) and its LM head in int8
-    with `quant_lm_head`, its MTP drafts through `mtp_draft_head` (the tiny model when none is
-    named), mapped
-    from its `pack` or the weights cache when the node says so (`model.pack_cache`);
+    """The node's model on its device and threads (the tiny model when none is named), its
+    weights in the node's `quant` scheme, its attention projections in `quant_attention`'s
+    (unset: `quant`'s), its LM head in int8 with `quant_lm_head`, its MTP drafts through
+    `mtp_draft_head`, mapped from its `pack` or the weights cache when the node says so
+    (`model.pack_cache`);
     `expert_range` limits the routed experts held (an expert-parallel rank's shard);
     `tensor_parallel` = (rank, world) loads a tensor-parallel rank's shard of the `parallel`
     scheme ("tp" or "tp_sp")."""

@@ -4,6 +4,7 @@ on the trained tiny model's held-out text, the flag off changing nothing, the co
 packs of one head scheme never mapped as the other."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -114,8 +115,12 @@ def held_out(trained):
 
 @pytest.fixture(scope="module")
 def bf16_pair(trained):
-    """The trained model in bf16 with its MTP layer: the model-dtype head, and the int8 one."""
-    return _load(trained, mtp=True), _load(trained, mtp=True, quant_lm_head=True)
+    """The trained model in bf16 with its MTP layer: the model-dtype head, and the int8 one;
+    the MTP layer drafts through that head too (not a copy: `model.draft_head`)."""
+    pair = _load(trained, mtp=True), _load(trained, mtp=True, quant_lm_head=True)
+    for model in pair:
+        model.set_draft_head("none")
+    return pair
 
 
 # ---- the head against its oracle ---------------------------------------------------------
@@ -285,7 +290,8 @@ def test_node_loader_passes_the_flag(monkeypatch):
     from runtime import node_process
 
     seen = {}
-    monkeypatch.setattr(pack_cache, "load_model", lambda *a, **kw: seen.update(kw))
+    no_mtp = SimpleNamespace(mtp=None)  # what the loader goes on to ask of the model
+    monkeypatch.setattr(pack_cache, "load_model", lambda *a, **kw: seen.update(kw) or no_mtp)
     monkeypatch.setattr(ops, "set_num_threads", lambda n: None)  # the loader sets the node's
     cluster = ClusterConfig.from_dict(
         {
