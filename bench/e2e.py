@@ -36,9 +36,11 @@ import torch
 from control.quant_schemes import QUANT_SCHEMES
 
 QUANTS = QUANT_SCHEMES  # none, int8, fp8, int4 (model.quant)
-# "Q+head": scheme Q with the LM head in int8 (`quant_lm_head`); "Q@pack": scheme Q mapped from
-# a packed weight store (--pack, else the weights cache's)
-_HEADS = (*QUANTS, *(f"{q}+head" for q in QUANTS))
+# "Q/A": scheme Q with the attention projections in A (`quant_attention`); "Q+head": with the
+# LM head in int8 (`quant_lm_head`); "Q@pack": mapped from a packed weight store (--pack, else
+# the weights cache's); in that order, e.g. "int4/int4+head@pack"
+_SCHEMES = (*QUANTS, *(f"{q}/{a}" for q in QUANTS for a in QUANTS))
+_HEADS = (*_SCHEMES, *(f"{q}+head" for q in _SCHEMES))
 ROWS = (*_HEADS, *(f"{q}@pack" for q in _HEADS))
 GB = 1e9
 
@@ -49,9 +51,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument(
         "--quant",
         default="none",
-        help=f"comma list of {', '.join(QUANTS)}; Q+head: with the LM head in int8 "
-        "(quant_lm_head); Q@pack maps Q's weights from a pack (--pack, else the weights cache's, "
-        "built once), e.g. int8,int4,int8+head,int8@pack",
+        help=f"comma list of {', '.join(QUANTS)}; Q/A: with the attention projections in A "
+        "(quant_attention); Q+head: with the LM head in int8 (quant_lm_head); Q@pack maps Q's "
+        "weights from a pack (--pack, else the weights cache's, built once), e.g. "
+        "int8,int4,int4/int4,int8+head,int8@pack",
     )
     p.add_argument("--pack", help="the pack the @pack row maps (made by duet pack)")
     p.add_argument(
@@ -87,7 +90,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str
     quants = [q.strip() for q in args.quant.split(",") if q.strip()]
     bad = [q for q in quants if q not in ROWS]
     if not quants or bad:
-        p.error(f"--quant: expected a comma list of {', '.join(ROWS)}, got {args.quant!r}")
+        p.error(
+            f"--quant: expected a comma list of {', '.join(QUANTS)}, each optionally followed by "
+            f"/A (A one of them), +head and @pack, got {args.quant!r}"
+        )
     if args.pack and len({q for q in quants if q.endswith("@pack")}) != 1:
         p.error("--pack holds one scheme: name exactly one Q@pack row")
     for name in ("prompt_len", "batch", "decode_steps", "repeats", "chunk_size", "page_size"):

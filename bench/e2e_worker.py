@@ -89,12 +89,14 @@ def held_tensor_bytes(root, skip: frozenset[str] = NOT_WEIGHTS) -> int:
 
 def load_model(model_dir: str, quant: str, pack: str | None = None) -> DeepseekModel:
     """The model in bf16 with its weights in `quant` (a scheme of QUANT_SCHEMES: "none", "int8",
-    "fp8", "int4"); "Q+head": with the LM head in int8; "Q@pack": mapped from a pack of Q (`pack`,
-    else the weights cache's, built once: model.pack_cache)."""
+    "fp8", "int4"); "Q/A": with the attention projections in A; "Q+head": with the LM head in
+    int8; "Q@pack": mapped from a pack of Q (`pack`, else the weights cache's, built once:
+    model.pack_cache)."""
     from model.pack_cache import load_model as load
 
     scheme, _, via = quant.partition("@")
     scheme, _, head = scheme.partition("+")
+    scheme, _, attention = scheme.partition("/")
     mapped = via == "pack"
     return load(
         model_dir,
@@ -104,6 +106,7 @@ def load_model(model_dir: str, quant: str, pack: str | None = None) -> DeepseekM
         pack=pack if mapped else None,
         weights_cache=mapped,
         quant_lm_head=head == "head",
+        quant_attention=attention or None,
     )
 
 

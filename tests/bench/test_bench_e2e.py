@@ -197,6 +197,8 @@ def test_bad_arguments_are_refused(tiny_dir, capsys):
     assert check_args(p, args) == ["none", "int8"]  # the reference is added
     # every scheme of the config (control.quant_schemes), and its +head / @pack rows
     assert set(QUANT_SCHEMES) <= set(ROWS) and {"int4+head", "int4@pack"} <= set(ROWS)
+    assert {"int4/int4", "int4/none+head", "none/int8@pack", "int4/int4+head@pack"} <= set(ROWS)
+    assert not {"int4/int2", "int4+head/int4", "int4/"} & set(ROWS)
     argv = ["--model", str(tiny_dir), "--prompt-len", "100", "--quant", "int8,int4,int4+head"]
     p, args = parse_args(argv)
     assert check_args(p, args) == ["none", "int8", "int4", "int4+head"]
@@ -256,3 +258,17 @@ def test_bench_e2e_reports_bf16_int8_and_int4_in_one_run(tiny_dir, capsys):
     assert int4["weights_ratio"] == int4["weights_bytes"] / none["weights_bytes"]
     assert math.isfinite(int4["kl"]) and int4["kl"] > int8["kl"] > 0
     assert 0 < int4["top1_agreement"] <= 1
+
+
+@pytest.mark.parametrize(
+    ("row", "quant", "attention", "head"),
+    [
+        ("int4", "int4", "int8", "none"),
+        ("int4/none", "int4", "none", "none"),
+        ("int4/int4+head", "int4", "int4", "int8"),
+        ("none/int8", "none", "int8", "none"),
+    ],
+)
+def test_rows_load_the_schemes_they_name(tiny_dir, row, quant, attention, head):
+    model = load_model(str(tiny_dir), row)
+    assert (model.quant, model.attention_quant, model.lm_head_quant) == (quant, attention, head)
