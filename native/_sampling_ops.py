@@ -1,5 +1,6 @@
-"""Counter-based sampling ops backed by native/csrc/sampling.cpp: the exponential race over a
-batch of rows in one call, and the uniforms of the same streams.
+"""Sampling ops: the counter-based ones backed by native/csrc/sampling.cpp (the exponential race
+over a batch of rows in one call, and the uniforms of the same streams), and the greedy rows'
+argmax (native/csrc/argmax.cpp).
 
 Each function has the signature and contract of its twin in `native.reference_sampling` (the
 stream's definition is there) and gives the same bits; it falls back to the twin when the
@@ -86,4 +87,20 @@ def random_uniform(seeds: torch.Tensor, counters: torch.Tensor, index: int) -> t
         index,
         tags(seeds, counters, out),
     )
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x fp32 [R, V] -> int64 [R]: torch.argmax(x, -1), each row's first index of its largest
+    value (its first NaN when it has one)."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] == 0:
+        raise ValueError(f"x must be fp32 [R, V] with V >= 1, got {x.dtype} {list(x.shape)}")
+    kernels = _kernels()
+    if kernels is None or not x.is_cpu:
+        return reference_sampling.argmax_rows(x)
+    if x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    ld = x.stride(0) if x.shape[0] > 1 else x.shape[1]
+    kernels.argmax_rows(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], ld, tags(x, out))
     return out

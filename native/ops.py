@@ -60,6 +60,7 @@ store_kv_rows = reference.store_kv_rows
 gather_kv_rows = reference.gather_kv_rows
 page_slots = reference.page_slots
 race_sample = _sampling_ops.race_sample
+argmax_rows = _sampling_ops.argmax_rows  # twin in native/reference_sampling.py
 race_exponentials = _sampling_ops.race_exponentials
 random_uniform = _sampling_ops.random_uniform
 checksum = _small_ops.checksum

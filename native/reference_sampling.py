@@ -114,3 +114,9 @@ def random_uniform(seeds: torch.Tensor, draws: torch.Tensor, index: int) -> torc
     """seeds, draws int64 [R] -> U fp32 [R]: the uniform of each row's stream at `index` (for
     index in [0, V) the one its race turns into E; negative indices are never raced)."""
     return uniforms(seeds, draws, torch.tensor([index]))[:, 0]
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x fp32 [R, V] -> int64 [R]: each row's first index of its largest value (its first NaN when
+    it has one): the greedy token."""
+    return x.argmax(-1)

@@ -81,11 +81,13 @@ def sample(
     Everything is tensor ops over all rows at once, the random draw one native call. A random
     row left with no probability (a temperature so small that logits / T overflows, NaN
     logits) takes the argmax, the temperature -> 0 limit."""
+    from native import ops  # here, as in `draw`
+
     logits = process_logits(logits.float(), params, past)  # [B, V]
     out = torch.empty(len(params), dtype=torch.long)
     greedy = [i for i, p in enumerate(params) if p.is_greedy]
     if greedy:
-        out[greedy] = _take_rows(logits, greedy).argmax(-1)
+        out[greedy] = ops.argmax_rows(_take_rows(logits, greedy))
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if rows:
         probs = filter_probs(_take_rows(logits, rows), [params[i] for i in rows])  # [R, V]
@@ -93,7 +95,7 @@ def sample(
         out[rows] = tokens
         if bool((tokens < 0).any()):
             empty = [i for i, token in zip(rows, tokens.tolist(), strict=True) if token < 0]
-            out[empty] = logits[empty].argmax(-1)
+            out[empty] = ops.argmax_rows(logits[empty])
     return out.tolist()
 
 

@@ -96,7 +96,7 @@ def accept_tokens(
         raise ValueError(f"{k} drafts need {k + 1} verify rows, got {logits.shape[0]}")
     rows = process_logits(logits.float(), [params] * (k + 1), None)  # logit_bias only
     if params.is_greedy:
-        targets = rows.argmax(-1).tolist()
+        targets = ops.argmax_rows(rows).tolist()
         out = []
         for j in range(k + 1):
             out.append(targets[j])
@@ -171,7 +171,7 @@ def draft(
     # layer's cache), so the head runs on those rows only.
     ends = torch.cumsum(torch.tensor([len(t) for t in tokens]), 0) - 1
     logits, hidden = model.forward_mtp(batch, main_hidden, pool, logit_rows=ends)
-    drafts = [[t] for t in logits.argmax(-1).tolist()]  # hidden: the `ends` rows' only
+    drafts = [[t] for t in ops.argmax_rows(logits).tolist()]  # hidden: the `ends` rows' only
     next_pos = [p + len(t) for p, t in zip(positions, tokens, strict=True)]
     for step in range(1, max(num_drafts, default=0)):
         live = [r for r, n in enumerate(num_drafts) if n > step]
@@ -186,7 +186,7 @@ def draft(
             None if slots is None else [slots[r] for r in live],
         )
         logits, out = model.forward_mtp(batch, hidden[live], pool)
-        for i, token in zip(live, logits.argmax(-1).tolist(), strict=True):
+        for i, token in zip(live, ops.argmax_rows(logits).tolist(), strict=True):
             drafts[i].append(token)
         hidden = hidden.clone()
         hidden[live] = out

@@ -25,6 +25,7 @@ void register_bmm(py::module_& m);   // bmm.cpp (bmm_bf16)
 void register_extend_attention(py::module_& m);  // extend_attention.cpp
 void register_mla_decode(py::module_& m);        // mla_decode.cpp
 void register_sampling(py::module_& m);  // sampling.cpp (race_sample, random_uniform)
+void register_argmax(py::module_& m);    // argmax.cpp (argmax_rows)
 void register_shm_allreduce(py::module_& m);  // shm_allreduce.cpp (ShmAllReduce)
 void register_checksum(py::module_& m);  // checksum.cpp (checksum)
 void register_weight_quant(py::module_& m);  // weight_quant.cpp (load-time conversions)
@@ -52,6 +53,7 @@ PYBIND11_MODULE(_C, m) {
   duet::register_extend_attention(m);
   duet::register_mla_decode(m);
   duet::register_sampling(m);
+  duet::register_argmax(m);
   duet::register_shm_allreduce(m);
   duet::register_checksum(m);
   duet::register_weight_quant(m);
