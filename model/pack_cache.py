@@ -186,6 +186,7 @@ def load_model(
     (None: `quant`'s; `model.quant`)."""
     from model.deepseek import DeepseekModel
 
+    args = (dtype, expert_range, quant, mtp, tensor_parallel, parallel, quant_lm_head)
     if not pack and not weights_cache:
         return DeepseekModel.from_pretrained(
             model_dir,
@@ -220,18 +221,8 @@ def load_model(
             log.warning("%s; rebuilding it", exc)
             path = ensure_cached_pack(model_dir, spec, progress, verify=True)
             mapped = MappedPack(local_copy(path, numa_node, refresh=True), expect=spec)
-    model = DeepseekModel.from_pack(
-        ModelConfig.from_model_dir(model_dir),
-        mapped,
-        dtype,
-        expert_range,
-        quant,
-        mtp,
-        tensor_parallel,
-        parallel,
-        quant_lm_head=quant_lm_head,
-        quant_attention=quant_attention,
-    )
+    cfg = ModelConfig.from_model_dir(model_dir)
+    model = DeepseekModel.from_pack(cfg, mapped, *args, quant_attention=quant_attention)
     model.model_dir = Path(model_dir)
     model.weights_backing, detail = weights_backing(mapped)
     model.weights_detail = f"pack {mapped.path} ({mapped.nbytes / 1e9:.2f} GB), {detail}"
