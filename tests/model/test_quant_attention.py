@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_quant_int4 import (
-    HELD_OUT_FILES,
-    HELD_OUT_TOKENS,
     TWIN_IDS,
     _every_position,
     assert_near_the_twins,
+    held_out_kl_and_agreement,
+    trained_held_out,  # noqa: F401 (a fixture, used by name)
 )
 
 from control.errors import ConfigError
@@ -24,7 +24,6 @@ from control.quant_schemes import (
     quantized_bytes,
     tensor_scheme,
 )
-from control.tokenizer import Tokenizer
 from model.checkpoint_reader import SINGLE_FILE
 from model.deepseek import DeepseekModel
 from model.layers import MoE
@@ -36,8 +35,7 @@ from native._int4_ops import PackedLinearInt4
 from native._quant_ops import PackedLinearInt8
 from native.reference import Int8Weight
 from native.reference_int4 import Int4Weight
-from tinymodel.make import ensure_tiny_model, make_tiny_model
-from tinymodel.train_data import load_corpus
+from tinymodel.make import make_tiny_model
 
 needs_native = pytest.mark.skipif(not ops.native_available(), reason="packing needs the kernels")
 
@@ -335,28 +333,13 @@ ACCURACY = {
 }
 
 
-@pytest.fixture(scope="module")
-def trained_held_out():
-    """The trained tiny model and test_quant_int4's held-out text (512 positions)."""
-    trained = ensure_tiny_model()
-    tok = Tokenizer(trained)
-    texts = load_corpus().held_out[:HELD_OUT_FILES]
-    return trained, [tok.encode_prompt(text)[:HELD_OUT_TOKENS] for text in texts]
-
-
 @pytest.mark.parametrize(
     ("quant", "quant_attention"), list(ACCURACY), ids=[f"{q}-{a}" for q, a in ACCURACY]
 )
-def test_accuracy_on_held_out_text(trained_held_out, quant, quant_attention):
+def test_accuracy_on_held_out_text(trained_held_out, quant, quant_attention):  # noqa: F811
     trained, held_out = trained_held_out
     base, model = _load(trained, None), _load(trained, quant, quant_attention)
-    kl, agree = [], []
-    for ids in held_out:
-        log_p = _every_position(base, ids).log_softmax(-1)
-        log_q = _every_position(model, ids).log_softmax(-1)
-        kl.append((log_p.exp() * (log_p - log_q)).sum(-1))
-        agree.append(log_p.argmax(-1) == log_q.argmax(-1))
-    kl, agree = torch.cat(kl), torch.cat(agree).float()
+    kl, agree = held_out_kl_and_agreement(base, model, held_out)
     max_kl, min_agree = ACCURACY[quant, quant_attention]
     assert 1e-5 < kl.mean().item() < max_kl, kl.mean().item()  # really quantized, and close
     assert agree.mean().item() >= min_agree, agree.mean().item()

@@ -108,8 +108,21 @@ def test_kernels_match_the_plain_torch_twins(tiny_dir):
     assert_near_the_twins(*on_kernels_and_twins(lambda: _load(tiny_dir, "int4")))
 
 
+def held_out_kl_and_agreement(base: DeepseekModel, model: DeepseekModel, held_out) -> tuple:
+    """Per position of every prompt of `held_out`: KL(base || model) of the next-token
+    distributions, and whether their greedy tokens agree (as floats)."""
+    kl, agree = [], []
+    for ids in held_out:
+        log_p = _every_position(base, ids).log_softmax(-1)
+        log_q = _every_position(model, ids).log_softmax(-1)
+        kl.append((log_p.exp() * (log_p - log_q)).sum(-1))
+        agree.append(log_p.argmax(-1) == log_q.argmax(-1))
+    return torch.cat(kl), torch.cat(agree).float()
+
+
 @pytest.fixture(scope="module")
 def trained_held_out():
+    """The trained tiny model and held-out text (HELD_OUT_FILES x HELD_OUT_TOKENS positions)."""
     trained = ensure_tiny_model()
     tok = Tokenizer(trained)
     texts = load_corpus().held_out[:HELD_OUT_FILES]
@@ -127,14 +140,7 @@ ACCURACY = {"int8": (5e-3, 0.95), "fp8": (1e-2, 0.9), "int4": (4e-2, 0.8)}
 @pytest.mark.parametrize("quant", ["int8", "fp8", "int4"])
 def test_accuracy_on_held_out_text(trained_held_out, quant):
     trained, held_out = trained_held_out
-    base, model = _load(trained), _load(trained, quant)
-    kl, agree = [], []
-    for ids in held_out:
-        log_p = _every_position(base, ids).log_softmax(-1)
-        log_q = _every_position(model, ids).log_softmax(-1)
-        kl.append((log_p.exp() * (log_p - log_q)).sum(-1))
-        agree.append(log_p.argmax(-1) == log_q.argmax(-1))
-    kl, agree = torch.cat(kl), torch.cat(agree).float()
+    kl, agree = held_out_kl_and_agreement(_load(trained), _load(trained, quant), held_out)
     assert kl.numel() == HELD_OUT_FILES * HELD_OUT_TOKENS
     max_kl, min_agree = ACCURACY[quant]
     assert 1e-5 < kl.mean().item() < max_kl, kl.mean().item()  # really quantized, and close
