@@ -40,7 +40,9 @@ class MoE:
 
     def __init__(self, cfg: ModelConfig, weights: WeightSource, prefix: str, expert_range: range):
         self.cfg = cfg
-        self.gate = weights.raw(f"{prefix}.gate.weight").float()  # [E, D], routing runs in fp32
+        # [E, D]; routing runs in fp32 from a gate kept bf16 when stored so (fp32 holds it exactly)
+        gate = weights.raw(f"{prefix}.gate.weight")
+        self.gate = gate if gate.dtype in (torch.bfloat16, torch.float32) else gate.float()
         bias = f"{prefix}.gate.e_score_correction_bias"
         self.correction_bias = weights.raw(bias).float() if bias in weights else None
         self.expert_offset = expert_range.start
@@ -62,7 +64,7 @@ class MoE:
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D] -> (weights [T, K] fp32, expert ids [T, K] int32)."""
         cfg = self.cfg
-        logits = torch.nn.functional.linear(x.float(), self.gate)  # [T, E]
+        logits = ops.router_logits(x, self.gate)  # [T, E] fp32
         return ops.grouped_topk(
             logits,
             self.correction_bias,
@@ -138,6 +140,22 @@ class MLA:
         cfg, num_tokens, h = self.cfg, q_in.shape[0], self.num_heads
         q = self.q_proj(q_in) if cfg.q_lora_rank is None else self.q_b_proj(q_in)
         q = q.view(num_tokens, h, cfg.qk_head_dim)
+        if batch.is_decode:
+            # W_UK absorbed into q and W_UV into the output: attention over the latent rows.
+            return ops.mla_decode_absorbed(
+                q,
+                kv_a,
+                self.kv_a_norm,
+                cfg.rms_norm_eps,
+                batch.positions,
+                self.cos_sin,
+                self.w_uk,
+                self.w_uv_t,
+                kv_cache,
+                batch.page_table,
+                batch.seq_lens,
+                cfg.softmax_scale,
+            )
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         c_kv = ops.rms_norm(kv_a[:, : cfg.kv_lora_rank], self.kv_a_norm, cfg.rms_norm_eps)
         q_pe, k_pe = ops.apply_rope(
@@ -147,24 +165,7 @@ class MLA:
             self.cos_sin,
         )
         rows = torch.cat((c_kv, k_pe), dim=-1)  # [T, L + R], what the cache keeps
-        if batch.is_decode:
-            return self._decode(q_nope, q_pe, rows, batch, kv_cache)
         return self._extend(q_nope, q_pe, rows, batch, kv_cache)
-
-    def _decode(self, q_nope, q_pe, rows, batch, kv_cache) -> torch.Tensor:
-        cfg = self.cfg
-        q_latent = ops.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, H, L]
-        q_full = torch.cat((q_latent, q_pe), dim=-1).contiguous()  # [B, H, L + R]
-        o_latent = ops.mla_decode(
-            q_full,
-            kv_cache,
-            batch.page_table,
-            batch.seq_lens,
-            cfg.softmax_scale,
-            cfg.kv_lora_rank,
-            new_rows=rows.to(kv_cache.dtype),
-        )  # [B, H, L]
-        return ops.bmm(o_latent.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [B, H, Dv]
 
     def _decompress(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent rows [N, L + R] -> per-head K [N, H, Dn + R] and V [N, H, Dv]."""

@@ -171,6 +171,35 @@ def apply_rope(
     return q_out, k_out
 
 
+def router_logits(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    tag, gate_tag = _DTYPE_TAG.get(x.dtype), _DTYPE_TAG.get(gate.dtype)
+    if (
+        tag is None
+        or gate_tag is None
+        or x.dim() != 2
+        or gate.dim() != 2
+        or gate.shape[1] != x.shape[1]
+        or not _on(x, gate)
+    ):
+        return reference.router_logits(x, gate)
+    x, stride = _row_view(x)
+    w = gate if gate.is_contiguous() else gate.contiguous()
+    tokens, experts = x.shape[0], w.shape[0]
+    out = torch.empty(tokens, experts, dtype=torch.float32)
+    _C.router_logits(
+        x.data_ptr(),
+        stride,
+        tag,
+        w.data_ptr(),
+        gate_tag,
+        out.data_ptr(),
+        tokens,
+        experts,
+        x.shape[1],
+    )
+    return out
+
+
 def grouped_topk(
     router_logits: torch.Tensor,
     correction_bias: torch.Tensor | None,

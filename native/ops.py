@@ -13,6 +13,7 @@ from native import (
     _fp8_ops,
     _gemm_ops,
     _int4_ops,
+    _mla_ops,
     _moe_fp8_ops,
     _moe_int4_ops,
     _moe_int8_ops,
@@ -44,6 +45,7 @@ Int4Weight = reference_int4.Int4Weight  # (kernel off)
 silu_and_mul = _small_ops.silu_and_mul
 bmm = _gemm_ops.bmm
 prepack_bmm = _gemm_ops.prepack_bmm
+router_logits = _small_ops.router_logits
 grouped_topk = _small_ops.grouped_topk
 prepack_experts = _gemm_ops.prepack_experts
 fused_moe = _gemm_ops.fused_moe
@@ -56,6 +58,7 @@ prepack_experts_fp8_from = _moe_fp8_ops.prepack_experts_fp8_from
 fused_moe_fp8 = _moe_fp8_ops.fused_moe_fp8
 extend_attention = _attention_ops.extend_attention
 mla_decode = _attention_ops.mla_decode
+mla_decode_absorbed = _mla_ops.mla_decode_absorbed  # twin in native/reference_mla.py
 store_kv_rows = reference.store_kv_rows
 gather_kv_rows = reference.gather_kv_rows
 page_slots = reference.page_slots

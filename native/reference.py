@@ -230,6 +230,11 @@ def linear_int8(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
 # ---- MoE -------------------------------------------------------------------------------------
 
 
+def router_logits(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The MoE gate in fp32: x [T, D] @ gate [E, D]^T (both widened to fp32) -> [T, E] fp32."""
+    return F.linear(x.float(), gate.float())
+
+
 def grouped_topk(
     router_logits: torch.Tensor,
     correction_bias: torch.Tensor | None,

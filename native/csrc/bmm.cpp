@@ -12,6 +12,7 @@
 
 #include "common.h"
 #include "cpu_features.h"
+#include "decode_parts.h"
 #include "gemm_kernels.h"
 #include "vec.h"
 
@@ -96,18 +97,8 @@ void bmm_task(Isa isa, const BmmArgs& p, int64_t n, int64_t block0, float* acc) 
   }
 }
 
-// b prepacked once (the model's absorbed W_UK / W_UV): per batch entry n, ceil(P/32) blocks of
-// the VNNI-2 layout of gemm_kernels.h over all of K, as PackedLinear packs a [N, P, K] weight.
-// A decode step's bmm is a GEMV per head: repacking b on every call would read and write b
-// once more than the product reads it.
-struct PackedBmmArgs {
-  const bf16_t* a;  // [N, M, 2 * k_pairs] with strides (sa0, sa1, 1)
-  int64_t batch, m, k_pairs, sa0, sa1;
-  const bf16_t* b;  // [N][ceil(P/32)][k_pairs][32][2]
-  int64_t p;
-  bf16_t* out;  // [N, M, P] contiguous
-};
-
+// b prepacked once (PackedBmmArgs, decode_parts.h). A decode step's bmm is a GEMV per head:
+// repacking b on every call would read and write b once more than the product reads it.
 void bmm_packed_task(Isa isa, const PackedBmmArgs& p, int64_t n, int64_t block0, float* acc) {
   const int64_t p_blocks = pack_num_blocks(p.p);
   const int num_blocks = static_cast<int>(std::min<int64_t>(kPanelBlocks, p_blocks - block0));
@@ -126,24 +117,7 @@ void bmm_packed_task(Isa isa, const PackedBmmArgs& p, int64_t n, int64_t block0,
   const int64_t col0 = block0 * kPackBlockN;
   const int64_t cols = std::min<int64_t>(ldt, p.p - col0);
   for (int64_t r = 0; r < p.m; ++r) {
-    store_row_bf16(isa, acc + r * ldt, p.out + (n * p.m + r) * p.p + col0, cols);
-  }
-}
-
-void bmm_packed_bf16(const PackedBmmArgs& p) {
-  if (p.batch == 0 || p.m == 0 || p.p == 0) return;
-  const Isa isa = active_isa();
-  if (p.k_pairs == 0) {
-    std::fill(p.out, p.out + p.batch * p.m * p.p, bf16_t{0});
-    return;
-  }
-  const int64_t num_panels = (pack_num_blocks(p.p) + kPanelBlocks - 1) / kPanelBlocks;
-  const int64_t num_tasks = p.batch * num_panels;
-  const bool parallel = p.batch * p.m * p.p * 2 * p.k_pairs >= (int64_t{1} << 20);
-#pragma omp parallel for schedule(dynamic, 1) if (parallel)
-  for (int64_t t = 0; t < num_tasks; ++t) {
-    float* acc = thread_scratch_f32(p.m * kPanelBlocks * kPackBlockN);
-    bmm_packed_task(isa, p, t / num_panels, t % num_panels * kPanelBlocks, acc);
+    store_row_bf16(isa, acc + r * ldt, p.out + n * p.so0 + r * p.so1 + col0, cols);
   }
 }
 
@@ -161,6 +135,27 @@ void bmm_bf16(const BmmArgs& p) {
 }
 
 }  // namespace
+
+void bmm_packed_bf16(const PackedBmmArgs& p) {
+  if (p.batch == 0 || p.m == 0 || p.p == 0) return;
+  const Isa isa = active_isa();
+  if (p.k_pairs == 0) {
+    for (int64_t n = 0; n < p.batch; ++n) {
+      for (int64_t r = 0; r < p.m; ++r) {
+        std::fill_n(p.out + n * p.so0 + r * p.so1, p.p, bf16_t{0});
+      }
+    }
+    return;
+  }
+  const int64_t num_panels = (pack_num_blocks(p.p) + kPanelBlocks - 1) / kPanelBlocks;
+  const int64_t num_tasks = p.batch * num_panels;
+  const bool parallel = p.batch * p.m * p.p * 2 * p.k_pairs >= (int64_t{1} << 20);
+#pragma omp parallel for schedule(dynamic, 1) if (parallel)
+  for (int64_t t = 0; t < num_tasks; ++t) {
+    float* acc = thread_scratch_f32(p.m * kPanelBlocks * kPackBlockN);
+    bmm_packed_task(isa, p, t / num_panels, t % num_panels * kPanelBlocks, acc);
+  }
+}
 
 void register_bmm(py::module_& m) {
   m.def(
@@ -191,7 +186,7 @@ void register_bmm(py::module_& m) {
         }
         bmm_packed_bf16(PackedBmmArgs{reinterpret_cast<const bf16_t*>(a), batch, m, k_pairs, sa0,
                                       sa1, reinterpret_cast<const bf16_t*>(b), p,
-                                      reinterpret_cast<bf16_t*>(out)});
+                                      reinterpret_cast<bf16_t*>(out), m * p, p});
       },
       py::call_guard<py::gil_scoped_release>(),
       "out[N, M, P] (contiguous) = a[N, M, 2*k_pairs] @ b, b prepacked per batch entry as a "

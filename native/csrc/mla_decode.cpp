@@ -29,6 +29,7 @@
 #include "attention_common.h"
 #include "common.h"
 #include "cpu_features.h"
+#include "decode_parts.h"
 #include "mla_decode_paths.h"
 
 namespace py = pybind11;
@@ -39,18 +40,7 @@ namespace {
 using namespace attn;  // NOLINT(build/namespaces)
 using namespace mla;   // NOLINT(build/namespaces)
 
-struct Problem {
-  int64_t batch, num_heads, width, rank, page_size, num_pages;
-  const char* q;
-  int64_t q_batch_stride, q_head_stride;  // elements; the last dimension is contiguous
-  char* cache;                            // [num_pages * page_size][width]
-  const int32_t* page_table;
-  int64_t page_table_stride;
-  std::vector<int64_t> seq_lens;
-  const char* new_rows;  // [batch][width] or null
-  char* out;             // [batch][num_heads][rank], q's dtype
-  float sm_scale;
-};
+using Problem = MlaDecodeProblem;
 
 // ---- driver ------------------------------------------------------------------------------------
 
@@ -249,49 +239,11 @@ void run(const Problem& pb) {
   }
 }
 
-void dispatch(const Problem& pb, DType dtype) {
-  const Isa isa = active_isa();
-  const bool avx512 = isa >= Isa::kAvx512;
-  if (dtype == DType::kFloat32) {
-    avx512 ? run<F32Path<float>, float>(pb) : run<PortablePath<float>, float>(pb);
-  } else if (isa >= Isa::kAvx512Bf16) {
-    run<Bf16Path, bf16_t>(pb);
-  } else {
-    avx512 ? run<F32Path<bf16_t>, bf16_t>(pb) : run<PortablePath<bf16_t>, bf16_t>(pb);
-  }
-}
-
-// Binding: raw pointers from native/_attention_ops.py, which checks devices, dtypes and shapes.
-// Checks here what would otherwise read or write out of bounds: lengths and page ids.
 void mla_decode_binding(uintptr_t out, uintptr_t q, int64_t q_batch_stride, int64_t q_head_stride,
                         uintptr_t kv_cache, int64_t num_pages, int64_t page_size, int64_t width,
                         uintptr_t page_table, int64_t page_table_stride, int64_t max_pages,
                         std::vector<int64_t> seq_lens, uintptr_t new_rows, int64_t num_heads,
                         int64_t kv_lora_rank, int dtype, double sm_scale) {
-  const DType dt = static_cast<DType>(dtype);
-  if (dt != DType::kFloat32 && dt != DType::kBFloat16) {
-    throw std::invalid_argument("mla_decode: dtype must be float32 or bfloat16");
-  }
-  if (num_heads < 1 || page_size < 1 || width < 1 || kv_lora_rank < 1 || kv_lora_rank > width) {
-    throw std::invalid_argument(
-        "mla_decode: need heads, page_size >= 1 and 1 <= kv_lora_rank <= W");
-  }
-  const int32_t* table = reinterpret_cast<const int32_t*>(page_table);
-  for (size_t b = 0; b < seq_lens.size(); ++b) {
-    const int64_t len = seq_lens[b];
-    if (len < 0 || len > max_pages * page_size) {
-      throw std::invalid_argument("mla_decode: seq_lens[" + std::to_string(b) + "] = " +
-                                  std::to_string(len) + " is outside [0, max_pages * page_size]");
-    }
-    for (int64_t i = 0; i < ceil_div(len, page_size); ++i) {
-      const int64_t page = table[b * page_table_stride + i];
-      if (page < 0 || page >= num_pages) {
-        throw std::invalid_argument("mla_decode: page_table[" + std::to_string(b) + ", " +
-                                    std::to_string(i) + "] = " + std::to_string(page) +
-                                    " is not a page of the cache");
-      }
-    }
-  }
   Problem pb;
   pb.batch = static_cast<int64_t>(seq_lens.size());
   pb.num_heads = num_heads;
@@ -303,16 +255,59 @@ void mla_decode_binding(uintptr_t out, uintptr_t q, int64_t q_batch_stride, int6
   pb.q_batch_stride = q_batch_stride;
   pb.q_head_stride = q_head_stride;
   pb.cache = reinterpret_cast<char*>(kv_cache);
-  pb.page_table = table;
+  pb.page_table = reinterpret_cast<const int32_t*>(page_table);
   pb.page_table_stride = page_table_stride;
   pb.seq_lens = std::move(seq_lens);
   pb.new_rows = reinterpret_cast<const char*>(new_rows);
   pb.out = reinterpret_cast<char*>(out);
   pb.sm_scale = static_cast<float>(sm_scale);
-  dispatch(pb, dt);
+  const DType dt = static_cast<DType>(dtype);
+  check_mla_decode("mla_decode", pb, max_pages, dt);
+  mla_decode_run(pb, dt);
 }
 
 }  // namespace
+
+void mla_decode_run(const MlaDecodeProblem& pb, DType dtype) {
+  const Isa isa = active_isa();
+  const bool avx512 = isa >= Isa::kAvx512;
+  if (dtype == DType::kFloat32) {
+    avx512 ? run<F32Path<float>, float>(pb) : run<PortablePath<float>, float>(pb);
+  } else if (isa >= Isa::kAvx512Bf16) {
+    run<Bf16Path, bf16_t>(pb);
+  } else {
+    avx512 ? run<F32Path<bf16_t>, bf16_t>(pb) : run<PortablePath<bf16_t>, bf16_t>(pb);
+  }
+}
+
+// Raw pointers come from native/_attention_ops.py and native/_mla_ops.py, which check devices,
+// dtypes and shapes; checked here is what would otherwise read or write out of bounds.
+void check_mla_decode(const char* op, const MlaDecodeProblem& pb, int64_t max_pages, DType dtype) {
+  const std::string name(op);
+  if (dtype != DType::kFloat32 && dtype != DType::kBFloat16) {
+    throw std::invalid_argument(name + ": dtype must be float32 or bfloat16");
+  }
+  if (pb.num_heads < 1 || pb.page_size < 1 || pb.width < 1 || pb.rank < 1 ||
+      pb.rank > pb.width) {
+    throw std::invalid_argument(name +
+                                ": need heads, page_size >= 1 and 1 <= kv_lora_rank <= W");
+  }
+  for (size_t b = 0; b < pb.seq_lens.size(); ++b) {
+    const int64_t len = pb.seq_lens[b];
+    if (len < 0 || len > max_pages * pb.page_size) {
+      throw std::invalid_argument(name + ": seq_lens[" + std::to_string(b) + "] = " +
+                                  std::to_string(len) + " is outside [0, max_pages * page_size]");
+    }
+    for (int64_t i = 0; i < ceil_div(len, pb.page_size); ++i) {
+      const int64_t page = pb.page_table[b * pb.page_table_stride + i];
+      if (page < 0 || page >= pb.num_pages) {
+        throw std::invalid_argument(name + ": page_table[" + std::to_string(b) + ", " +
+                                    std::to_string(i) + "] = " + std::to_string(page) +
+                                    " is not a page of the cache");
+      }
+    }
+  }
+}
 
 void register_mla_decode(py::module_& m) {
   m.def("mla_decode", &mla_decode_binding, py::call_guard<py::gil_scoped_release>(),

@@ -9,6 +9,7 @@
 
 #include "common.h"
 #include "cpu_features.h"
+#include "decode_parts.h"
 #include "small_ops_simd.h"
 
 namespace py = pybind11;
@@ -119,7 +120,7 @@ DUET_TARGET_SMALL void silu_mul_row_avx512(const T* gate, const T* up, T* out, i
 
 template <typename T, bool kFused>
 void rms_norm_impl(const T* x, int64_t x_stride, const T* res, int64_t res_stride, const T* w,
-                   T* out, T* sum, int64_t rows, int64_t d, float eps) {
+                   T* out, int64_t out_stride, T* sum, int64_t rows, int64_t d, float eps) {
   const Isa isa = active_isa();
   parallel_for(rows, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -127,11 +128,12 @@ void rms_norm_impl(const T* x, int64_t x_stride, const T* res, int64_t res_strid
       const T* rr = kFused ? res + t * res_stride : nullptr;
       T* sr = kFused ? sum + t * d : nullptr;
       if (isa >= Isa::kAvx512Bf16) {
-        rms_row_avx512<small::CvtAvx512Bf16, T, kFused>(xr, rr, w, out + t * d, sr, d, eps);
+        rms_row_avx512<small::CvtAvx512Bf16, T, kFused>(xr, rr, w, out + t * out_stride, sr, d,
+                                                          eps);
       } else if (isa >= Isa::kAvx512) {
-        rms_row_avx512<small::CvtAvx512, T, kFused>(xr, rr, w, out + t * d, sr, d, eps);
+        rms_row_avx512<small::CvtAvx512, T, kFused>(xr, rr, w, out + t * out_stride, sr, d, eps);
       } else {
-        rms_row_portable<T, kFused>(xr, rr, w, out + t * d, sr, d, eps);
+        rms_row_portable<T, kFused>(xr, rr, w, out + t * out_stride, sr, d, eps);
       }
     }
   }, row_grain(d));
@@ -167,6 +169,11 @@ void check_dtype(int dtype) {
 
 }  // namespace
 
+void rms_norm_rows_bf16(const bf16_t* x, int64_t x_stride, const bf16_t* w, bf16_t* out,
+                        int64_t out_stride, int64_t rows, int64_t d, float eps) {
+  rms_norm_impl<bf16_t, false>(x, x_stride, nullptr, 0, w, out, out_stride, nullptr, rows, d, eps);
+}
+
 void register_norm(py::module_& m) {
   m.def(
       "rms_norm",
@@ -175,10 +182,10 @@ void register_norm(py::module_& m) {
         check_dtype(dtype);
         if (dtype == static_cast<int>(DType::kBFloat16)) {
           rms_norm_impl<bf16_t, false>(cptr<bf16_t>(x), x_stride, nullptr, 0, cptr<bf16_t>(w),
-                                       mptr<bf16_t>(out), nullptr, rows, d, float(eps));
+                                       mptr<bf16_t>(out), d, nullptr, rows, d, float(eps));
         } else {
           rms_norm_impl<float, false>(cptr<float>(x), x_stride, nullptr, 0, cptr<float>(w),
-                                      mptr<float>(out), nullptr, rows, d, float(eps));
+                                      mptr<float>(out), d, nullptr, rows, d, float(eps));
         }
       },
       py::call_guard<py::gil_scoped_release>(),
@@ -190,11 +197,11 @@ void register_norm(py::module_& m) {
         check_dtype(dtype);
         if (dtype == static_cast<int>(DType::kBFloat16)) {
           rms_norm_impl<bf16_t, true>(cptr<bf16_t>(x), x_stride, cptr<bf16_t>(res), res_stride,
-                                      cptr<bf16_t>(w), mptr<bf16_t>(out), mptr<bf16_t>(sum), rows,
+                                      cptr<bf16_t>(w), mptr<bf16_t>(out), d, mptr<bf16_t>(sum), rows,
                                       d, float(eps));
         } else {
           rms_norm_impl<float, true>(cptr<float>(x), x_stride, cptr<float>(res), res_stride,
-                                     cptr<float>(w), mptr<float>(out), mptr<float>(sum), rows, d,
+                                     cptr<float>(w), mptr<float>(out), d, mptr<float>(sum), rows, d,
                                      float(eps));
         }
       },

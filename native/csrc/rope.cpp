@@ -15,6 +15,7 @@
 
 #include "common.h"
 #include "cpu_features.h"
+#include "decode_parts.h"
 #include "small_ops_simd.h"
 
 namespace py = pybind11;
@@ -36,10 +37,11 @@ void rope_row_portable(const T* x, T* out, const float* cos, const float* sin, i
 
 // One token: H query rows (strided) and the key row, each [R], into contiguous outputs.
 template <typename T>
-void rope_token_portable(const T* q, int64_t q_head_stride, const T* k, T* q_out, T* k_out,
-                         const float* cos, const float* sin, int64_t heads, int64_t half) {
+void rope_token_portable(const T* q, int64_t q_head_stride, const T* k, T* q_out,
+                         int64_t qo_head_stride, T* k_out, const float* cos, const float* sin,
+                         int64_t heads, int64_t half) {
   for (int64_t h = 0; h < heads; ++h) {
-    rope_row_portable<T>(q + h * q_head_stride, q_out + h * 2 * half, cos, sin, half);
+    rope_row_portable<T>(q + h * q_head_stride, q_out + h * qo_head_stride, cos, sin, half);
   }
   rope_row_portable<T>(k, k_out, cos, sin, half);
 }
@@ -54,8 +56,8 @@ DUET_TARGET_SMALL inline void rotate16(const T* src, T* dst, __m512 c, __m512 s,
 
 template <class Cvt, typename T>
 DUET_TARGET_SMALL void rope_token_avx512(const T* q, int64_t q_head_stride, const T* k, T* q_out,
-                                         T* k_out, const float* cos, const float* sin,
-                                         int64_t heads, int64_t half) {
+                                         int64_t qo_head_stride, T* k_out, const float* cos,
+                                         const float* sin, int64_t heads, int64_t half) {
   // Lane 2j and 2j+1 both read pair j; sin is negated on the even lanes.
   const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512 sign = _mm512_set_ps(1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1);
@@ -69,7 +71,7 @@ DUET_TARGET_SMALL void rope_token_avx512(const T* q, int64_t q_head_stride, cons
     const __m512 s =
         _mm512_mul_ps(sign, _mm512_permutexvar_ps(dup, _mm512_maskz_loadu_ps(mh, sin + i / 2)));
     for (int64_t h = 0; h < heads; ++h) {
-      rotate16<Cvt>(q + h * q_head_stride + i, q_out + h * r + i, c, s, m);
+      rotate16<Cvt>(q + h * q_head_stride + i, q_out + h * qo_head_stride + i, c, s, m);
     }
     rotate16<Cvt>(k + i, k_out + i, c, s, m);
   }
@@ -78,8 +80,8 @@ DUET_TARGET_SMALL void rope_token_avx512(const T* q, int64_t q_head_stride, cons
 template <typename T>
 void apply_rope_impl(const T* q, int64_t q_tok_stride, int64_t q_head_stride, const T* k,
                      int64_t k_tok_stride, const int64_t* positions, const float* cos_sin,
-                     int64_t max_pos, T* q_out, T* k_out, int64_t tokens, int64_t heads,
-                     int64_t r) {
+                     int64_t max_pos, T* q_out, int64_t qo_tok_stride, int64_t qo_head_stride,
+                     T* k_out, int64_t ko_tok_stride, int64_t tokens, int64_t heads, int64_t r) {
   for (int64_t t = 0; t < tokens; ++t) {
     if (positions[t] < 0 || positions[t] >= max_pos) {
       throw std::out_of_range("apply_rope: position " + std::to_string(positions[t]) +
@@ -94,22 +96,28 @@ void apply_rope_impl(const T* q, int64_t q_tok_stride, int64_t q_head_stride, co
       const float* cos = cos_sin + positions[t] * r;
       const T* qt = q + t * q_tok_stride;
       const T* kt = k + t * k_tok_stride;
-      T* qo = q_out + t * heads * r;
-      T* ko = k_out + t * r;
+      T* qo = q_out + t * qo_tok_stride;
+      T* ko = k_out + t * ko_tok_stride;
       if (isa >= Isa::kAvx512Bf16) {
-        rope_token_avx512<small::CvtAvx512Bf16, T>(qt, q_head_stride, kt, qo, ko, cos, cos + half,
-                                                   heads, half);
+        rope_token_avx512<small::CvtAvx512Bf16, T>(qt, q_head_stride, kt, qo, qo_head_stride, ko,
+                                                   cos, cos + half, heads, half);
       } else if (isa >= Isa::kAvx512) {
-        rope_token_avx512<small::CvtAvx512, T>(qt, q_head_stride, kt, qo, ko, cos, cos + half,
-                                               heads, half);
+        rope_token_avx512<small::CvtAvx512, T>(qt, q_head_stride, kt, qo, qo_head_stride, ko, cos,
+                                               cos + half, heads, half);
       } else {
-        rope_token_portable<T>(qt, q_head_stride, kt, qo, ko, cos, cos + half, heads, half);
+        rope_token_portable<T>(qt, q_head_stride, kt, qo, qo_head_stride, ko, cos, cos + half,
+                               heads, half);
       }
     }
   }, grain);
 }
 
 }  // namespace
+
+void apply_rope_bf16(const RopeArgs& a) {
+  apply_rope_impl<bf16_t>(a.q, a.q_tok, a.q_head, a.k, a.k_tok, a.positions, a.cos_sin, a.max_pos,
+                          a.q_out, a.qo_tok, a.qo_head, a.k_out, a.ko_tok, a.tokens, a.heads, a.r);
+}
 
 void register_rope(py::module_& m) {
   m.def(
@@ -123,13 +131,13 @@ void register_rope(py::module_& m) {
         if (dtype == static_cast<int>(DType::kBFloat16)) {
           apply_rope_impl<bf16_t>(reinterpret_cast<const bf16_t*>(q), q_tok_stride, q_head_stride,
                                   reinterpret_cast<const bf16_t*>(k), k_tok_stride, pos, cs,
-                                  max_pos, reinterpret_cast<bf16_t*>(q_out),
-                                  reinterpret_cast<bf16_t*>(k_out), tokens, heads, r);
+                                  max_pos, reinterpret_cast<bf16_t*>(q_out), heads * r, r,
+                                  reinterpret_cast<bf16_t*>(k_out), r, tokens, heads, r);
         } else if (dtype == static_cast<int>(DType::kFloat32)) {
           apply_rope_impl<float>(reinterpret_cast<const float*>(q), q_tok_stride, q_head_stride,
                                  reinterpret_cast<const float*>(k), k_tok_stride, pos, cs, max_pos,
-                                 reinterpret_cast<float*>(q_out), reinterpret_cast<float*>(k_out),
-                                 tokens, heads, r);
+                                 reinterpret_cast<float*>(q_out), heads * r, r,
+                                 reinterpret_cast<float*>(k_out), r, tokens, heads, r);
         } else {
           throw std::invalid_argument("apply_rope supports float32 and bfloat16 only");
         }
