@@ -35,8 +35,9 @@ import torch
 import decode_node.speculative_step as speculative_step
 from bench.step_phases import phase_timers
 from bench.step_split import profile_split, timed_split
+from control import protocol
 from control.cluster_config import DecodeNodeConfig, TimeoutConfig
-from control.messaging import QueueInbox, QueueOutbox
+from control.messaging import QueueInbox
 from control.quant_schemes import DEFAULT_DRAFT_HEAD, DRAFT_HEAD_SCHEMES, QUANT_SCHEMES
 from control.sampling_params import SamplingParams
 from decode_node.node import DecodeNode
@@ -86,6 +87,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+class EncodingOutbox:
+    """What a node's ZeroMQ outbox does with a message before its socket: encode it. (The
+    in-process QueueOutbox also decodes it again, the router's work, in another process.)"""
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0
+
+    def send(self, msg) -> bool:
+        self.bytes_sent += len(protocol.encode(msg))
+        return True
+
+    def take(self) -> list:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
 def make_node(
     model: DeepseekModel, batch: int, context: int, steps: int, mtp_tokens: int, overlap: bool
 ):
@@ -113,7 +132,7 @@ def make_node(
         cfg,
         TimeoutConfig(decode_s=3600),
         QueueInbox(),
-        QueueOutbox(),
+        EncodingOutbox(),
         InprocReceiver(pool, fp),
     )
 

@@ -30,6 +30,9 @@ class BlockTable:
         for slot, table in zip(slots, tables, strict=True):
             self._sync(slot, table)
         width = max((self._synced[s] for s in slots), default=1) or 1
+        first = slots[0] if slots else 0
+        if list(slots) == list(range(first, first + len(slots))):  # in slot order: a view
+            return self.tensor[first : first + len(slots), :width]
         return self.tensor[torch.tensor(slots), :width]
 
     def _sync(self, slot: int, table: PageTable) -> None:

@@ -84,8 +84,10 @@ def sample(
     from native import ops  # here, as in `draw`
 
     logits = process_logits(logits.float(), params, past)  # [B, V]
-    out = torch.empty(len(params), dtype=torch.long)
     greedy = [i for i, p in enumerate(params) if p.is_greedy]
+    if len(greedy) == len(params):  # the common all-greedy step: no scatter into `out`
+        return ops.argmax_rows(logits).tolist()
+    out = torch.empty(len(params), dtype=torch.long)
     if greedy:
         out[greedy] = ops.argmax_rows(_take_rows(logits, greedy))
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
