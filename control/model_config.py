@@ -61,11 +61,12 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """Checkpoint weight quantization: FP8 e4m3 with blocks (DeepSeek-V3), or GPTQ 4-bit
+    """Checkpoint weight quantization: FP8 e4m3 with blocks (DeepSeek-V3), GPTQ 4-bit
     (`model.gptq`: its group size, and whether its zeros are stored minus one, the "gptq" v1
-    format, or as they are, "gptq_v2")."""
+    format, or as they are, "gptq_v2"), or compressed-tensors' symmetric packed int4
+    (`model.compressed_tensors`: its group size)."""
 
-    method: str  # "fp8" | "gptq"
+    method: str  # "fp8" | "gptq" | "compressed-tensors"
     fmt: str  # "e4m3" | "int4"
     weight_block_size: tuple[int, int] | None = None  # fp8
     group_size: int = 0  # gptq
@@ -228,8 +229,12 @@ def _parse_quant(raw: dict[str, Any]) -> QuantConfig | None:
     method = q.get("quant_method")
     if method == "gptq":
         return _parse_gptq(q)
+    if method == "compressed-tensors":
+        return _parse_compressed_tensors(q)
     if method != "fp8":
-        raise ConfigError(f"unsupported quantization method {method!r} (supported: fp8, gptq)")
+        raise ConfigError(
+            f"unsupported quantization method {method!r} (supported: fp8, gptq, compressed-tensors)"
+        )
     fmt = q.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ConfigError(f"unsupported fp8 format {fmt!r} (supported: e4m3)")
@@ -237,6 +242,41 @@ def _parse_quant(raw: dict[str, Any]) -> QuantConfig | None:
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) for b in block)):
         raise ConfigError("fp8 quantization needs 'weight_block_size' as [rows, cols]")
     return QuantConfig(method="fp8", fmt="e4m3", weight_block_size=(block[0], block[1]))
+
+
+def _parse_compressed_tensors(q: dict[str, Any]) -> QuantConfig:
+    """compressed-tensors' weight-only int4 ("pack-quantized"): every config group symmetric,
+    group-wise, of one group size (the only form `model.compressed_tensors` reads)."""
+    groups = q.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ConfigError("compressed-tensors quantization needs 'config_groups'")
+    sizes = set()
+    for key, group in groups.items():
+        if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
+            raise ConfigError(f"compressed-tensors config group {key!r} has no 'weights'")
+        fmt = group.get("format") or q.get("format")
+        w = group["weights"]
+        if fmt != "pack-quantized" or w.get("num_bits") != 4 or w.get("type", "int") != "int":
+            raise ConfigError(
+                f"unsupported compressed-tensors group {key!r}: format {fmt!r}, "
+                f"{w.get('num_bits')!r}-bit {w.get('type')!r} (supported: pack-quantized 4-bit int)"
+            )
+        if group.get("input_activations") is not None:
+            raise ConfigError(
+                f"compressed-tensors group {key!r} quantizes activations (supported: weight-only)"
+            )
+        if w.get("symmetric") is not True or w.get("strategy") != "group":
+            raise ConfigError(
+                f"unsupported compressed-tensors group {key!r}: symmetric={w.get('symmetric')!r}, "
+                f"strategy {w.get('strategy')!r} (supported: symmetric, group)"
+            )
+        size = w.get("group_size")
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise ConfigError(f"compressed-tensors group {key!r} needs a positive 'group_size'")
+        sizes.add(size)
+    if len(sizes) != 1:
+        raise ConfigError(f"compressed-tensors groups of several group sizes {sorted(sizes)}")
+    return QuantConfig(method="compressed-tensors", fmt="int4", group_size=sizes.pop())
 
 
 def _parse_gptq(q: dict[str, Any]) -> QuantConfig:

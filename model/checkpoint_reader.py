@@ -9,9 +9,10 @@ flight, never the checkpoint's pages or a second copy of the weights. The model 
 experts to their packers as loaders that pop each expert when it is packed
 (`native._gemm_ops.take_expert`).
 
-FP8 e4m3 block-quantized weights (`X` + `X_scale_inv`, DeepSeek-V3 style) and GPTQ 4-bit
-linears (`X.qweight`, `X.qzeros`, `X.scales` in place of `X.weight`: `model.gptq`) are
-dequantized to the model dtype, or with `keep_stored` handed over as stored (`Fp8Weight`,
+FP8 e4m3 block-quantized weights (`X` + `X_scale_inv`, DeepSeek-V3 style), GPTQ 4-bit
+linears (`X.qweight`, `X.qzeros`, `X.scales` in place of `X.weight`: `model.gptq`) and
+compressed-tensors packed int4 ones (`X.weight_packed`, `X.weight_scale`, `X.weight_shape`:
+`model.compressed_tensors`, read as the GPTQ weights they equal) are dequantized to the model dtype, or with `keep_stored` handed over as stored (`Fp8Weight`,
 `GptqWeight`) for a quantizer to keep or re-quantize. Every failure is a `WeightLoadError`
 whose one-line message names the tensor and the file.
 """
@@ -30,6 +31,7 @@ from tqdm import tqdm
 
 from control.errors import WeightLoadError
 from control.model_config import QuantConfig
+from model import compressed_tensors
 from model.fp8_blocks import dequantize_fp8_blockwise
 from model.gptq import G_IDX, SUFFIXES, GptqWeight
 from model.safetensors_reader import SafetensorsFile
@@ -98,8 +100,9 @@ class CheckpointReader:
         self.gptq = gptq
         weight_map = _weight_map(self.model_dir)
         if weight_map is not None:
+            stored_as = "qweight" if gptq is None else _int4_suffixes(gptq)[0]
             for name in expected:
-                if name not in weight_map and _gptq_name(name, "qweight") not in weight_map:
+                if name not in weight_map and _gptq_name(name, stored_as) not in weight_map:
                     raise WeightLoadError(
                         f"tensor '{name}' is missing from {self.model_dir / INDEX_FILE}"
                     )
@@ -156,7 +159,12 @@ class CheckpointReader:
         if name not in self.expected:
             raise KeyError(name)
         if self.gptq is not None and not self._files.has(name):
-            tensor = _load_gptq(
+            load = (
+                _load_compressed_tensors
+                if self.gptq.method == compressed_tensors.METHOD
+                else _load_gptq
+            )
+            tensor = load(
                 self._files, name, self.expected[name], self.dtype, self.gptq, keep_stored
             )
         else:
@@ -329,6 +337,59 @@ def _gptq_name(weight_name: str, suffix: str) -> str:
     return weight_name.removesuffix(".weight") + "." + suffix
 
 
+def _int4_suffixes(config: QuantConfig) -> tuple[str, ...]:
+    return compressed_tensors.SUFFIXES if config.method == compressed_tensors.METHOD else SUFFIXES
+
+
+def _read_int4_parts(files: _FileCache, name: str, shape, config: QuantConfig):
+    """The stored tensors of the int4 linear standing for `name` [N, K] and the file they are in."""
+    if not name.endswith(".weight") or len(shape) != 2:
+        raise WeightLoadError(f"tensor '{name}' is missing from the checkpoint")
+    parts, path = {}, None
+    for suffix in _int4_suffixes(config):
+        stored = _gptq_name(name, suffix)
+        if not files.has(stored):
+            label = "GPTQ" if config.method == "gptq" else config.method
+            raise WeightLoadError(f"tensor '{name}' is missing (and so is its {label} '{stored}')")
+        parts[suffix], path = _read_raw(files, stored)
+    return parts, path
+
+
+def _load_compressed_tensors(
+    files: _FileCache,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    config: QuantConfig,
+    keep_stored: bool,
+) -> torch.Tensor | GptqWeight:
+    """The compressed-tensors linear standing for `name` (`model.compressed_tensors`), checked
+    against `shape` [N, K]."""
+    parts, path = _read_int4_parts(files, name, shape, config)
+    n, k = shape
+    group = config.group_size
+    packed, scale, stored_shape = (parts[s] for s in compressed_tensors.SUFFIXES)
+    if (
+        k % 8
+        or tuple(packed.shape) != (n, k // 8)
+        or packed.dtype != torch.int32
+        or tuple(scale.shape) != (n, -(-k // group))
+        or not scale.is_floating_point()
+        or stored_shape.tolist() != [n, k]
+    ):
+        raise WeightLoadError(
+            f"tensor '{name}' in {path}: a compressed-tensors [{n}, {k}] weight with group size "
+            f"{group} needs weight_packed [{n}, {k // 8}] int32, weight_scale "
+            f"[{n}, {-(-k // group)}] float and weight_shape [{n}, {k}]; got "
+            f"{list(packed.shape)} {packed.dtype}, {list(scale.shape)} {scale.dtype}, "
+            f"{stored_shape.tolist()}"
+        )
+    weight = compressed_tensors.as_gptq(packed, scale, group, name)
+    if keep_stored:
+        return weight
+    return weight.dequantize(torch.float32 if keeps_fp32(name) else dtype)
+
+
 def _load_gptq(
     files: _FileCache,
     name: str,
@@ -338,14 +399,7 @@ def _load_gptq(
     keep_stored: bool,
 ) -> torch.Tensor | GptqWeight:
     """The GPTQ linear standing for `name` (`model.gptq`), checked against `shape` [N, K]."""
-    if not name.endswith(".weight") or len(shape) != 2:
-        raise WeightLoadError(f"tensor '{name}' is missing from the checkpoint")
-    parts = {}
-    for suffix in SUFFIXES:
-        stored = _gptq_name(name, suffix)
-        if not files.has(stored):
-            raise WeightLoadError(f"tensor '{name}' is missing (and so is its GPTQ '{stored}')")
-        parts[suffix], path = _read_raw(files, stored)
+    parts, path = _read_int4_parts(files, name, shape, gptq)
     g_idx_name = _gptq_name(name, G_IDX)
     g_idx = _read_raw(files, g_idx_name)[0] if files.has(g_idx_name) else None
     n, k = shape

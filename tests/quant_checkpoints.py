@@ -99,3 +99,49 @@ def gptq_checkpoint(out_dir: Path, group: int, sym: bool, zeros_minus_one: bool 
     }
     (model_dir / "config.json").write_text(json.dumps(cfg))
     return model_dir, meant
+
+
+def compressed_tensors_checkpoint(out_dir: Path, group: int):
+    """The tiny model as a compressed-tensors "pack-quantized" W4A16 checkpoint (symmetric,
+    group-wise, as llm-compressor writes it): every decoder linear as weight_packed [N, K/8]
+    (the signed 4-bit value + 8, packed along K, the first in the lowest bits), weight_scale
+    [N, K/G] and weight_shape, on the same grid as `gptq_checkpoint(..., sym=True)`.
+    -> (model dir, {weight name: the fp32 weight [N, K] it stands for, (q - 8) * scale})."""
+    model_dir = make_tiny_model(out_dir)
+    with SafetensorsFile(model_dir / SINGLE_FILE) as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    meant = {}
+    for name in [n for n in tensors if n.endswith(tuple(f".{p}.weight" for p in GPTQ_LINEARS))]:
+        w = tensors.pop(name)
+        q, _, scale = gptq_quantize(w, group, sym=True)  # q [K, N] in [0, 15], zero point 8
+        groups = torch.arange(w.shape[1]) // group
+        meant[name] = ((q - 8).float() * scale.float()[groups]).T.contiguous()
+        stem = name.removesuffix(".weight")
+        tensors[f"{stem}.weight_packed"] = _pack_words(q.T, 1)
+        tensors[f"{stem}.weight_scale"] = scale.T.contiguous()
+        tensors[f"{stem}.weight_shape"] = torch.tensor(list(w.shape), dtype=torch.int64)
+    save_checkpoint(model_dir, tensors)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": group,
+                    "dynamic": False,
+                },
+                "input_activations": None,
+                "output_activations": None,
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    return model_dir, meant
