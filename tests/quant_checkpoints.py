@@ -68,16 +68,23 @@ def gptq_quantize(w: torch.Tensor, group: int, sym: bool):
     return q.reshape(k, n).to(torch.int64), zero.to(torch.int64), scale.half()
 
 
+def _tiny_linears(out_dir: Path):
+    """The tiny model's dir, its tensors, and the names of the decoder linears among them."""
+    model_dir = make_tiny_model(out_dir)
+    with SafetensorsFile(model_dir / SINGLE_FILE) as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    ends = tuple(f".{p}.weight" for p in GPTQ_LINEARS)
+    return model_dir, tensors, [n for n in tensors if n.endswith(ends)]
+
+
 def gptq_checkpoint(out_dir: Path, group: int, sym: bool, zeros_minus_one: bool = True):
     """The tiny model as a GPTQ 4-bit checkpoint: every decoder linear as qweight / qzeros /
     scales / g_idx (the "gptq" v1 format stores z - 1; "gptq_v2" z), quantized from fp32.
     -> (model dir, {weight name: the fp32 weight [N, K] it stands for, (q - z) * scale}), the
     values computed here from the grid, not by the loader under test."""
-    model_dir = make_tiny_model(out_dir)
-    with SafetensorsFile(model_dir / SINGLE_FILE) as f:
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    model_dir, tensors, linears = _tiny_linears(out_dir)
     meant = {}
-    for name in [n for n in tensors if n.endswith(tuple(f".{p}.weight" for p in GPTQ_LINEARS))]:
+    for name in linears:
         w = tensors.pop(name)
         q, zero, scale = gptq_quantize(w, group, sym)
         groups = torch.arange(w.shape[1]) // group
@@ -107,11 +114,9 @@ def compressed_tensors_checkpoint(out_dir: Path, group: int):
     (the signed 4-bit value + 8, packed along K, the first in the lowest bits), weight_scale
     [N, K/G] and weight_shape, on the same grid as `gptq_checkpoint(..., sym=True)`.
     -> (model dir, {weight name: the fp32 weight [N, K] it stands for, (q - 8) * scale})."""
-    model_dir = make_tiny_model(out_dir)
-    with SafetensorsFile(model_dir / SINGLE_FILE) as f:
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    model_dir, tensors, linears = _tiny_linears(out_dir)
     meant = {}
-    for name in [n for n in tensors if n.endswith(tuple(f".{p}.weight" for p in GPTQ_LINEARS))]:
+    for name in linears:
         w = tensors.pop(name)
         q, _, scale = gptq_quantize(w, group, sym=True)  # q [K, N] in [0, 15], zero point 8
         groups = torch.arange(w.shape[1]) // group
