@@ -10,6 +10,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdlib>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -22,6 +24,26 @@ namespace py = pybind11;
 
 namespace duet {
 namespace {
+
+// The call's intermediates (new rows, absorbed queries, latent outputs), in a buffer of the
+// calling thread that only grows: no allocation or zero fill per call. The kernels it chains
+// keep their own scratch (attention_common.h's slots, gemm's accumulators).
+bf16_t* scratch_bf16(int64_t count) {
+  struct Buffer {
+    bf16_t* data = nullptr;
+    int64_t size = 0;
+    ~Buffer() { std::free(data); }
+  };
+  thread_local Buffer buffer;
+  if (buffer.size < count) {
+    std::free(buffer.data);
+    const int64_t bytes = (count * static_cast<int64_t>(sizeof(bf16_t)) + 4095) / 4096 * 4096;
+    buffer.data = static_cast<bf16_t*>(std::aligned_alloc(64, bytes));
+    if (buffer.data == nullptr) throw std::bad_alloc();
+    buffer.size = bytes / static_cast<int64_t>(sizeof(bf16_t));
+  }
+  return buffer.data;
+}
 
 struct Sizes {
   int64_t heads, nope, rope, rank, v;  // H, Dn, R, L, Dv
@@ -73,8 +95,9 @@ void mla_decode_absorbed(uintptr_t out, uintptr_t q, int64_t q_tok, int64_t q_he
   const int64_t width = s.rank + s.rope;
   check_sizes(s, width, uk_k_pairs, uv_k_pairs, q_tok, q_head, q);
   const int64_t tokens = static_cast<int64_t>(seq_lens.size());
-  std::vector<bf16_t> rows(tokens * width), q_full(tokens * s.heads * width);
-  std::vector<bf16_t> latent(tokens * s.heads * s.rank);
+  bf16_t* rows = scratch_bf16(tokens * (width + s.heads * width + s.heads * s.rank));
+  bf16_t* q_full = rows + tokens * width;
+  bf16_t* latent = q_full + tokens * s.heads * width;
 
   MlaDecodeProblem pb;
   pb.batch = tokens;
@@ -83,34 +106,34 @@ void mla_decode_absorbed(uintptr_t out, uintptr_t q, int64_t q_tok, int64_t q_he
   pb.rank = s.rank;
   pb.page_size = page_size;
   pb.num_pages = num_pages;
-  pb.q = reinterpret_cast<const char*>(q_full.data());
+  pb.q = reinterpret_cast<const char*>(q_full);
   pb.q_batch_stride = s.heads * width;
   pb.q_head_stride = width;
   pb.cache = reinterpret_cast<char*>(kv_cache);
   pb.page_table = reinterpret_cast<const int32_t*>(page_table);
   pb.page_table_stride = page_table_stride;
   pb.seq_lens = std::move(seq_lens);
-  pb.new_rows = reinterpret_cast<const char*>(rows.data());
-  pb.out = reinterpret_cast<char*>(latent.data());
+  pb.new_rows = reinterpret_cast<const char*>(rows);
+  pb.out = reinterpret_cast<char*>(latent);
   pb.sm_scale = static_cast<float>(sm_scale);
   // Every check before the first write into the cache: a refused call leaves it as it was.
   check_mla_decode("mla_decode_absorbed", pb, max_pages, DType::kBFloat16);
 
   const auto* qp = reinterpret_cast<const bf16_t*>(q);
   const auto* kv = reinterpret_cast<const bf16_t*>(kv_a);
-  rms_norm_rows_bf16(kv, kv_a_stride, reinterpret_cast<const bf16_t*>(norm_w), rows.data(), width,
+  rms_norm_rows_bf16(kv, kv_a_stride, reinterpret_cast<const bf16_t*>(norm_w), rows, width,
                      tokens, s.rank, static_cast<float>(eps));
   // Throws on a position outside the table before it writes anything.
   apply_rope_bf16(RopeArgs{qp + s.nope, q_tok, q_head, kv + s.rank, kv_a_stride,
                            reinterpret_cast<const int64_t*>(positions),
-                           reinterpret_cast<const float*>(cos_sin), max_pos, q_full.data() + s.rank,
-                           s.heads * width, width, rows.data() + s.rank, width, tokens, s.heads,
+                           reinterpret_cast<const float*>(cos_sin), max_pos, q_full + s.rank,
+                           s.heads * width, width, rows + s.rank, width, tokens, s.heads,
                            s.rope});
   bmm_packed_bf16(PackedBmmArgs{qp, s.heads, tokens, uk_k_pairs, q_head, q_tok,
-                                reinterpret_cast<const bf16_t*>(w_uk), s.rank, q_full.data(), width,
+                                reinterpret_cast<const bf16_t*>(w_uk), s.rank, q_full, width,
                                 s.heads * width});
   mla_decode_run(pb, DType::kBFloat16);
-  bmm_packed_bf16(PackedBmmArgs{latent.data(), s.heads, tokens, uv_k_pairs, s.rank,
+  bmm_packed_bf16(PackedBmmArgs{latent, s.heads, tokens, uv_k_pairs, s.rank,
                                 s.heads * s.rank, reinterpret_cast<const bf16_t*>(w_uv), s.v,
                                 reinterpret_cast<bf16_t*>(out), s.v, s.heads * s.v});
 }
