@@ -112,7 +112,7 @@ class Case:
     run: Callable[[], object]
     reference: Callable[[], object]
     others: dict[str, Variants] = field(default_factory=dict)  # baseline -> {variant: fn}
-    compute: str = "bf16"  # roofline.COMPUTE_PROBES key: bf16 / int8 / fp32 / none
+    compute: str = "bf16"  # roofline.COMPUTE_PROBES key: bf16 / bf16_tiles / int8 / fp32 / none
     level: str = "dram"  # roofline.MEMORY_LEVELS: where the inputs stream from
 
 
@@ -471,6 +471,7 @@ def mla_decode_cases(d: Dims, wanted: Wanted) -> Iterator[Case]:
                 flops=2 * batch * d.heads * context * (width + d.kv_lora_rank),
                 run=lambda a=args, kv=caches: ops.mla_decode(a[0], kv(), *a[1:]),
                 reference=lambda a=args, kv=caches: reference.mla_decode(a[0], kv(), *a[1:]),
+                compute="bf16_tiles",
                 level=memory_level(copies * kv_cache.numel() * ELEM),
             )
 

@@ -28,6 +28,7 @@ PEAK_FAMILIES = {
     "int8_dot": "vpdpbusd zmm",
     "fp32_fma_zmm": "vfmadd231ps zmm",
     "fp32_fma_ymm": "vfmadd231ps ymm",
+    "amx_bf16": "tdpbf16ps tiles",
 }
 # Used when sysfs does not say (this machine: 1 MiB L2 per core, 32 MiB L3).
 DEFAULT_L2_BYTES = 1 << 20

@@ -22,6 +22,8 @@ from bench import roof_probes
 # ISA (the bf16 kernels fall back to fp32 FMA without AVX512-BF16).
 COMPUTE_PROBES = {
     "bf16": ("bf16_dot", "fp32_fma_zmm", "fp32_fma_ymm"),
+    # a kernel with an AMX path (mla_decode): the tiles' rate where the CPU has them
+    "bf16_tiles": ("amx_bf16", "bf16_dot", "fp32_fma_zmm", "fp32_fma_ymm"),
     "int8": ("int8_dot",),
     "fp32": ("fp32_fma_zmm", "fp32_fma_ymm"),
     "none": (),

@@ -7,6 +7,10 @@
 #include <cpuid.h>
 #define DUET_X86 1
 #endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace duet {
 namespace {
@@ -23,6 +27,16 @@ unsigned long long xgetbv0() {
   return (static_cast<unsigned long long>(hi) << 32) | lo;
 }
 #endif
+
+// One request for the process (every thread may then use the tiles).
+bool request_amx_tiles() {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
 
 CpuFeatures detect() {
   CpuFeatures f;
@@ -48,8 +62,10 @@ CpuFeatures detect() {
   f.avx512vl = zmm_ok && ((ebx >> 31) & 1);
   f.avx512_vbmi = zmm_ok && ((ecx >> 1) & 1);
   f.avx512_vnni = zmm_ok && ((ecx >> 11) & 1);
-  f.amx_bf16 = amx_ok && ((edx >> 22) & 1);
-  f.amx_int8 = amx_ok && ((edx >> 25) & 1);
+  // Linux hands out the tile state only on request (arch_prctl); without it the tiles fault.
+  const bool amx_granted = amx_ok && ((edx >> 24) & 1) && request_amx_tiles();
+  f.amx_bf16 = amx_granted && ((edx >> 22) & 1);
+  f.amx_int8 = amx_granted && ((edx >> 25) & 1);
   cpuid(7, 1, r);
   f.avx512_bf16 = zmm_ok && ((r[0] >> 5) & 1);
 #endif

@@ -9,6 +9,7 @@
 // same call. The rows of the next chunk (or of the next task) are prefetched during the GEMMs.
 //
 // Paths, picked by the active ISA and dtype:
+//   AmxPath      AMX-BF16 tiles for both products (mla_decode_amx.h), W and L multiples of 32;
 //   Bf16Path     vdpbf16ps; per chunk each row pair is loaded once and packed into VNNI pairs
 //                (values); QK^T reads the keys in place when 16 divides the page size, else
 //                from a contiguous copy made in the same pass;
@@ -30,6 +31,7 @@
 #include "common.h"
 #include "cpu_features.h"
 #include "decode_parts.h"
+#include "mla_decode_amx.h"
 #include "mla_decode_paths.h"
 
 namespace py = pybind11;
@@ -158,9 +160,9 @@ template <typename Path, typename T>
 void run(const Problem& pb) {
   if (pb.batch == 0) return;
   // Rows read in place need whole VNNI pairs (even width) and 16-row groups inside one page.
-  const bool in_place =
-      std::is_same_v<Path, Bf16Path> && pb.width % 2 == 0 && pb.page_size % 16 == 0;
-  const bool lane_pairs = std::is_same_v<Path, Bf16Path> && pb.rank % 32 == 0;
+  constexpr bool kPairs = std::is_same_v<Path, Bf16Path> || std::is_same_v<Path, AmxPath>;
+  const bool in_place = kPairs && pb.width % 2 == 0 && pb.page_size % 16 == 0;
+  const bool lane_pairs = kPairs && pb.rank % 32 == 0;
   const Dims d{pb.width, pb.rank, pb.num_heads, round_up(pb.num_heads, 16), in_place, lane_pairs};
   std::vector<int64_t> num_splits;
   const std::vector<Task> tasks = make_tasks(pb, &num_splits);
@@ -273,6 +275,8 @@ void mla_decode_run(const MlaDecodeProblem& pb, DType dtype) {
   const bool avx512 = isa >= Isa::kAvx512;
   if (dtype == DType::kFloat32) {
     avx512 ? run<F32Path<float>, float>(pb) : run<PortablePath<float>, float>(pb);
+  } else if (isa >= Isa::kAmx && pb.width % 32 == 0 && pb.rank % 32 == 0) {
+    run<AmxPath, bf16_t>(pb);
   } else if (isa >= Isa::kAvx512Bf16) {
     run<Bf16Path, bf16_t>(pb);
   } else {

@@ -75,6 +75,46 @@ DUET_TARGET_AVX512 float chains_fp32_fma_zmm(int64_t iterations) {
   return _mm512_reduce_add_ps(sum);
 }
 
+// AMX-BF16: tdpbf16ps on 16 x 16 fp32 tiles (16 x 32 bf16 by 16 x 32): 4 accumulator tiles
+// (the unit's latency over its throughput) from one A and one B tile, kAccumulators
+// instructions a round. The tiles are configured and released around the loop.
+#define DUET_TARGET_AMX_PROBE __attribute__((target("amx-tile,amx-bf16")))
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+DUET_TARGET_AMX_PROBE float chains_amx_bf16(int64_t iterations) {
+  static_assert(kAccumulators % 4 == 0, "rounds of 4 tiles");
+  AmxConfig cfg;
+  for (int t = 0; t < 6; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) uint16_t ones[16 * 32];
+  for (uint16_t& v : ones) v = 0x3a83;  // bf16 ~1e-3: sums stay finite
+  _tile_loadd(4, ones, 64);
+  _tile_loadd(5, ones, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t it = 0; it < iterations; ++it) {
+    for (int i = 0; i < kAccumulators / 4; ++i) {
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(1, 4, 5);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  alignas(64) float out[16 * 16];
+  _tile_stored(0, out, 64);
+  _tile_release();
+  return out[0];
+}
+
 // AVX2 has 16 ymm registers: 12 accumulators + 2 operands still fit.
 DUET_TARGET_AVX2 float chains_fp32_fma_ymm(int64_t iterations) {
   __m256 acc[kAccumulators];
@@ -108,14 +148,16 @@ Family family(const std::string& name) {
   if (name == "bf16_dot") return {chains_bf16_dot, 64.0, isa >= Isa::kAvx512Bf16 && f.avx512_bf16};
   if (name == "int8_dot") return {chains_int8_dot, 128.0, isa >= Isa::kAvx512Bf16 && f.avx512_vnni};
   if (name == "fp32_fma_zmm") return {chains_fp32_fma_zmm, 32.0, isa >= Isa::kAvx512};
+  // tdpbf16ps: 16 x 16 fp32 results x 32 products each.
+  if (name == "amx_bf16") return {chains_amx_bf16, 16384.0, isa >= Isa::kAmx && f.amx_bf16};
   if (name == "fp32_fma_ymm") return {chains_fp32_fma_ymm, 16.0, isa >= Isa::kAvx2 && f.fma};
 #else
   if (name == "bf16_dot" || name == "int8_dot" || name == "fp32_fma_zmm" ||
-      name == "fp32_fma_ymm")
+      name == "fp32_fma_ymm" || name == "amx_bf16")
     return {nullptr, 0.0, false};
 #endif
   throw std::invalid_argument("peak_rate: unknown family '" + name +
-                              "' (bf16_dot, int8_dot, fp32_fma_zmm, fp32_fma_ymm)");
+                              "' (bf16_dot, int8_dot, fp32_fma_zmm, fp32_fma_ymm, amx_bf16)");
 }
 
 double peak_rate(const std::string& name, int64_t iterations, int repeats) {
@@ -147,7 +189,8 @@ void register_peak_probe(py::module_& m) {
         py::arg("repeats") = 5, py::call_guard<py::gil_scoped_release>(),
         "Best in-register rate, in ops/s (a multiply-add = 2), of one instruction family on all "
         "kernel threads: 'bf16_dot' (vdpbf16ps zmm), 'int8_dot' (vpdpbusd zmm), 'fp32_fma_zmm' "
-        "(vfmadd231ps zmm), 'fp32_fma_ymm' (vfmadd231ps ymm, AVX2). Returns 0.0 when the CPU "
+        "(vfmadd231ps zmm), 'fp32_fma_ymm' (vfmadd231ps ymm, AVX2), 'amx_bf16' (tdpbf16ps tiles). "
+        "Returns 0.0 when the CPU "
         "(or the DUET_ISA cap) lacks the instruction.");
 }
 

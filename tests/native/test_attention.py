@@ -146,6 +146,10 @@ DECODE_CASES = {
     # 20 heads: two head vectors; 3 heads: one mostly empty vector.
     "twenty_heads": ([70, 200], 20, 64, 16),
     "three_heads_odd_width": ([19, 40], 3, 17, 4),
+    # Widths and ranks of multiples of 32 take the AMX path where the CPU has it: one head block
+    # of few heads, two head blocks, and chunks of 1..4 blocks of 32 rows.
+    "tiles_three_heads": ([19, 40, 97], 3, 256, 32),
+    "tiles_twenty_heads": ([70, 200, 33], 20, 512, 64),
 }
 
 
