@@ -26,7 +26,6 @@ unsigned long long xgetbv0() {
   __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
   return (static_cast<unsigned long long>(hi) << 32) | lo;
 }
-#endif
 
 // One request for the process (every thread may then use the tiles).
 bool request_amx_tiles() {
@@ -37,6 +36,7 @@ bool request_amx_tiles() {
   return false;
 #endif
 }
+#endif
 
 CpuFeatures detect() {
   CpuFeatures f;

@@ -19,11 +19,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "amx.h"
 #include "mla_decode_paths.h"
-
-#define DUET_TARGET_AMX                                                                    \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma,f16c," \
-                        "amx-tile,amx-bf16")))
 
 namespace duet {
 namespace mla {
@@ -45,21 +42,6 @@ struct AmxPath {
 
   static void begin(Work& w, const Dims& d, const bf16_t* q, int64_t head_stride) {
     Bf16Path::begin(w, d, q, head_stride);
-  }
-
-  struct TileConfig {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  };
-
-  DUET_TARGET_AMX static void configure() {
-    alignas(64) TileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
   }
 
   // S[r][h] for r < round_up(n_len, 16): tile 0 = C, 2 = rows, 3 = query pairs.
@@ -159,7 +141,7 @@ struct AmxPath {
   // between calls (cpu_features.cpp asked Linux for it once, for the process).
   DUET_TARGET_AMX static void chunk(Work& w, const Dims& d, const bf16_t* const* rows,
                                     int64_t n_len, float scale, LinePrefetch* pf) {
-    configure();
+    configure_full_tiles(8);
     if (d.keys_in_place) {
       Bf16Path::pack_values(w, d, rows, n_len);
     } else {

@@ -17,6 +17,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "amx.h"
 #include "common.h"
 #include "cpu_features.h"
 
@@ -78,21 +79,9 @@ DUET_TARGET_AVX512 float chains_fp32_fma_zmm(int64_t iterations) {
 // AMX-BF16: tdpbf16ps on 16 x 16 fp32 tiles (16 x 32 bf16 by 16 x 32): 4 accumulator tiles
 // (the unit's latency over its throughput) from one A and one B tile, kAccumulators
 // instructions a round. The tiles are configured and released around the loop.
-#define DUET_TARGET_AMX_PROBE __attribute__((target("amx-tile,amx-bf16")))
-struct alignas(64) AmxConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-DUET_TARGET_AMX_PROBE float chains_amx_bf16(int64_t iterations) {
+DUET_TARGET_AMX float chains_amx_bf16(int64_t iterations) {
   static_assert(kAccumulators % 4 == 0, "rounds of 4 tiles");
-  AmxConfig cfg;
-  for (int t = 0; t < 6; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
+  configure_full_tiles(6);
   alignas(64) uint16_t ones[16 * 32];
   for (uint16_t& v : ones) v = 0x3a83;  // bf16 ~1e-3: sums stay finite
   _tile_loadd(4, ones, 64);
