@@ -1,8 +1,9 @@
 // The AMX path of MLA decode (mla_decode.cpp), for CPUs with AMX-BF16 tiles: the two products of
 // a chunk run on the tile unit, everything else as in Bf16Path (the query's pairs, the value
 // pairs, the online softmax, the merge). With vdpbf16ps the chunk is compute-bound (about 0.12
-// TFLOP/s a core here against a tile unit measured at 3.2); with tiles it is bound by the read
-// of its rows.
+// TFLOP/s a core here against a tile unit measured at 3.2); with tiles the two products are
+// cheap and the rest of the chunk's work (value pairs, softmax, P transposes, O's tile loads
+// and stores) now costs more than streaming its rows.
 //
 // NOTE: layouts (tiles are 16 rows x 64 bytes; one 32-bit word = one bf16 pair).
 //   S^T = K . Q     per 16-row group and 16-head block: A = 16 cache rows x 32 values (in place,
