@@ -69,11 +69,12 @@ class CheckpointReader:
         dtype: dtype of the tensors handed out, except router tensors (`keeps_fp32`) in float32.
         fp8_block: (rows, cols) of the FP8 scale blocks, from the config's
             `quantization_config.weight_block_size`; needed only if FP8 tensors are present.
-        keep_stored: `pop` hands FP8 and GPTQ weights over as stored (`Fp8Weight`,
+        keep_stored: `pop` hands FP8 and int4 weights over as stored (`Fp8Weight`,
             `GptqWeight`) instead of dequantizing them.
-        gptq: the config's GPTQ quantization (`QuantConfig` of method "gptq"), if any: an
-            expected `X.weight` the checkpoint does not have is then read from `X.qweight`,
-            `X.qzeros`, `X.scales` and, if present, `X.g_idx`.
+        int4: the config's int4 quantization (`QuantConfig` of format "int4": method "gptq" or
+            "compressed-tensors"), if any: an expected `X.weight` the checkpoint does not have
+            is then read from the method's tensors (`X.qweight`, `X.qzeros`, `X.scales` and, if
+            present, `X.g_idx`; or `X.weight_packed`, `X.weight_scale`, `X.weight_shape`).
         progress: a tqdm bar on stderr of the bytes read and their rate (only on a tty).
 
     `reader[name]` reads once and keeps the tensor (norms, the embedding: what the model holds
@@ -90,19 +91,19 @@ class CheckpointReader:
         fp8_block: tuple[int, int] | None = None,
         keep_stored: bool = False,
         progress: bool = True,
-        gptq: QuantConfig | None = None,
+        int4: QuantConfig | None = None,
     ):
         self.model_dir = Path(model_dir)
         self.expected = expected
         self.dtype = dtype
         self.fp8_block = fp8_block
         self.keep_stored = keep_stored
-        self.gptq = gptq
+        self.int4 = int4
         weight_map = _weight_map(self.model_dir)
         if weight_map is not None:
-            stored_as = "qweight" if gptq is None else _int4_suffixes(gptq)[0]
+            stored_as = "qweight" if int4 is None else _INT4_FORMS[int4.method][0][0]
             for name in expected:
-                if name not in weight_map and _gptq_name(name, stored_as) not in weight_map:
+                if name not in weight_map and _part_name(name, stored_as) not in weight_map:
                     raise WeightLoadError(
                         f"tensor '{name}' is missing from {self.model_dir / INDEX_FILE}"
                     )
@@ -158,14 +159,9 @@ class CheckpointReader:
     def _take(self, name: str, keep_stored: bool) -> torch.Tensor | Fp8Weight | GptqWeight:
         if name not in self.expected:
             raise KeyError(name)
-        if self.gptq is not None and not self._files.has(name):
-            load = (
-                _load_compressed_tensors
-                if self.gptq.method == compressed_tensors.METHOD
-                else _load_gptq
-            )
-            tensor = load(
-                self._files, name, self.expected[name], self.dtype, self.gptq, keep_stored
+        if self.int4 is not None and not self._files.has(name):
+            tensor = _load_int4(
+                self._files, name, self.expected[name], self.dtype, self.int4, keep_stored
             )
         else:
             tensor = _load_one(
@@ -332,30 +328,13 @@ def _load_one(
     return dequantize_fp8_blockwise(raw, scale, fp8_block).to(target).contiguous()
 
 
-def _gptq_name(weight_name: str, suffix: str) -> str:
-    """The GPTQ tensor `suffix` of the linear whose weight is `weight_name` (X.weight -> X.suffix)."""
+def _part_name(weight_name: str, suffix: str) -> str:
+    """The stored tensor `suffix` of the linear whose weight is `weight_name` (X.weight ->
+    X.suffix): a quantized linear's parts."""
     return weight_name.removesuffix(".weight") + "." + suffix
 
 
-def _int4_suffixes(config: QuantConfig) -> tuple[str, ...]:
-    return compressed_tensors.SUFFIXES if config.method == compressed_tensors.METHOD else SUFFIXES
-
-
-def _read_int4_parts(files: _FileCache, name: str, shape, config: QuantConfig):
-    """The stored tensors of the int4 linear standing for `name` [N, K] and the file they are in."""
-    if not name.endswith(".weight") or len(shape) != 2:
-        raise WeightLoadError(f"tensor '{name}' is missing from the checkpoint")
-    parts, path = {}, None
-    for suffix in _int4_suffixes(config):
-        stored = _gptq_name(name, suffix)
-        if not files.has(stored):
-            label = "GPTQ" if config.method == "gptq" else config.method
-            raise WeightLoadError(f"tensor '{name}' is missing (and so is its {label} '{stored}')")
-        parts[suffix], path = _read_raw(files, stored)
-    return parts, path
-
-
-def _load_compressed_tensors(
+def _load_int4(
     files: _FileCache,
     name: str,
     shape: tuple[int, ...],
@@ -363,9 +342,28 @@ def _load_compressed_tensors(
     config: QuantConfig,
     keep_stored: bool,
 ) -> torch.Tensor | GptqWeight:
+    """The int4 linear standing for `name` [N, K]: its method's stored tensors, checked, as the
+    `GptqWeight` they stand for (kept as stored) or dequantized."""
+    if not name.endswith(".weight") or len(shape) != 2:
+        raise WeightLoadError(f"tensor '{name}' is missing from the checkpoint")
+    suffixes, label, read = _INT4_FORMS[config.method]
+    parts, path = {}, None
+    for suffix in suffixes:
+        stored = _part_name(name, suffix)
+        if not files.has(stored):
+            raise WeightLoadError(f"tensor '{name}' is missing (and so is its {label} '{stored}')")
+        parts[suffix], path = _read_raw(files, stored)
+    weight = read(files, name, shape, config, parts, path)
+    if keep_stored:
+        return weight
+    return weight.dequantize(torch.float32 if keeps_fp32(name) else dtype)
+
+
+def _compressed_tensors_weight(
+    files: _FileCache, name: str, shape, config: QuantConfig, parts: dict, path
+) -> GptqWeight:
     """The compressed-tensors linear standing for `name` (`model.compressed_tensors`), checked
     against `shape` [N, K]."""
-    parts, path = _read_int4_parts(files, name, shape, config)
     n, k = shape
     group = config.group_size
     packed, scale, stored_shape = (parts[s] for s in compressed_tensors.SUFFIXES)
@@ -384,23 +382,14 @@ def _load_compressed_tensors(
             f"{list(packed.shape)} {packed.dtype}, {list(scale.shape)} {scale.dtype}, "
             f"{stored_shape.tolist()}"
         )
-    weight = compressed_tensors.as_gptq(packed, scale, group, name)
-    if keep_stored:
-        return weight
-    return weight.dequantize(torch.float32 if keeps_fp32(name) else dtype)
+    return compressed_tensors.as_gptq(packed, scale, group, name)
 
 
-def _load_gptq(
-    files: _FileCache,
-    name: str,
-    shape: tuple[int, ...],
-    dtype: torch.dtype,
-    gptq: QuantConfig,
-    keep_stored: bool,
-) -> torch.Tensor | GptqWeight:
+def _gptq_weight(
+    files: _FileCache, name: str, shape, gptq: QuantConfig, parts: dict, path
+) -> GptqWeight:
     """The GPTQ linear standing for `name` (`model.gptq`), checked against `shape` [N, K]."""
-    parts, path = _read_int4_parts(files, name, shape, gptq)
-    g_idx_name = _gptq_name(name, G_IDX)
+    g_idx_name = _part_name(name, G_IDX)
     g_idx = _read_raw(files, g_idx_name)[0] if files.has(g_idx_name) else None
     n, k = shape
     group = gptq.group_size
@@ -413,15 +402,23 @@ def _load_gptq(
         tensor = parts[suffix]
         if tuple(tensor.shape) != want_shape or (want_dtype and tensor.dtype != want_dtype):
             raise WeightLoadError(
-                f"tensor '{_gptq_name(name, suffix)}' in {path}: expected {list(want_shape)} "
+                f"tensor '{_part_name(name, suffix)}' in {path}: expected {list(want_shape)} "
                 f"{want_dtype or 'float'} for a GPTQ [{n}, {k}] weight with group size {group}, "
                 f"got {list(tensor.shape)} {tensor.dtype}"
             )
     if k % 8 or (g_idx is not None and tuple(g_idx.shape) != (k,)):
         raise WeightLoadError(f"tensor '{name}': a GPTQ weight needs K % 8 == 0 and g_idx [K]")
-    weight = GptqWeight(
+    return GptqWeight(
         parts["qweight"], parts["qzeros"], parts["scales"], g_idx, group, gptq.zeros_minus_one, name
     )
-    if keep_stored:
-        return weight
-    return weight.dequantize(torch.float32 if keeps_fp32(name) else dtype)
+
+
+# method -> (its stored parts, the first one in the index; its name in messages; their reader)
+_INT4_FORMS = {
+    "gptq": (SUFFIXES, "GPTQ", _gptq_weight),
+    compressed_tensors.METHOD: (
+        compressed_tensors.SUFFIXES,
+        "compressed-tensors",
+        _compressed_tensors_weight,
+    ),
+}

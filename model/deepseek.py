@@ -212,10 +212,10 @@ class DeepseekModel:
             shapes.update(mtp_shapes(cfg, keep))
         block = cfg.quant.weight_block_size if cfg.quant else None
         # GPTQ or compressed-tensors: both int4 forms the reader hands over as `GptqWeight`s
-        gptq = cfg.quant if cfg.quant and cfg.quant.fmt == "int4" else None
+        int4 = cfg.quant if cfg.quant and cfg.quant.fmt == "int4" else None
         keep_stored = quantizer(quant, dtype, quant_attention=quant_attention).keeps_stored
         with CheckpointReader(
-            model_dir, shapes, dtype, block, keep_stored, progress, gptq
+            model_dir, shapes, dtype, block, keep_stored, progress, int4
         ) as weights:
             yield cfg, weights, expert_range
             unread = weights.unread()

@@ -10,14 +10,10 @@ from model.kv_pool import PageTable
 from runtime.block_table import BlockTable
 
 
-def _expected(tables: list[PageTable]) -> list[list[int]]:
-    return [t.pages for t in tables]
-
-
 def _check(rows: torch.Tensor, tables: list[PageTable]) -> None:
     assert rows.dtype == torch.int32 and rows.stride(-1) == 1
     assert rows.shape[1] == max(len(t.pages) for t in tables)
-    for row, pages in zip(rows.tolist(), _expected(tables), strict=True):
+    for row, pages in zip(rows.tolist(), [t.pages for t in tables], strict=True):
         assert row[: len(pages)] == pages
 
 
