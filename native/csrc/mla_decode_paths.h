@@ -148,24 +148,35 @@ DUET_TARGET_AVX512 inline __attribute__((always_inline)) void softmax_heads(
   }
 }
 
+// The order of o's columns within each 32-column group, as two permutex2var index vectors (the
+// group's first 16 output columns from its two halves, then the next 16).
+struct ColumnOrder {
+  alignas(64) int32_t lo[16];
+  alignas(64) int32_t hi[16];
+};
+// Bf16Path::pair_values with lane_pairs: column c sits in slot 4 * (c / 8) + c % 4 (+ 16 if
+// c % 8 >= 4).
+inline constexpr ColumnOrder kLanePairColumns = {
+    {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23},
+    {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31}};
+// Even columns first, then odd: column c sits in slot c / 2 (+ 16 if c is odd).
+inline constexpr ColumnOrder kEvenOddColumns = {
+    {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23},
+    {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31}};
+
 // out[h] = o[h] / l[h] (U = float or bf16) and lse[h] = m[h] + log l[h] when lse is given.
-// With lane_pairs, o's columns are in the order of Bf16Path::pair_values (rank % 32 == 0).
+// o's columns are in their natural order, or (order given, rank % 32 == 0) permuted per group.
 template <typename U>
 DUET_TARGET_AVX512 void finish_rows(const float* o, int64_t ld, const float* m, const float* l,
-                                    const Dims& d, U* out, float* lse) {
-  // Column c of a 32-column group sits in slot 4 * (c / 8) + c % 4 (+ 16 if c % 8 >= 4).
-  alignas(64) static const int32_t kLo[16] = {0, 1, 2, 3, 16, 17, 18, 19,
-                                              4, 5, 6, 7, 20, 21, 22, 23};
-  alignas(64) static const int32_t kHi[16] = {8,  9,  10, 11, 24, 25, 26, 27,
-                                              12, 13, 14, 15, 28, 29, 30, 31};
+                                    const Dims& d, const ColumnOrder* order, U* out, float* lse) {
   for (int64_t h = 0; h < d.heads; ++h) {
     const __m512 inv = _mm512_set1_ps(1.0f / l[h]);
     const float* oh = o + h * ld;
     U* dst = out + h * d.rank;
-    if (d.lane_pairs) {
+    if (order != nullptr) {
+      const __m512i lo = _mm512_load_si512(order->lo), hi = _mm512_load_si512(order->hi);
       for (int64_t i = 0; i < d.rank; i += 32) {
         const __m512 x = _mm512_loadu_ps(oh + i), y = _mm512_loadu_ps(oh + i + 16);
-        const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
         vec::store16(dst + i, _mm512_mul_ps(_mm512_permutex2var_ps(x, lo, y), inv), 0xffff);
         vec::store16(dst + i + 16, _mm512_mul_ps(_mm512_permutex2var_ps(x, hi, y), inv), 0xffff);
       }
@@ -281,7 +292,7 @@ struct F32Path {
 
   template <typename U>
   static void finish(const Work& w, const Dims& d, U* out, float* lse) {
-    finish_rows(w.o, w.width_pad, w.m, w.l, d, out, lse);
+    finish_rows(w.o, w.width_pad, w.m, w.l, d, nullptr, out, lse);
   }
 };
 
@@ -476,7 +487,8 @@ struct Bf16Path {
 
   template <typename U>
   static void finish(const Work& w, const Dims& d, U* out, float* lse) {
-    finish_rows(w.o, w.rank_pad, w.m, w.l, d, out, lse);
+    finish_rows(w.o, w.rank_pad, w.m, w.l, d, d.lane_pairs ? &kLanePairColumns : nullptr, out,
+                lse);
   }
 };
 

@@ -134,7 +134,10 @@ def _check_decode(args) -> None:
     ref_args = dict(args, kv_cache=args["kv_cache"].clone())
     expected = reference.mla_decode(**ref_args)
     _close(ops.mla_decode(**args), expected)
-    assert torch.equal(args["kv_cache"], ref_args["kv_cache"])  # the same new rows stored
+    # The same new rows stored (bit for bit; a cache may hold NaN rows past the lengths).
+    torch.testing.assert_close(
+        args["kv_cache"], ref_args["kv_cache"], rtol=0, atol=0, equal_nan=True
+    )
 
 
 DECODE_CASES = {
@@ -159,6 +162,25 @@ DECODE_CASES = {
 def test_mla_decode(isa, dtype, page_size, case):
     seq_lens, heads, rank, rope = case
     _check_decode(_decode_inputs(seq_lens, heads, rank, rope, page_size, dtype, True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [3, 16, 64])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_mla_decode_ignores_rows_past_the_length(isa, dtype, page_size, poison):
+    """The rows of a sequence's pages past its length (and the unused pages) hold anything: a
+    kernel that reads a whole 16-row group of a page must not let them into the output."""
+    seq_lens = [19, 40, 97, 128]
+    args = _decode_inputs(seq_lens, 16, 512, 64, page_size, dtype, True)
+    cache, table = args["kv_cache"], args["page_table"]
+    used = torch.zeros(cache.shape[:2], dtype=torch.bool)
+    for b, length in enumerate(seq_lens):
+        for pos in range(length):
+            used[table[b, pos // page_size], pos % page_size] = True
+    cache[~used] = poison
+    out = ops.mla_decode(**dict(args, kv_cache=cache.clone()))
+    assert torch.isfinite(out).all()
+    _check_decode(args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
