@@ -195,6 +195,9 @@ struct AmxPath {
       }
     }
     for (int64_t h = 0; h < d.heads_pad; ++h) {
+      // Once a head's running max settles, alpha is exactly 1 and the scaling is the identity:
+      // skipped, it leaves O's lines alone for the tile loads that follow.
+      if (w.alpha[h] == 1.0f) continue;
       const __m512 a = _mm512_set1_ps(w.alpha[h]);
       float* o = w.o + h * w.rank_pad;
       for (int64_t c = 0; c < w.rank_pad; c += 16) {
