@@ -67,7 +67,9 @@ def test_plausibility_limit():
 
 
 def test_cache_defeat_rules():
-    big = cache_defeat.CACHE_DEFEAT_BYTES
+    big = cache_defeat.cache_defeat_bytes()
+    _, l3_bytes = cache_defeat.roof_probes.cache_sizes()
+    assert big >= 4 * l3_bytes and big >= 384 << 20
     assert cache_defeat.copies_to_defeat(big // 4) == 4
     assert cache_defeat.copies_to_defeat(2 * big) == 1
     assert cache_defeat.copies_to_defeat(1) == cache_defeat.MAX_COPIES
