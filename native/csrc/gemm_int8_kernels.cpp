@@ -134,7 +134,7 @@ void tile_portable(int rows, int num_blocks, const uint8_t* const* a_rows,
 
 // Tiles of at most kStreamRows rows (decode) do too little work per weight byte to hide its
 // fetch: they prefetch each weight stream kStreamAhead bytes ahead (2 KiB: 2-8 % more GB/s than
-// none on decode GEMVs over 1.3 GB rotations, 2 threads; 1 KiB did about as well, 4 KiB less).
+// none on decode GEMVs over 1.3 GB rotations, 2 threads; 1 and 4 KiB did about as well).
 // Past the end of a block it touches the next one, or nothing: a prefetch does not fault.
 constexpr int kStreamRows = 2;
 constexpr int64_t kStreamAhead = 2048;
