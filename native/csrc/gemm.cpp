@@ -68,7 +68,7 @@ DUET_TARGET_AVX512_BF16 void tile_avx512_bf16(const bf16_t* const* a_rows,
       acc[r][v] = accumulate ? _mm512_loadu_ps(c + r * ldc + 16 * v) : _mm512_setzero_ps();
     }
   }
-  tile_bf16_accumulate<ROWS, BLOCKS>(acc, a_rows, b_blocks, k_pairs);
+  tile_bf16_accumulate<ROWS, BLOCKS, ROWS <= kStreamRows>(acc, a_rows, b_blocks, k_pairs);
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) {
 #pragma GCC unroll 8

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "gemm_int8.h"
+#include "gemm_kernels.h"  // kStreamRows, kStreamAhead
 #include "vec.h"
 
 namespace duet {
@@ -131,13 +132,6 @@ void tile_portable(int rows, int num_blocks, const uint8_t* const* a_rows,
     }
   }
 }
-
-// Tiles of at most kStreamRows rows (decode) do too little work per weight byte to hide its
-// fetch: they prefetch each weight stream kStreamAhead bytes ahead (2 KiB: 2-8 % more GB/s than
-// none on decode GEMVs over 1.3 GB rotations, 2 threads; 1 and 4 KiB did about as well).
-// Past the end of a block it touches the next one, or nothing: a prefetch does not fault.
-constexpr int kStreamRows = 2;
-constexpr int64_t kStreamAhead = 2048;
 
 // ROWS x BLOCKS tile: per k-group, BLOCKS weight vectors are loaded once and each row's
 // broadcast 4 activation bytes multiply all of them. Compile-time loop bounds keep the
