@@ -39,20 +39,19 @@ struct AmxPath {
 
   struct Work {
     uint32_t* q;   // [wp rounded to 16][heads_pad] query pairs (Bf16Path::begin)
-    uint32_t* k;   // [kChunk][row_words]: the chunk's rows when they cannot be read in place
+    bf16_t* k;     // [kChunk][width]: the chunk's rows when they cannot be read in place
     bf16_t* tail;  // [16][rank]: a last part-group's value columns, zero rows after it
     uint32_t* pw;  // [kChunk][heads_pad]: each probability as bf16 in the low half of a word
     uint32_t* pt;  // [heads_pad / 16][kGroups][2][16][16]: per group, P^T even and odd tiles
     float *s, *o, *m, *l, *alpha;
-    int64_t row_words, rank_pad;
+    int64_t rank_pad;
   };
 
   static Work carve(Arena& a, const Dims& d) {
     Work w;
-    w.row_words = d.width / 2;
     w.rank_pad = d.rank;  // a multiple of 32
     w.q = a.take<uint32_t>(round_up(ceil_div(d.width, 2), 16) * d.heads_pad);
-    w.k = a.take<uint32_t>(kChunk * w.row_words);
+    w.k = a.take<bf16_t>(kChunk * d.width);
     w.tail = a.take<bf16_t>(16 * d.rank);
     w.pw = a.take<uint32_t>(kChunk * d.heads_pad);
     w.pt = a.take<uint32_t>(d.heads_pad / 16 * kGroups * 2 * kTileWords);
@@ -90,9 +89,8 @@ struct AmxPath {
 
   // Rows (and zero rows up to a whole group) copied when the page size keeps groups apart.
   static void copy_keys(Work& w, const Dims& d, const bf16_t* const* rows, int64_t n_len) {
-    bf16_t* dst = reinterpret_cast<bf16_t*>(w.k);
     for (int64_t j = 0; j < round_up(n_len, 16); ++j) {
-      bf16_t* row = dst + j * d.width;
+      bf16_t* row = w.k + j * d.width;
       if (j < n_len) {
         std::memcpy(row, rows[j], d.width * sizeof(bf16_t));
       } else {
@@ -260,7 +258,7 @@ struct AmxPath {
     Rows src{rows, nullptr, d.width * 2, full_groups};
     if (!d.keys_in_place) {
       copy_keys(w, d, rows, n_len);
-      src.copy = reinterpret_cast<const bf16_t*>(w.k);
+      src.copy = w.k;
     } else if (full_groups < groups) {
       copy_tail(w, d, rows, full_groups, n_len);
     }
